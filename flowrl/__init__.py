@@ -1,0 +1,44 @@
+"""flowrl: fused sampling steps and per-step log-probabilities for RL post-training of
+flow-matching diffusion models (Flow-GRPO, DanceGRPO, CPS).
+
+The math contract is in README.md ("Math contract"). Import never needs triton or CUDA.
+"""
+from __future__ import annotations
+
+import importlib
+
+from .functional import SDEStepOutput, draw_noise, sde_step, step_kl, step_log_prob
+from .reference import CHUNK_SIZE
+
+__version__ = "0.1.0"
+
+# Heavier parts load on first use, so `import flowrl` stays light.
+_LAZY = {
+    "FlowMatchEulerDiscreteScheduler": ("flowrl.scheduler", "FlowMatchEulerDiscreteScheduler"),
+    "RolloutRecorder": ("flowrl.scheduler", "RolloutRecorder"),
+    "RolloutTrajectory": ("flowrl.trajectory", "RolloutTrajectory"),
+    "serialization": ("flowrl.serialization", None),
+    "distributed": ("flowrl.distributed", None),
+    "reference": ("flowrl.reference", None),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module_name, attr = _LAZY[name]
+        module = importlib.import_module(module_name)
+        return module if attr is None else getattr(module, attr)
+    raise AttributeError(f"module 'flowrl' has no attribute {name!r}")
+
+
+def available_backends():
+    """Backends that can run here: always "torch"; "triton" when triton imports."""
+    from ._dispatch import triton_available
+
+    return ["torch"] + (["triton"] if triton_available() else [])
+
+
+__all__ = [
+    "SDEStepOutput", "sde_step", "step_log_prob", "step_kl", "draw_noise", "CHUNK_SIZE",
+    "FlowMatchEulerDiscreteScheduler", "RolloutRecorder", "RolloutTrajectory", "available_backends",
+]

@@ -1,0 +1,178 @@
+"""Argument checks shared by every backend and every public entry point.
+
+Each check raises ``ValueError`` / ``TypeError`` whose message names the argument. Checks that read
+tensor *values* (the schedule, tensor step indices) need a host sync on CUDA; they are skipped while
+a CUDA graph is being captured (values cannot be read then), and the schedule check is cached per
+tensor version so a rollout loop pays for it once.
+"""
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+from typing import Optional, Sequence, Union
+
+import torch
+
+MODES = ("ode", "sde", "dance", "cps")
+LOG_PROB_KINDS = ("gaussian", "kernel", "sq_err")
+REDUCTIONS = ("mean", "sum")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# the contract's fp32 isclose(sigma, 1) tolerance, also used to reject a schedule whose sigmas[1] is 1
+SIGMA_ONE_RTOL = 1e-5
+SIGMA_ONE_ATOL = 1e-8
+
+_checked_schedules: dict = {}
+
+
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_choice(name: str, value, choices: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
+
+
+def check_float_tensor(name: str, t, *, allow_float64: bool = True) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    allowed = FLOAT_DTYPES if allow_float64 else FLOAT_DTYPES[:3]
+    if t.dtype not in allowed:
+        raise TypeError(
+            f"{name} must have a floating dtype in "
+            f"({', '.join(str(d).replace('torch.', '') for d in allowed)}); got {t.dtype}"
+        )
+    return t
+
+
+def check_batch_tensor(name: str, t, like: torch.Tensor, like_name: str = "sample") -> torch.Tensor:
+    """``t`` must be a float tensor with ``like``'s shape and device."""
+    check_float_tensor(name, t)
+    if t.shape != like.shape:
+        raise ValueError(f"{name} must have the shape of {like_name} {tuple(like.shape)}; got {tuple(t.shape)}")
+    if t.device != like.device:
+        raise ValueError(f"{name} is on {t.device} but {like_name} is on {like.device}; move them to one device")
+    return t
+
+
+def check_sample(sample) -> torch.Tensor:
+    check_float_tensor("sample", sample)
+    if sample.dim() < 1:
+        raise ValueError("sample must have a batch dimension (shape [B, ...]); got a 0-d tensor")
+    if sample.shape[0] == 0:
+        raise ValueError("sample must have a batch size of at least 1; got B = 0")
+    if sample.numel() == 0:
+        raise ValueError(f"sample must have at least one element per sample; got shape {tuple(sample.shape)}")
+    return sample
+
+
+def check_noise_level(noise_level, mode: str) -> float:
+    if isinstance(noise_level, bool) or not isinstance(noise_level, Real):
+        raise TypeError(f"noise_level must be a real number; got {type(noise_level).__name__}")
+    eta = float(noise_level)
+    if not math.isfinite(eta):
+        raise ValueError(f"noise_level must be finite; got {eta}")
+    if eta < 0:
+        raise ValueError(f"noise_level must be >= 0; got {eta}")
+    if mode == "cps" and eta > 1:
+        raise ValueError(f"noise_level must be in [0, 1] for mode='cps'; got {eta}")
+    return eta
+
+
+def check_sigmas(sigmas, device: torch.device) -> torch.Tensor:
+    """The schedule: 1-D float table of length T + 1 >= 2, strictly decreasing, sigmas[0] <= 1,
+    sigmas[T] == 0, sigmas[1] not 1. Returns it on ``device`` (float32 unless given float64)."""
+    if not isinstance(sigmas, torch.Tensor):
+        raise TypeError(f"sigmas must be a 1-D torch.Tensor schedule; got {type(sigmas).__name__}")
+    if sigmas.dtype not in (torch.float32, torch.float64):
+        raise TypeError(
+            f"sigmas must be float32 (or float64), the exact schedule table; got {sigmas.dtype}. "
+            "Rebuilding or demoting the schedule loses the values the contract reads."
+        )
+    if sigmas.dim() != 1:
+        raise ValueError(f"sigmas must be 1-D (length T + 1); got shape {tuple(sigmas.shape)}")
+    if sigmas.numel() < 2:
+        raise ValueError(f"sigmas must hold at least 2 values (T >= 1); got {sigmas.numel()}")
+    if sigmas.device != device:
+        raise ValueError(f"sigmas is on {sigmas.device} but sample is on {device}; move them to one device")
+    key = (sigmas.data_ptr(), sigmas._version, sigmas.numel(), sigmas.dtype, str(sigmas.device))
+    if key in _checked_schedules or capturing():
+        return sigmas
+    s = sigmas.detach().double().cpu()
+    if not bool(torch.isfinite(s).all()):
+        raise ValueError("sigmas must be finite")
+    if not bool((s[1:] < s[:-1]).all()):
+        raise ValueError("sigmas must be strictly decreasing")
+    if s[0] > 1 or s[-1] != 0:
+        raise ValueError(
+            f"sigmas must start at <= 1 and end at 0 (diffusers' set_timesteps appends the terminal 0); "
+            f"got sigmas[0] = {float(s[0])}, sigmas[-1] = {float(s[-1])}"
+        )
+    if abs(float(sigmas[1].float()) - 1.0) <= SIGMA_ONE_ATOL + SIGMA_ONE_RTOL:
+        raise ValueError(
+            "sigmas[1] must not be 1: the sde mode replaces sigma = 1 by sigmas[1] at the first step, "
+            "which would divide by zero"
+        )
+    if len(_checked_schedules) > 256:
+        _checked_schedules.clear()
+    _checked_schedules[key] = True
+    return sigmas
+
+
+def check_step_index(step_index, num_steps: int, batch: int, device: torch.device) -> torch.Tensor:
+    """An int (whole batch) or an integer tensor [B]; returns an int64 tensor [B] on ``device``."""
+    if isinstance(step_index, bool):
+        raise TypeError("step_index must be an int or an integer tensor of shape [B]; got a bool")
+    if isinstance(step_index, Integral):
+        i = int(step_index)
+        if not 0 <= i < num_steps:
+            raise ValueError(f"step_index must be in [0, {num_steps - 1}] (the schedule has T = {num_steps} steps); got {i}")
+        return torch.full((batch,), i, dtype=torch.int64, device=device)
+    if not isinstance(step_index, torch.Tensor):
+        raise TypeError(f"step_index must be an int or an integer tensor of shape [B]; got {type(step_index).__name__}")
+    if step_index.dtype.is_floating_point or step_index.dtype.is_complex or step_index.dtype == torch.bool:
+        raise TypeError(f"step_index must be an integer tensor; got {step_index.dtype}")
+    if step_index.dim() == 0:
+        step_index = step_index.reshape(1).expand(batch)
+    if step_index.dim() != 1 or step_index.shape[0] != batch:
+        raise ValueError(f"step_index must be an int or a tensor of shape [B] = [{batch}]; got shape {tuple(step_index.shape)}")
+    step_index = step_index.to(device=device, dtype=torch.int64)
+    if not capturing():
+        lo, hi = int(step_index.min()), int(step_index.max())
+        if lo < 0 or hi >= num_steps:
+            raise ValueError(
+                f"step_index must be in [0, {num_steps - 1}] (the schedule has T = {num_steps} steps); "
+                f"got values in [{lo}, {hi}]"
+            )
+    return step_index
+
+
+def check_out_dtype(out_dtype, default: torch.dtype) -> torch.dtype:
+    if out_dtype is None:
+        return default
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be one of float32, bfloat16, float16, float64; got {out_dtype!r}")
+    return out_dtype
+
+
+def check_generator(generator, batch: int):
+    if generator is None or isinstance(generator, torch.Generator):
+        return generator
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != batch:
+            raise ValueError(f"generator must be one torch.Generator or a list of B = {batch} generators; got a list of {len(generator)}")
+        for k, g in enumerate(generator):
+            if not isinstance(g, torch.Generator):
+                raise TypeError(f"generator[{k}] must be a torch.Generator; got {type(g).__name__}")
+        return list(generator)
+    raise TypeError(f"generator must be None, a torch.Generator or a list of them; got {type(generator).__name__}")
+
+
+Scalar = Union[int, float]
+StepIndex = Union[int, torch.Tensor]
+__all__ = [
+    "MODES", "LOG_PROB_KINDS", "REDUCTIONS", "check_choice", "check_float_tensor", "check_batch_tensor",
+    "check_sample", "check_noise_level", "check_sigmas", "check_step_index", "check_out_dtype",
+    "check_generator", "capturing", "Optional",
+]

@@ -1,0 +1,219 @@
+"""The torch reference backend: the math contract (SPEC) written once, in plain torch.
+
+It is the oracle the Triton kernels are tested against, the path taken on CPU, and the only backend
+that accepts float64. Every function takes already-validated arguments (see ``flowrl.functional``):
+``step_index`` is an int64 tensor [B] on the sample's device, ``noise_level`` a float.
+
+Log-probs are reduced in the contract's fixed order (see ``CHUNK_SIZE``): the flattened sample is cut
+into chunks of ``CHUNK_SIZE`` elements, each chunk's sum of squared residuals is one partial
+(computed by a fixed pairwise-halving tree), and the partials are combined by the same pairwise
+tree, zero-padded to a power of two. Only elementwise adds are used, so the bits do not depend on
+the batch size, the position in the batch, threading, or how a sample was sharded (when shard
+boundaries fall on chunk boundaries).
+
+The backend functions share one signature with ``flowrl._triton_ops``; ``numel`` (elements per
+sample, for the mean) and ``gather`` (a differentiable map of the local partials to the full
+sample's partials) exist for sequence parallelism, where each rank holds a shard of every sample.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from ._validate import SIGMA_ONE_ATOL, SIGMA_ONE_RTOL
+
+# Elements per reduction chunk: the unit of the deterministic, shard-invariant reduction order.
+CHUNK_SIZE = 1024
+_HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
+
+Gather = Optional[Callable[[torch.Tensor], torch.Tensor]]
+
+
+def compute_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
+    """float64 when the reference is given float64, float32 otherwise (SPEC, Precision)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def mode_coefficients(
+    sigmas: torch.Tensor, step_index: torch.Tensor, mode: str, noise_level: float, dtype: torch.dtype
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample ``(a, c, std)`` with ``mu = a * x + c * v``, each [B] in ``dtype``.
+
+    This is the only place the torch backend writes the modes' math (SPEC, Modes)."""
+    table = sigmas.to(dtype)
+    sigma = table[step_index]
+    sigma_next = table[step_index + 1]
+    d = sigma - sigma_next  # D > 0; diffusers' dt is -D
+    one = torch.ones_like(sigma)
+    eta = torch.tensor(noise_level, dtype=dtype, device=sigma.device)
+    if mode == "ode":
+        return one, -d, torch.zeros_like(sigma)
+    if mode in ("sde", "dance"):
+        if mode == "sde":
+            # sigma == 1 would divide by zero: use the schedule's second value (Flow-GRPO, SGLang)
+            at_one = (sigma - 1).abs() <= SIGMA_ONE_ATOL + SIGMA_ONE_RTOL
+            sigma_t = torch.where(at_one, table[1].expand_as(sigma), sigma)
+            s = eta * torch.sqrt(sigma / (1 - sigma_t))
+        else:
+            s = eta.expand_as(sigma)
+        s2 = s * s
+        a = 1 - s2 * d / (2 * sigma)
+        c = -(1 + s2 * (1 - sigma) / (2 * sigma)) * d
+        return a, c, s * torch.sqrt(d)
+    if mode == "cps":
+        std = sigma_next * torch.sin(eta * (math.pi / 2))
+        # clamp: at eta = 1, sigma'^2 - std^2 is 0 up to rounding and may come out a hair negative
+        k = torch.sqrt(torch.clamp(sigma_next * sigma_next - std * std, min=0))
+        a = (1 - sigma_next) + k
+        c = k * (1 - sigma) - (1 - sigma_next) * sigma
+        return a, c, std
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0], -1)
+
+
+def _col(s: torch.Tensor) -> torch.Tensor:
+    return s.reshape(-1, 1)
+
+
+def _pairwise_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (a power of two) by a fixed halving tree of elementwise adds."""
+    while t.shape[-1] > 1:
+        half = t.shape[-1] // 2
+        t = t[..., :half] + t[..., half:]
+    return t[..., 0]
+
+
+def chunk_partials(sq: torch.Tensor) -> torch.Tensor:
+    """[B, N] squared residuals -> [B, ceil(N / CHUNK_SIZE)] chunk partials."""
+    b, n = sq.shape
+    nchunks = -(-n // CHUNK_SIZE)
+    pad = nchunks * CHUNK_SIZE - n
+    if pad:
+        sq = torch.nn.functional.pad(sq, (0, pad))
+    return _pairwise_sum(sq.reshape(b, nchunks, CHUNK_SIZE))
+
+
+def combine_partials(partials: torch.Tensor) -> torch.Tensor:
+    """[B, P] chunk partials -> [B] totals, by the halving tree over P zero-padded to a power of two."""
+    p = partials.shape[-1]
+    width = 1 << max(p - 1, 0).bit_length()
+    if width != p:
+        partials = torch.nn.functional.pad(partials, (0, width - p))
+    return _pairwise_sum(partials)
+
+
+def finalize(
+    partials: torch.Tensor, std: torch.Tensor, numel: int, kind: str, reduction: str
+) -> torch.Tensor:
+    """Combine the chunk partials of squared residuals and turn them into the log-prob (``kind`` in
+    gaussian/kernel/sq_err) or the KL (``kind="kl"``), per sample. Deterministic steps (std = 0) give
+    exactly 0 with zero gradient (SPEC, Deterministic steps)."""
+    total = combine_partials(partials)
+    if reduction == "mean":
+        total = total / numel
+    deterministic = std == 0
+    # a safe variance keeps the masked branch finite, so its gradient is 0, not NaN
+    var = torch.where(deterministic, torch.ones_like(std), std * std)
+    if kind == "sq_err":
+        value = -total
+    elif kind == "kl":
+        value = total / (2 * var)
+    else:
+        value = -total / (2 * var)
+        if kind == "gaussian":
+            const = -torch.log(torch.where(deterministic, torch.ones_like(std), std)) - _HALF_LOG_2PI
+            value = value + (const if reduction == "mean" else const * numel)
+    return torch.where(deterministic, torch.zeros_like(value), value)
+
+
+def _mean(x: torch.Tensor, v: torch.Tensor, a: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """mu = a * x + c * v on [B, N] rows, in ``dtype``."""
+    return _col(a) * _rows(x).to(dtype) + _col(c) * _rows(v).to(dtype)
+
+
+def _sq_partials(r: torch.Tensor) -> torch.Tensor:
+    return chunk_partials(r * r)
+
+
+def sde_step(
+    sample: torch.Tensor,
+    model_output: torch.Tensor,
+    sigmas: torch.Tensor,
+    step_index: torch.Tensor,
+    noise: torch.Tensor,
+    *,
+    mode: str,
+    noise_level: float,
+    log_prob: str,
+    reduction: str,
+    out_dtype: torch.dtype,
+    return_mean: bool = True,
+    numel: Optional[int] = None,
+    gather: Gather = None,
+):
+    """One stochastic step. Returns ``(prev_sample, log_prob [B], mean or None, std [B])``; the log-prob
+    is of the emitted ``prev_sample`` rounded to ``out_dtype`` (SPEC, Rounding)."""
+    dtype = compute_dtype(sample, model_output, noise)
+    a, c, std = mode_coefficients(sigmas, step_index, mode, noise_level, dtype)
+    mu = _mean(sample, model_output, a, c, dtype)
+    prev = (mu + _col(std) * _rows(noise).to(dtype)).to(out_dtype)
+    r = prev.to(dtype) - mu
+    partials = _sq_partials(r)
+    if gather is not None:
+        partials = gather(partials)
+    lp = finalize(partials, std, numel or r.shape[1], log_prob, reduction)
+    mean = mu.reshape(sample.shape) if return_mean else None
+    return prev.reshape(sample.shape), lp, mean, std
+
+
+def step_log_prob(
+    sample: torch.Tensor,
+    model_output: torch.Tensor,
+    prev_sample: torch.Tensor,
+    sigmas: torch.Tensor,
+    step_index: torch.Tensor,
+    *,
+    mode: str,
+    noise_level: float,
+    log_prob: str,
+    reduction: str,
+    numel: Optional[int] = None,
+    gather: Gather = None,
+) -> torch.Tensor:
+    """Log-prob [B] of ``prev_sample`` given ``sample`` under the policy's ``model_output``."""
+    dtype = compute_dtype(sample, model_output, prev_sample)
+    a, c, std = mode_coefficients(sigmas, step_index, mode, noise_level, dtype)
+    r = _rows(prev_sample).to(dtype) - _mean(sample, model_output, a, c, dtype)
+    partials = _sq_partials(r)
+    if gather is not None:
+        partials = gather(partials)
+    return finalize(partials, std, numel or r.shape[1], log_prob, reduction)
+
+
+def step_kl(
+    sample: torch.Tensor,
+    model_output: torch.Tensor,
+    ref_model_output: torch.Tensor,
+    sigmas: torch.Tensor,
+    step_index: torch.Tensor,
+    *,
+    mode: str,
+    noise_level: float,
+    reduction: str,
+    numel: Optional[int] = None,
+    gather: Gather = None,
+) -> torch.Tensor:
+    """Exact Gaussian KL [B] between the step's transitions under two policies sharing ``std``:
+    ``(mu_theta - mu_ref)^2 / (2 std^2)`` per element (SPEC, KL)."""
+    dtype = compute_dtype(sample, model_output, ref_model_output)
+    a, c, std = mode_coefficients(sigmas, step_index, mode, noise_level, dtype)
+    r = _mean(sample, model_output, a, c, dtype) - _mean(sample, ref_model_output, a, c, dtype)
+    partials = _sq_partials(r)
+    if gather is not None:
+        partials = gather(partials)
+    return finalize(partials, std, numel or r.shape[1], "kl", reduction)

@@ -1,0 +1,1 @@
+"""Triton kernels of flowrl; installed as ``flowrl.kernels`` (see setup.cfg ``package_dir``)."""
