@@ -145,7 +145,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--noise-level", type=float, default=0.7)
     p.add_argument("--log-prob", default="gaussian", choices=["gaussian", "kernel", "sq_err"])
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="storage dtype of latents")
-    X
+    p.add_argument("--shift", type=float, default=1.0, help="the scheduler's timestep shift")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
