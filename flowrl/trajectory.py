@@ -1,10 +1,18 @@
 """``RolloutTrajectory``: what a rollout records, for training to recompute log-probs from."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from numbers import Real
+from typing import Any, Dict, List, Optional
 
 import torch
+
+from . import _validate as V
+
+# identifies the wire dict and the safetensors file; bump the version when the layout changes
+FORMAT = "flowrl.RolloutTrajectory/1"
+_TENSOR_FIELDS = ("latents", "log_probs", "timesteps", "sigmas", "latent_step_indices")
+_SETTING_FIELDS = ("mode", "noise_level", "log_prob", "reduction")
 
 
 @dataclass
@@ -39,3 +47,151 @@ class RolloutTrajectory:
     @property
     def num_steps(self) -> int:
         return int(self.sigmas.numel() - 1)
+
+    # ----------------------------------------------------------------------------------------------
+    # per-sample split, wire format, files
+
+    def split(self) -> List["RolloutTrajectory"]:
+        """One trajectory per sample (batch size 1 each; views, no copies). Per-sample fields
+        (``latents``, ``log_probs``) are sliced on dim 0; the schedule (``sigmas``, ``timesteps``),
+        ``latent_step_indices`` and ``sde_steps`` are shared by all samples and never sliced, even
+        when their length happens to equal the batch size."""
+        return [
+            replace(self, latents=self.latents[i:i + 1], log_probs=self.log_probs[i:i + 1])
+            for i in range(self.batch_size)
+        ]
+
+    def _tensors(self) -> Dict[str, torch.Tensor]:
+        out = {name: getattr(self, name) for name in _TENSOR_FIELDS}
+        if self.sde_steps is not None:
+            out["sde_steps"] = self.sde_steps
+        return out
+
+    def to_wire(self) -> Dict[str, Any]:
+        """A JSON-safe dict: tensors as SGLang tensor envelopes, settings as plain values."""
+        from .serialization import to_wire
+
+        wire = to_wire(self._tensors())
+        wire["sde_steps"] = wire.get("sde_steps")
+        wire.update({name: getattr(self, name) for name in _SETTING_FIELDS})
+        wire["noise_level"] = float(self.noise_level)
+        wire["format"] = FORMAT
+        return wire
+
+    @classmethod
+    def from_wire(cls, wire: Any, *, max_bytes: Optional[int] = None, device=None) -> "RolloutTrajectory":
+        """Decode ``to_wire``'s dict strictly (it may come from the network): exact key set, tensors
+        checked by ``flowrl.serialization.from_wire``, then shapes, dtypes and settings checked;
+        anything malformed raises ``ValueError``."""
+        from .serialization import DEFAULT_MAX_BYTES, from_wire
+
+        if not isinstance(wire, dict):
+            raise ValueError(f"a RolloutTrajectory wire payload must be an object; got {type(wire).__name__}")
+        expected = set(_TENSOR_FIELDS) | set(_SETTING_FIELDS) | {"sde_steps", "format"}
+        if set(wire) != expected:
+            raise ValueError(
+                f"RolloutTrajectory wire payload: missing keys {sorted(expected - set(wire))}, "
+                f"unexpected keys {sorted(set(wire) - expected)}"
+            )
+        if wire["format"] != FORMAT:
+            raise ValueError(f"RolloutTrajectory wire payload: format must be {FORMAT!r}; got {wire['format']!r}")
+        tensor_names = list(_TENSOR_FIELDS) + (["sde_steps"] if wire["sde_steps"] is not None else [])
+        for name in tensor_names:
+            if not isinstance(wire[name], dict) or wire[name].get("__tensor__") is not True:
+                raise ValueError(f"RolloutTrajectory wire payload: {name} must be a tensor envelope")
+        tensors = from_wire(
+            {name: wire[name] for name in tensor_names},
+            max_bytes=DEFAULT_MAX_BYTES if max_bytes is None else max_bytes,
+        )
+        settings = {name: wire[name] for name in _SETTING_FIELDS}
+        return cls._checked(tensors, settings, "RolloutTrajectory wire payload", device)
+
+    def save(self, path) -> None:
+        """Write a safetensors file: the tensors under their field names, the settings (and the
+        format tag) as string metadata. Readable by any safetensors reader."""
+        from .serialization import save_safetensors
+
+        metadata = {name: str(getattr(self, name)) for name in ("mode", "log_prob", "reduction")}
+        metadata["noise_level"] = repr(float(self.noise_level))  # repr round-trips a float exactly
+        metadata["format"] = FORMAT
+        save_safetensors(path, self._tensors(), metadata)
+
+    @classmethod
+    def load(cls, path, *, max_bytes: Optional[int] = None, device=None) -> "RolloutTrajectory":
+        """Read a file written by ``save``, validated as strictly as ``from_wire``."""
+        from .serialization import DEFAULT_MAX_BYTES, load_safetensors
+
+        where = f"RolloutTrajectory file {str(path)!r}"
+        tensors, metadata = load_safetensors(path, max_bytes=DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
+        if metadata.get("format") != FORMAT:
+            raise ValueError(f"{where}: metadata format must be {FORMAT!r}; got {metadata.get('format')!r}")
+        expected = set(_SETTING_FIELDS) | {"format"}
+        if set(metadata) != expected:
+            raise ValueError(f"{where}: metadata keys must be {sorted(expected)}; got {sorted(metadata)}")
+        allowed = set(_TENSOR_FIELDS) | {"sde_steps"}
+        if not set(_TENSOR_FIELDS) <= set(tensors) <= allowed:
+            raise ValueError(
+                f"{where}: tensors must be {sorted(_TENSOR_FIELDS)} plus optional 'sde_steps'; got {sorted(tensors)}"
+            )
+        try:
+            noise_level = float(metadata["noise_level"])
+        except ValueError:
+            raise ValueError(f"{where}: noise_level {metadata['noise_level']!r} is not a number") from None
+        settings = {name: metadata[name] for name in ("mode", "log_prob", "reduction")}
+        settings["noise_level"] = noise_level
+        return cls._checked(tensors, settings, where, device)
+
+    @classmethod
+    def _checked(cls, tensors: Dict[str, torch.Tensor], settings: Dict[str, Any], where: str, device):
+        """Build a trajectory from untrusted parts, checking what the fields' docs promise."""
+        mode, noise_level = settings["mode"], settings["noise_level"]
+        try:
+            V.check_choice("mode", mode, V.MODES)
+            V.check_choice("log_prob", settings["log_prob"], V.LOG_PROB_KINDS)
+            V.check_choice("reduction", settings["reduction"], V.REDUCTIONS)
+            if isinstance(noise_level, bool) or not isinstance(noise_level, Real):
+                raise ValueError(f"noise_level must be a number; got {noise_level!r}")
+            noise_level = V.check_noise_level(noise_level, mode)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+        latents, log_probs = tensors["latents"], tensors["log_probs"]
+        timesteps, sigmas, steps = tensors["timesteps"], tensors["sigmas"], tensors["latent_step_indices"]
+        sde_steps = tensors.get("sde_steps")
+
+        def fail(msg: str):
+            raise ValueError(f"{where}: {msg}")
+
+        try:
+            sigmas = V.check_sigmas(sigmas, sigmas.device)
+        except (ValueError, TypeError) as exc:
+            fail(str(exc))
+        num_steps = sigmas.numel() - 1
+        if not latents.dtype.is_floating_point or latents.dim() < 2:
+            fail(f"latents must be a float tensor [B, K, ...]; got {latents.dtype} {tuple(latents.shape)}")
+        batch, kept = latents.shape[0], latents.shape[1]
+        if log_probs.dtype != torch.float32 or tuple(log_probs.shape) != (batch, num_steps):
+            fail(f"log_probs must be float32 [B, T] = [{batch}, {num_steps}]; got {log_probs.dtype} {tuple(log_probs.shape)}")
+        if timesteps.dim() != 1 or timesteps.numel() != num_steps or timesteps.dtype == torch.bool:
+            fail(f"timesteps must be 1-D numeric of length T = {num_steps}; got {timesteps.dtype} {tuple(timesteps.shape)}")
+
+        def check_index(name: str, t: torch.Tensor, length: Optional[int], upper: int):
+            if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() != 1:
+                fail(f"{name} must be a 1-D integer tensor; got {t.dtype} {tuple(t.shape)}")
+            if length is not None and t.numel() != length:
+                fail(f"{name} must have length {length}; got {t.numel()}")
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) > upper):
+                fail(f"{name} values must lie in [0, {upper}]")
+            return t.to(torch.int64)
+
+        steps = check_index("latent_step_indices", steps, kept, num_steps)
+        if sde_steps is not None:
+            sde_steps = check_index("sde_steps", sde_steps, None, num_steps - 1)
+        fields = dict(
+            latents=latents, log_probs=log_probs, timesteps=timesteps, sigmas=sigmas, latent_step_indices=steps,
+            sde_steps=sde_steps,
+        )
+        if device is not None:
+            fields = {k: (v.to(device) if v is not None else None) for k, v in fields.items()}
+        return cls(**fields, mode=mode, noise_level=noise_level, log_prob=settings["log_prob"],
+                   reduction=settings["reduction"])
