@@ -1,0 +1,154 @@
+"""Fused forward, finalize and backward kernels of flowrl's three ops (launchers and autograd
+Functions live in flowrl/_triton_ops.py).
+
+Forward: one program per (chunk, sample); it reads its chunk of x, v and a third input once and
+writes one float32 partial = sum of squared residuals over the chunk:
+
+- OP_ROLLOUT:  third = noise eps; writes x' = mu + std * eps rounded to out_dtype, the residual is
+  r = float32(rounded x') - mu (log-prob of the EMITTED sample), optionally writes mu.
+- OP_LOG_PROB: third = the stored x'; r = x' - mu.
+- OP_KL:       third = the reference policy's velocity; r = mu(v) - mu(v_ref).
+
+Finalize: one program per sample combines its partials (zero-padded to a power of two) by the same
+halving tree, and turns the total into the log-prob / KL (flowrl.reference.finalize).
+
+Backward: same grid as forward; from the per-sample incoming grad it writes the input grads
+directly (autograd of the reference, reproduced operation for operation).
+
+No atomics anywhere: every sum is a fixed tree of IEEE adds (see common.halving_tree_sum).
+"""
+import triton
+import triton.language as tl
+
+from .common import GAUSSIAN_CODE, KL_CODE, SQ_ERR_CODE, halving_tree_sum, mode_coefficients, round_to, step_mean
+
+OP_ROLLOUT = 0
+OP_LOG_PROB = 1
+OP_KL = 2
+
+
+@triton.jit
+def _chunk_offsets(n_per_sample, CHUNK: tl.constexpr):
+    """int64 element offsets and mask of this program's chunk (batches of video latents exceed 2**31
+    elements, so offsets are never int32)."""
+    chunk = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(1).to(tl.int64)
+    in_row = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = in_row < n_per_sample
+    return row, chunk, row * n_per_sample + in_row, mask
+
+
+@triton.jit
+def step_partials_kernel(
+    x_ptr, v_ptr, third_ptr, prev_out_ptr, mean_out_ptr, partials_ptr, sigmas_ptr, step_ptr,
+    n_per_sample, n_chunks, sigma_one_tol, eta, sin_half_pi_eta,
+    MODE: tl.constexpr, OP: tl.constexpr, WRITE_MEAN: tl.constexpr,
+    CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+):
+    row, chunk, offs, mask = _chunk_offsets(n_per_sample, CHUNK)
+    step = tl.load(step_ptr + row)
+    a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    mu = step_mean(a, c, x, v)
+    if OP == 0:  # rollout
+        prev = round_to(mu + std * third, prev_out_ptr.dtype.element_ty)
+        tl.store(prev_out_ptr + offs, prev, mask=mask)
+        r = prev.to(tl.float32) - mu
+        if WRITE_MEAN:
+            tl.store(mean_out_ptr + offs, mu, mask=mask)
+    elif OP == 1:  # log-prob recompute
+        r = third - mu
+    else:  # KL
+        r = mu - step_mean(a, c, x, third)
+    r = tl.where(mask, r, 0.0)  # the tail of the last chunk adds exact zeros, as the reference's padding
+    partial = halving_tree_sum(r * r, CHUNK, LOG2_CHUNK)
+    tl.store(partials_ptr + row * n_chunks + chunk, partial)
+
+
+@triton.jit
+def finalize_kernel(
+    partials_ptr, sigmas_ptr, step_ptr, value_ptr, std_ptr,
+    n_partials, numel_f, half_log_2pi, sigma_one_tol, eta, sin_half_pi_eta,
+    MODE: tl.constexpr, KIND: tl.constexpr, MEAN: tl.constexpr,
+    WIDTH: tl.constexpr, LOG2_WIDTH: tl.constexpr,
+):
+    """value[b] from the [B, n_partials] chunk partials; the combine order is the halving tree over
+    the partials zero-padded to WIDTH (a power of two), i.e. flowrl.reference.combine_partials."""
+    row = tl.program_id(0).to(tl.int64)
+    step = tl.load(step_ptr + row)
+    a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
+    offs = tl.arange(0, WIDTH)
+    partials = tl.load(partials_ptr + row * n_partials + offs, mask=offs < n_partials, other=0.0)
+    total = halving_tree_sum(partials, WIDTH, LOG2_WIDTH)
+    if MEAN:
+        total = tl.div_rn(total, numel_f)
+    deterministic = std == 0.0
+    # a safe variance keeps the masked branch finite (SPEC, Deterministic steps)
+    var = tl.where(deterministic, 1.0, std * std)
+    if KIND == SQ_ERR_CODE:
+        value = -total
+    elif KIND == KL_CODE:
+        value = tl.div_rn(total, 2.0 * var)
+    else:
+        value = tl.div_rn(-total, 2.0 * var)
+        if KIND == GAUSSIAN_CODE:
+            const = -tl.log(tl.where(deterministic, 1.0, std)) - half_log_2pi
+            if MEAN:
+                value = value + const
+            else:
+                value = value + const * numel_f
+    value = tl.where(deterministic, 0.0, value)
+    tl.store(value_ptr + row, value)
+    tl.store(std_ptr + row, std)
+
+
+@triton.jit
+def step_backward_kernel(
+    x_ptr, v_ptr, third_ptr, grad_ptr, grad_x_ptr, grad_v_ptr, grad_third_ptr, sigmas_ptr, step_ptr,
+    n_per_sample, numel_f, sigma_one_tol, eta, sin_half_pi_eta,
+    MODE: tl.constexpr, KIND: tl.constexpr, MEAN: tl.constexpr, IS_KL: tl.constexpr,
+    NEED_X: tl.constexpr, NEED_V: tl.constexpr, NEED_THIRD: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Input grads of step_log_prob (third = x') or step_kl (third = v_ref) from grad [B].
+
+    Per sample: coef = d value / d total (0 on deterministic steps, / numel for the mean); per element
+    d value / d r = 2 * coef * r, then dmu/dx = a, dmu/dv = c, and r = x' - mu or mu - mu_ref.
+    The KL's grad w.r.t. x is exactly 0 (a * x cancels) and is not computed here."""
+    row, chunk, offs, mask = _chunk_offsets(n_per_sample, CHUNK)
+    step = tl.load(step_ptr + row)
+    a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
+    deterministic = std == 0.0
+    var = tl.where(deterministic, 1.0, std * std)
+    g = tl.where(deterministic, 0.0, tl.load(grad_ptr + row))
+    if KIND == SQ_ERR_CODE:
+        coef = -g
+    elif KIND == KL_CODE:
+        coef = tl.div_rn(g, 2.0 * var)
+    else:
+        coef = -tl.div_rn(g, 2.0 * var)
+    if MEAN:
+        coef = tl.div_rn(coef, numel_f)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    mu = step_mean(a, c, x, v)
+    if IS_KL:
+        r = mu - step_mean(a, c, x, third)
+    else:
+        r = third - mu
+    cr = coef * r
+    grad_r = cr + cr  # d(r * r) = 2 r dr, as autograd of r * r sums two equal terms
+    if IS_KL:
+        grad_mu = grad_r
+        grad_third = -grad_r * c
+    else:
+        grad_mu = -grad_r
+        grad_third = grad_r
+    if NEED_X:
+        tl.store(grad_x_ptr + offs, round_to(grad_mu * a, grad_x_ptr.dtype.element_ty), mask=mask)
+    if NEED_V:
+        tl.store(grad_v_ptr + offs, round_to(grad_mu * c, grad_v_ptr.dtype.element_ty), mask=mask)
+    if NEED_THIRD:
+        tl.store(grad_third_ptr + offs, round_to(grad_third, grad_third_ptr.dtype.element_ty), mask=mask)
