@@ -1,0 +1,179 @@
+"""Sequence parallelism on CPU: 2 and 4 gloo processes, [B, S, C] bf16 samples sharded on S.
+
+Each spawned rank builds the same full inputs, computes the single-device result itself, and checks
+that its sharded call matches: log-probs, sde_step's samples and log-probs, KL, and the gradients of
+its shard, bit for bit when shard boundaries fall on chunk boundaries (to float32 rounding otherwise).
+"""
+import os
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flowrl
+from flowrl import distributed as fd
+from flowrl.reference import CHUNK_SIZE
+
+B, C = 3, 64  # C * rows = elements per shard; 16 rows of 64 = one 1024-element chunk
+assert CHUNK_SIZE == 1024, "the splits below are sized for 1024-element chunks"
+
+# (S, rows per rank, bit exact?) for each world size
+SPLITS = {
+    2: [
+        (80, [48, 32], True),    # 3 + 2 chunks: ranks hold different numbers of chunks
+        (83, [16, 67], True),    # only the last shard is not a whole number of chunks
+        (80, [37, 43], False),   # a chunk straddles the two ranks
+    ],
+    4: [
+        (64, [16, 16, 16, 16], True),
+        (80, [32, 16, 16, 16], True),
+        (83, [16, 16, 16, 35], True),
+        (80, [20, 20, 20, 20], False),
+    ],
+}
+
+
+def _inputs(S, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(1234 + S)
+    x = torch.randn(B, S, C, generator=g).to(dtype)
+    v = torch.randn(B, S, C, generator=g).to(dtype)
+    v_ref = (v.float() + 0.1 * torch.randn(B, S, C, generator=g)).to(dtype)
+    sigmas = torch.linspace(1.0, 0.0, 9, dtype=torch.float32)
+    step = torch.tensor([0, 3, 6])  # per-sample steps; step 0 exercises sde's sigma = 1 rule
+    weights = torch.randn(B, generator=g)  # a loss that weighs samples differently
+    return x, v, v_ref, sigmas, step, weights
+
+
+def _same(name, got, want, exact):
+    if exact:
+        assert got.dtype == want.dtype and torch.equal(got, want), f"{name}: not bit-identical (max diff {(got.float() - want.float()).abs().max()})"
+    else:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _check_split(rank, S, rows, exact):
+    x, v, v_ref, sigmas, step, w = _inputs(S)
+    lo, hi = sum(rows[:rank]), sum(rows[: rank + 1])
+    shard = lambda t: t[:, lo:hi].clone()  # noqa: E731
+    tag = f"S={S} rows={rows} rank={rank}"
+
+    for mode, kind, reduction in [("sde", "gaussian", "mean"), ("cps", "sq_err", "sum"), ("dance", "kernel", "mean")]:
+        kw = dict(mode=mode, noise_level=0.7, log_prob=kind, reduction=reduction, backend="torch")
+        gens = lambda: [torch.Generator().manual_seed(7 + i) for i in range(B)]  # noqa: E731
+
+        # rollout: sde_step with per-sample generators
+        full = flowrl.sde_step(x, v, sigmas, step, generator=gens(), **kw)
+        part = fd.sde_step(shard(x), shard(v), sigmas, step, generator=gens(), **kw)
+        _same(f"{tag} {mode} prev_sample", part.prev_sample, full.prev_sample[:, lo:hi], True)
+        _same(f"{tag} {mode} prev_sample_mean", part.prev_sample_mean, full.prev_sample_mean[:, lo:hi], True)
+        _same(f"{tag} {mode} sde_step log_prob", part.log_prob, full.log_prob, exact)
+
+        # training recompute with gradients for model_output and sample
+        xf, vf = x.clone().requires_grad_(), v.clone().requires_grad_()
+        lp_full = flowrl.step_log_prob(xf, vf, full.prev_sample, sigmas, step, **kw)
+        (lp_full * w).sum().backward()
+        xs, vs = shard(x).requires_grad_(), shard(v).requires_grad_()
+        lp = fd.step_log_prob(xs, vs, part.prev_sample, sigmas, step, **kw)
+        _same(f"{tag} {mode} step_log_prob", lp, lp_full, exact)
+        _same(f"{tag} {mode} rollout == recompute", lp, part.log_prob, True)
+        (lp * w).sum().backward()
+        _same(f"{tag} {mode} grad model_output", vs.grad, vf.grad[:, lo:hi], exact)
+        _same(f"{tag} {mode} grad sample", xs.grad, xf.grad[:, lo:hi], exact)
+
+    # KL and its gradient
+    kw = dict(mode="sde", noise_level=0.5, reduction="mean", backend="torch")
+    vf = v.clone().requires_grad_()
+    kl_full = flowrl.step_kl(x, vf, v_ref, sigmas, step, **kw)
+    (kl_full * w).sum().backward()
+    vs = shard(v).requires_grad_()
+    kl = fd.step_kl(shard(x), vs, shard(v_ref), sigmas, step, **kw)
+    _same(f"{tag} step_kl", kl, kl_full, exact)
+    (kl * w).sum().backward()
+    _same(f"{tag} grad kl", vs.grad, vf.grad[:, lo:hi], exact)
+
+    # explicit noise shards, and shard sizes given up front (no count exchange)
+    noise = torch.randn(B, S, C, generator=torch.Generator().manual_seed(99))
+    full = flowrl.sde_step(x, v, sigmas, 2, noise=noise, backend="torch")
+    part = fd.sde_step(shard(x), shard(v), sigmas, 2, noise=shard(noise), backend="torch",
+                       shard_numels=[r * C for r in rows])
+    _same(f"{tag} noise= prev_sample", part.prev_sample, full.prev_sample[:, lo:hi], True)
+    _same(f"{tag} noise= log_prob", part.log_prob, full.log_prob, exact)
+    assert fd.shard_layout(shard(x)).bit_exact == exact
+
+
+def _check_errors(rank, world):
+    x, v, _, sigmas, _, _ = _inputs(64)
+    # batch sizes that disagree across ranks: every rank raises the same ValueError
+    b = B if rank else B - 1
+    with pytest.raises(ValueError, match="same batch"):
+        fd.step_log_prob(x[:b, :8], v[:b, :8], v[:b, :8], sigmas, 1, backend="torch")
+    with pytest.raises(ValueError, match="shard_numels"):
+        fd.step_log_prob(x[:, :8], v[:, :8], v[:, :8], sigmas, 1, backend="torch", shard_numels=[8 * C] * (world + 1))
+    with pytest.raises(ValueError, match=r"shard_numels\[\d\]"):
+        fd.step_log_prob(x[:, :8], v[:, :8], v[:, :8], sigmas, 1, backend="torch", shard_numels=[7 * C] * world)
+
+
+def _worker(rank, world, port):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        for S, rows, exact in SPLITS[world]:
+            _check_split(rank, S, rows, exact)
+        _check_errors(rank, world)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world, deadline_s=120):
+    ctx = mp.start_processes(_worker, args=(world, _free_port()), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{world} SP ranks did not finish within {deadline_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_matches_single_device(world):
+    _spawn(world)
+
+
+def test_needs_an_initialized_group():
+    assert not dist.is_initialized()
+    x = torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fd.step_log_prob(x, x, x, torch.linspace(1, 0, 3), 0)
+
+
+def test_noise_slices_equal_single_device_noise():
+    """No process group needed: the layout's noise for each rank is its slice of the full noise."""
+    S = 83
+    rows = [16, 16, 16, 35]
+    gens = lambda: [torch.Generator().manual_seed(3 + i) for i in range(B)]  # noqa: E731
+    full = flowrl.draw_noise((B, S, C), gens(), torch.device("cpu"))
+    for rank in range(len(rows)):
+        lo, hi = sum(rows[:rank]), sum(rows[: rank + 1])
+        layout = fd.ShardLayout([r * C for r in rows], rank, None)
+        assert torch.equal(layout.noise((B, hi - lo, C), gens(), torch.device("cpu")), full[:, lo:hi])
+        torch.manual_seed(5)
+        global_full = torch.randn(B, S, C)
+        torch.manual_seed(5)
+        assert torch.equal(layout.noise((B, hi - lo, C), None, torch.device("cpu")), global_full[:, lo:hi])
