@@ -1,0 +1,357 @@
+"""The Triton backend (flowrl/_triton_ops.py + flowrl.kernels) against the torch reference and a
+float64 oracle. Runs under Triton's interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET) and
+natively on CUDA when present; shapes stay small so the interpreter run is fast."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flowrl
+from flowrl import _dispatch, _triton_ops, functional
+
+MODES = ("ode", "sde", "dance", "cps")
+KINDS = ("gaussian", "kernel", "sq_err")
+REDUCTIONS = ("mean", "sum")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+T = 10
+# triton vs the torch path in the same storage dtype, (rtol, atol) on the value [B]. Both compute in
+# float32 from the same stored values; in half precision a 1-ulp difference of mu can flip the
+# rounding of one emitted element, which moves the log-prob by ~ulp * |r| / var / N.
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not _dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+def schedule(device, shift=3.0):
+    """A shifted flow-matching schedule as diffusers builds it: sigmas[0] = 1, sigmas[T] = 0."""
+    t = torch.linspace(1, 0, T + 1, dtype=torch.float64)
+    return (shift * t / (1 + (shift - 1) * t)).to(torch.float32).to(device)
+
+
+def eta_for(mode):
+    return 0.8 if mode == "cps" else 0.7
+
+
+def inputs(shape, dtype, device, seed=0, third="prev"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g).to(dtype).to(device)
+    v = torch.randn(shape, generator=g).to(dtype).to(device)
+    other = torch.randn(shape, generator=g)
+    if third == "prev":  # a plausible stored next sample: near x
+        other = x.float().cpu() + 0.3 * other
+    return x, v, other.to(dtype).to(device)
+
+
+def steps_for(batch, device):
+    """First, middle and last step across the batch (per-sample step index tensor)."""
+    return torch.tensor([(0, T // 2, T - 1)[k % 3] for k in range(batch)], device=device)
+
+
+def f64(*ts):
+    return [t.double() for t in ts]
+
+
+def assert_no_worse(value, torch_value, oracle, what):
+    """Error vs the float64 oracle at most 2x the torch path's error in the same dtype, plus a tiny floor."""
+    err = (value.double() - oracle).abs()
+    torch_err = (torch_value.double() - oracle).abs()
+    floor = 2e-6 * (1 + oracle.abs())
+    assert bool((err <= 2 * torch_err + floor).all()), f"{what}: err {err.tolist()} vs torch {torch_err.tolist()}"
+
+
+def assert_close_dtype(value, expected, dtype, what):
+    rtol, atol = TOL[dtype]
+    scale = 1 + expected.abs()
+    assert bool(((value - expected).abs() <= atol * scale + rtol * expected.abs()).all()), (
+        f"{what}: {value.tolist()} vs {expected.tolist()}")
+
+
+def assert_within_one_ulp(got, expected):
+    finfo = torch.finfo(expected.dtype)
+    g, e = got.double(), expected.double()
+    # the spacing of floats near y is at most eps * |y|
+    ulp = finfo.eps * torch.maximum(g.abs(), e.abs()) + finfo.tiny
+    assert bool(((g - e).abs() <= ulp).all()), f"max diff {(g - e).abs().max().item()}"
+
+
+# ------------------------------------------------------------------------------- forward accuracy
+
+
+def check_all_ops(shape, dtype, device, mode, kind, reduction, step_index, seed=0, check_kl=True):
+    sigmas = schedule(device)
+    eta = eta_for(mode)
+    x, v, noise = inputs(shape, dtype, device, seed, third="noise")
+    common = dict(mode=mode, noise_level=eta)
+
+    # sde_step: the emitted sample within 1 ulp of the reference's, its log-prob vs the float64
+    # log-prob of that same emitted sample
+    out = flowrl.sde_step(x, v, sigmas, step_index, noise=noise, log_prob=kind, reduction=reduction,
+                          backend="triton", **common)
+    ref = flowrl.sde_step(x, v, sigmas, step_index, noise=noise, log_prob=kind, reduction=reduction,
+                          backend="torch", **common)
+    assert out.prev_sample.dtype == dtype and out.prev_sample.shape == x.shape
+    assert out.log_prob.dtype == torch.float32 and out.log_prob.shape == (shape[0],)
+    assert out.prev_sample_mean.dtype == torch.float32
+    assert_within_one_ulp(out.prev_sample, ref.prev_sample)
+    torch.testing.assert_close(out.prev_sample_mean, ref.prev_sample_mean, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(out.std_dev, ref.std_dev, rtol=1e-6, atol=0)
+    assert_close_dtype(out.log_prob, ref.log_prob, dtype, "sde_step log_prob vs torch")
+    oracle = flowrl.step_log_prob(*f64(x, v, out.prev_sample), sigmas, step_index, log_prob=kind,
+                                  reduction=reduction, backend="torch", **common)
+    torch_oracle = flowrl.step_log_prob(*f64(x, v, ref.prev_sample), sigmas, step_index, log_prob=kind,
+                                        reduction=reduction, backend="torch", **common)
+    err, torch_err = (out.log_prob.double() - oracle).abs(), (ref.log_prob.double() - torch_oracle).abs()
+    assert bool((err <= 2 * torch_err + 2e-6 * (1 + oracle.abs())).all()), (err, torch_err)
+
+    # step_log_prob of a stored sample
+    _, _, prev = inputs(shape, dtype, device, seed + 1)
+    lp = flowrl.step_log_prob(x, v, prev, sigmas, step_index, log_prob=kind, reduction=reduction,
+                              backend="triton", **common)
+    lp_ref = flowrl.step_log_prob(x, v, prev, sigmas, step_index, log_prob=kind, reduction=reduction,
+                                  backend="torch", **common)
+    lp64 = flowrl.step_log_prob(*f64(x, v, prev), sigmas, step_index, log_prob=kind, reduction=reduction,
+                                backend="torch", **common)
+    assert_close_dtype(lp, lp_ref, torch.float32, "step_log_prob vs torch")
+    assert_no_worse(lp, lp_ref, lp64, "step_log_prob vs float64")
+
+    if check_kl:
+        _, _, v_ref = inputs(shape, dtype, device, seed + 2, third="noise")
+        kl = flowrl.step_kl(x, v, v_ref, sigmas, step_index, reduction=reduction, backend="triton", **common)
+        kl_ref = flowrl.step_kl(x, v, v_ref, sigmas, step_index, reduction=reduction, backend="torch", **common)
+        kl64 = flowrl.step_kl(*f64(x, v, v_ref), sigmas, step_index, reduction=reduction, backend="torch", **common)
+        assert_close_dtype(kl, kl_ref, torch.float32, "step_kl vs torch")
+        assert_no_worse(kl, kl_ref, kl64, "step_kl vs float64")
+        assert bool((kl >= 0).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_full_matrix_small_shape(device, mode, kind, reduction, dtype):
+    """Every mode x kind x reduction x dtype; the batch spans the first, middle and last step."""
+    check_all_ops((3, 3, 5, 7), dtype, device, mode, kind, reduction, steps_for(3, device),
+                  check_kl=kind == "gaussian")
+
+
+@pytest.mark.parametrize("shape,mode,kind,reduction,dtype,step", [
+    ((2, 3, 5, 7), "sde", "gaussian", "mean", torch.float32, 0),
+    ((1, 1), "dance", "kernel", "sum", torch.bfloat16, T - 1),
+    ((3, 2, 3, 4, 5), "cps", "sq_err", "mean", torch.float16, None),
+    ((2, 1100), "sde", "gaussian", "sum", torch.bfloat16, None),       # crosses a chunk boundary
+    ((2, 2048 + 3), "cps", "gaussian", "mean", torch.float32, T // 2),  # 3 chunks, last one ragged
+    ((3, 7, 11), "dance", "sq_err", "sum", torch.float32, None),        # [B, S, C]
+], ids=str)
+def test_odd_shapes(device, shape, mode, kind, reduction, dtype, step):
+    step_index = steps_for(shape[0], device) if step is None else step
+    check_all_ops(shape, dtype, device, mode, kind, reduction, step_index, seed=3)
+
+
+def test_non_contiguous_inputs_are_copied(device):
+    sigmas = schedule(device)
+    x, v, prev = inputs((4, 6, 8), torch.float32, device, 5)
+    xt, vt, pt = (t.transpose(1, 2) for t in (x, v, prev))
+    assert not xt.is_contiguous()
+    got = flowrl.step_log_prob(xt, vt, pt, sigmas, 3, backend="triton")
+    want = flowrl.step_log_prob(xt.contiguous(), vt.contiguous(), pt.contiguous(), sigmas, 3, backend="triton")
+    assert torch.equal(got, want)
+
+
+def test_float64_is_refused(device):
+    sigmas = schedule(device)
+    x, v, prev = inputs((2, 4), torch.float64, device)
+    with pytest.raises(TypeError, match="float64"):
+        flowrl.step_log_prob(x, v, prev, sigmas, 1, backend="triton")
+
+
+# ------------------------------------------------------------------------------------- gradients
+
+
+def _grads(fn, tensors):
+    tensors = [t.detach().clone().requires_grad_(True) for t in tensors]
+    out = fn(*tensors)
+    weights = torch.linspace(0.5, 1.5, out.shape[0], device=out.device)
+    (out * weights).sum().backward()
+    return out, [t.grad for t in tensors]
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("kind", KINDS + ("kl",))
+@pytest.mark.parametrize("mode", MODES)
+def test_backward_matches_reference_autograd(device, mode, kind, reduction):
+    sigmas = schedule(device)
+    shape = (3, 1100)
+    step_index = steps_for(3, device)
+    x, v, third = inputs(shape, torch.float32, device, 7, third="noise" if kind == "kl" else "prev")
+    common = dict(mode=mode, noise_level=eta_for(mode), reduction=reduction)
+    if kind == "kl":
+        def run(backend):
+            return lambda a, b, c: flowrl.step_kl(a, b, c, sigmas, step_index, backend=backend, **common)
+    else:
+        def run(backend):
+            return lambda a, b, c: flowrl.step_log_prob(a, b, c, sigmas, step_index, log_prob=kind,
+                                                        backend=backend, **common)
+    out, grads = _grads(run("triton"), (x, v, third))
+    out_ref, grads_ref = _grads(run("torch"), (x, v, third))
+    torch.testing.assert_close(out, out_ref, rtol=2e-5, atol=2e-5)
+    for name, g, g_ref in zip(("sample", "model_output", "third"), grads, grads_ref):
+        assert g.dtype == torch.float32 and bool(torch.isfinite(g).all()), name
+        torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-7, msg=f"grad of {name}")
+
+
+def test_backward_half_precision_grads_keep_input_dtype(device):
+    sigmas = schedule(device)
+    x, v, prev = inputs((2, 300), torch.bfloat16, device, 8)
+    fn = lambda backend: lambda a, b, c: flowrl.step_log_prob(a, b, c, sigmas, 4, backend=backend)  # noqa: E731
+    _, grads = _grads(fn("triton"), (x, v, prev))
+    _, grads_ref = _grads(fn("torch"), (x, v, prev))
+    for g, g_ref in zip(grads, grads_ref):
+        assert g.dtype == torch.bfloat16
+        assert_within_one_ulp(g, g_ref)
+
+
+def test_backward_only_requested_grads(device):
+    sigmas = schedule(device)
+    x, v, prev = inputs((2, 50), torch.float32, device, 9)
+    v = v.clone().requires_grad_(True)
+    flowrl.step_log_prob(x, v, prev, sigmas, 2, backend="triton").sum().backward()
+    assert v.grad is not None and x.grad is None and prev.grad is None
+
+
+@pytest.mark.parametrize("mode,eta,step", [("ode", 0.7, 3), ("cps", 0.8, T - 1), ("sde", 0.0, 3), ("dance", 0.0, 0)])
+@pytest.mark.parametrize("kind", KINDS + ("kl",))
+def test_deterministic_steps_have_zero_value_and_grad(device, mode, eta, step, kind):
+    sigmas = schedule(device)
+    x, v, third = inputs((2, 40), torch.float32, device, 10)
+    x, v, third = (t.clone().requires_grad_(True) for t in (x, v, third))
+    if kind == "kl":
+        out = flowrl.step_kl(x, v, third, sigmas, step, mode=mode, noise_level=eta, backend="triton")
+    else:
+        out = flowrl.step_log_prob(x, v, third, sigmas, step, mode=mode, noise_level=eta, log_prob=kind,
+                                   backend="triton")
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    for t in (x, v, third):
+        assert torch.equal(t.grad, torch.zeros_like(t.grad))
+
+
+def test_sde_step_backward_matches_reference(device):
+    """Grads of prev_sample, log_prob and mean w.r.t. sample, model_output and noise."""
+    sigmas = schedule(device)
+    step_index = steps_for(3, device)
+    x, v, noise = inputs((3, 130), torch.float32, device, 11, third="noise")
+
+    def run(backend):
+        def fn(a, b, n):
+            out = flowrl.sde_step(a, b, sigmas, step_index, noise=n, backend=backend)
+            w = torch.linspace(-1, 1, a.numel(), device=a.device).reshape(a.shape)
+            return out.log_prob * 3 + (out.prev_sample * w).flatten(1).sum(1) + out.prev_sample_mean.flatten(1).sum(1)
+        return fn
+    out, grads = _grads(run("triton"), (x, v, noise))
+    out_ref, grads_ref = _grads(run("torch"), (x, v, noise))
+    torch.testing.assert_close(out, out_ref, rtol=2e-5, atol=2e-5)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- bit-for-bit contracts
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("mode", ("sde", "dance", "cps"))
+def test_rollout_log_prob_equals_recompute_bitwise(device, mode, dtype):
+    sigmas = schedule(device)
+    step_index = steps_for(3, device)
+    x, v, noise = inputs((3, 1100), dtype, device, 12, third="noise")
+    for kind, reduction in (("gaussian", "mean"), ("sq_err", "sum")):
+        out = flowrl.sde_step(x, v, sigmas, step_index, mode=mode, noise_level=eta_for(mode), noise=noise,
+                              log_prob=kind, reduction=reduction, backend="triton")
+        lp = flowrl.step_log_prob(x, v, out.prev_sample, sigmas, step_index, mode=mode, noise_level=eta_for(mode),
+                                  log_prob=kind, reduction=reduction, backend="triton")
+        assert torch.equal(out.log_prob, lp), (out.log_prob, lp)
+
+
+def test_batch_invariance_and_run_to_run(device):
+    sigmas = schedule(device)
+    x, v, prev = inputs((5, 3, 700), torch.bfloat16, device, 13)
+    _, _, v_ref = inputs((5, 3, 700), torch.bfloat16, device, 14, third="noise")
+    step_index = torch.tensor([1, 7, 0, 9, 4], device=device)
+    lp = flowrl.step_log_prob(x, v, prev, sigmas, step_index, backend="triton")
+    kl = flowrl.step_kl(x, v, v_ref, sigmas, step_index, backend="triton")
+    assert torch.equal(lp, flowrl.step_log_prob(x, v, prev, sigmas, step_index, backend="triton"))
+    assert torch.equal(kl, flowrl.step_kl(x, v, v_ref, sigmas, step_index, backend="triton"))
+    for pos in (0, 2, 4):  # the same row alone gives the same bits as inside the batch
+        row = slice(pos, pos + 1)
+        alone = flowrl.step_log_prob(x[row], v[row], prev[row], sigmas, step_index[row], backend="triton")
+        assert torch.equal(alone, lp[row])
+        alone_kl = flowrl.step_kl(x[row], v[row], v_ref[row], sigmas, step_index[row], backend="triton")
+        assert torch.equal(alone_kl, kl[row])
+
+
+def test_gather_identity_and_sharded_partials(device):
+    """gather=identity equals no gather; two shards cut on a chunk boundary, exchanging partials,
+    reproduce the unsharded value bit for bit, and their backward grads concatenate to the full grads."""
+    sigmas = schedule(device)
+    n = 2 * flowrl.CHUNK_SIZE + 500
+    x, v, prev = inputs((2, n), torch.float32, device, 15)
+    step_index = steps_for(2, device)
+    full = flowrl.step_log_prob(x, v, prev, sigmas, step_index, backend="triton")
+    same = functional._step_log_prob(x, v, prev, sigmas, step_index, mode="sde", noise_level=0.7,
+                                      log_prob="gaussian", reduction="mean", backend="triton", gather=lambda p: p)
+    assert torch.equal(full, same)
+
+    cut = 2 * flowrl.CHUNK_SIZE
+    shards = [(slice(None), slice(0, cut)), (slice(None), slice(cut, n))]
+    second = {}
+
+    def keep(p):
+        second["partials"] = p
+        return p
+    vs = [v[s].clone().requires_grad_(True) for s in shards]
+    args = dict(mode="sde", noise_level=0.7, log_prob="gaussian", reduction="mean", backend="triton", numel=n)
+    functional._step_log_prob(x[shards[1]], vs[1], prev[shards[1]], sigmas, step_index, gather=keep, **args)
+    lp0 = functional._step_log_prob(x[shards[0]], vs[0], prev[shards[0]], sigmas, step_index,
+                                    gather=lambda p: torch.cat([p, second["partials"]], dim=1), **args)
+    assert torch.equal(lp0, full)
+    # backward: each rank uses the same incoming grad and the global numel
+    lp1 = functional._step_log_prob(x[shards[1]], vs[1], prev[shards[1]], sigmas, step_index,
+                                    gather=lambda p: torch.cat([second["partials"].new_zeros(2, 2), p], dim=1), **args)
+    lp0.sum().backward()
+    lp1.sum().backward()
+    v_full = v.clone().requires_grad_(True)
+    flowrl.step_log_prob(x, v_full, prev, sigmas, step_index, backend="triton").sum().backward()
+    assert torch.equal(torch.cat([vs[0].grad, vs[1].grad], dim=1), v_full.grad)
+
+
+# -------------------------------------------------------------------------------------- dispatch
+
+
+def test_triton_on_cpu_without_interpreter_is_a_clear_error():
+    env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    code = (
+        "import torch, flowrl\n"
+        "x = torch.zeros(1, 4)\n"
+        "try:\n"
+        "    flowrl.step_log_prob(x, x, x, torch.tensor([1.0, 0.5, 0.0]), 0, backend='triton')\n"
+        "except ValueError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "ERR" in res.stdout and "TRITON_INTERPRET" in res.stdout, res.stdout + res.stderr
+
+
+def test_auto_picks_torch_on_cpu(monkeypatch):
+    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+    assert _dispatch.resolve("auto", torch.device("cpu"), torch.float32) == "torch"
+    assert _dispatch.module("triton") is _triton_ops
