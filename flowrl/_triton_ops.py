@@ -95,7 +95,6 @@ def _finalize(partials: torch.Tensor, st: _Step, numel: int, kind: str, reductio
     partials = partials.to(torch.float32).contiguous()
     width = max(2, 1 << max(p - 1, 0).bit_length())  # zero padding to >= 2 adds exact zeros only
     if width > MAX_FINALIZE_WIDTH:
-        std = torch.empty(b, dtype=torch.float32, device=partials.device)
         _, _, std = reference.mode_coefficients(st.sigmas, st.step_index, _mode_name(st.mode), st.eta, torch.float32)
         return reference.finalize(partials, std, numel, kind, reduction), std
     value = torch.empty(b, dtype=torch.float32, device=partials.device)

@@ -355,3 +355,23 @@ def test_auto_picks_torch_on_cpu(monkeypatch):
     monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
     assert _dispatch.resolve("auto", torch.device("cpu"), torch.float32) == "torch"
     assert _dispatch.module("triton") is _triton_ops
+
+
+def test_wide_finalize_falls_back_to_the_same_tree(device, monkeypatch):
+    """Above MAX_FINALIZE_WIDTH partials the combine runs as torch ops: same bits (float32)."""
+    sigmas = schedule(device)
+    x, v, prev = inputs((2, 3 * flowrl.CHUNK_SIZE + 1), torch.float32, device, 16)
+    want = flowrl.step_log_prob(x, v, prev, sigmas, torch.tensor([0, 5], device=device), backend="triton")
+    monkeypatch.setattr(_triton_ops, "MAX_FINALIZE_WIDTH", 2)
+    got = flowrl.step_log_prob(x, v, prev, sigmas, torch.tensor([0, 5], device=device), backend="triton")
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_sde_step_without_mean_under_autograd(device):
+    sigmas = schedule(device)
+    x, v, noise = inputs((2, 64), torch.float32, device, 17, third="noise")
+    v = v.clone().requires_grad_(True)
+    out = flowrl.sde_step(x, v, sigmas, 2, noise=noise, backend="triton", return_prev_sample_mean=False)
+    assert out.prev_sample_mean is None
+    out.prev_sample.sum().backward()
+    assert bool(torch.isfinite(v.grad).all()) and bool((v.grad != 0).any())
