@@ -100,7 +100,7 @@ def _finalize(partials: torch.Tensor, st: _Step, numel: int, kind: str, reductio
     value = torch.empty(b, dtype=torch.float32, device=partials.device)
     std = torch.empty(b, dtype=torch.float32, device=partials.device)
     finalize_kernel[(b,)](
-        partials, st.sigmas, st.step_index, value, std, p, float(numel), reference._HALF_LOG_2PI, *st.scalars(),
+        partials, st.sigmas, st.step_index, value, std, p, float(numel), reference.HALF_LOG_2PI, *st.scalars(),
         MODE=st.mode, KIND=KIND_CODES[kind], MEAN=reduction == "mean", WIDTH=width,
         LOG2_WIDTH=width.bit_length() - 1, num_warps=_num_warps(width), **_LAUNCH,
     )

@@ -26,7 +26,7 @@ from ._validate import SIGMA_ONE_ATOL, SIGMA_ONE_RTOL
 
 # Elements per reduction chunk: the unit of the deterministic, shard-invariant reduction order.
 CHUNK_SIZE = 1024
-_HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
+HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 Gather = Optional[Callable[[torch.Tensor], torch.Tensor]]
 
@@ -126,7 +126,7 @@ def finalize(
     else:
         value = -total / (2 * var)
         if kind == "gaussian":
-            const = -torch.log(torch.where(deterministic, torch.ones_like(std), std)) - _HALF_LOG_2PI
+            const = -torch.log(torch.where(deterministic, torch.ones_like(std), std)) - HALF_LOG_2PI
             value = value + (const if reduction == "mean" else const * numel)
     return torch.where(deterministic, torch.zeros_like(value), value)
 

@@ -55,13 +55,16 @@ def _same(name, got, want, exact):
         torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def _check_split(rank, S, rows, exact):
+MODES = [("sde", "gaussian", "mean"), ("cps", "sq_err", "sum"), ("dance", "kernel", "mean")]
+
+
+def _check_split(rank, S, rows, exact, modes):
     x, v, v_ref, sigmas, step, w = _inputs(S)
     lo, hi = sum(rows[:rank]), sum(rows[: rank + 1])
     shard = lambda t: t[:, lo:hi].clone()  # noqa: E731
     tag = f"S={S} rows={rows} rank={rank}"
 
-    for mode, kind, reduction in [("sde", "gaussian", "mean"), ("cps", "sq_err", "sum"), ("dance", "kernel", "mean")]:
+    for mode, kind, reduction in modes:
         kw = dict(mode=mode, noise_level=0.7, log_prob=kind, reduction=reduction, backend="torch")
         gens = lambda: [torch.Generator().manual_seed(7 + i) for i in range(B)]  # noqa: E731
 
@@ -105,6 +108,33 @@ def _check_split(rank, S, rows, exact):
     assert fd.shard_layout(shard(x)).bit_exact == exact
 
 
+def _check_triton(rank, S, rows):
+    """The Triton backend (through the interpreter on CPU) calls the same gather: single-device
+    Triton bits on every rank, including its own backward."""
+    x, v, _, sigmas, step, w = _inputs(S)
+    lo, hi = sum(rows[:rank]), sum(rows[: rank + 1])
+    kw = dict(mode="sde", noise_level=0.7, backend="triton")
+    gens = lambda: [torch.Generator().manual_seed(7 + i) for i in range(B)]  # noqa: E731
+    full = flowrl.sde_step(x, v, sigmas, step, generator=gens(), **kw)
+    part = fd.sde_step(x[:, lo:hi], v[:, lo:hi], sigmas, step, generator=gens(), **kw)
+    _same("triton prev_sample", part.prev_sample, full.prev_sample[:, lo:hi], True)
+    _same("triton sde_step log_prob", part.log_prob, full.log_prob, True)
+    vf = v.clone().requires_grad_()
+    lp_full = flowrl.step_log_prob(x, vf, full.prev_sample, sigmas, step, **kw)
+    (lp_full * w).sum().backward()
+    vs = v[:, lo:hi].clone().requires_grad_()
+    lp = fd.step_log_prob(x[:, lo:hi], vs, part.prev_sample, sigmas, step, **kw)
+    (lp * w).sum().backward()
+    _same("triton step_log_prob", lp, lp_full, True)
+    _same("triton grad model_output", vs.grad, vf.grad[:, lo:hi], True)
+
+
+def _triton_runs_here():
+    if "triton" not in flowrl.available_backends():
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _check_errors(rank, world):
     x, v, _, sigmas, _, _ = _inputs(64)
     # batch sizes that disagree across ranks: every rank raises the same ValueError
@@ -123,8 +153,11 @@ def _worker(rank, world, port):
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
     try:
-        for S, rows, exact in SPLITS[world]:
-            _check_split(rank, S, rows, exact)
+        for k, (S, rows, exact) in enumerate(SPLITS[world]):
+            # every mode on the first split, then one mode per split (keeps the run short)
+            _check_split(rank, S, rows, exact, MODES if k == 0 else [MODES[k % len(MODES)]])
+        if world == 2 and _triton_runs_here():
+            _check_triton(rank, 80, [48, 32])
         _check_errors(rank, world)
         dist.barrier()
     finally:
@@ -137,7 +170,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _spawn(world, deadline_s=120):
+def _spawn(world, deadline_s=180):
     ctx = mp.start_processes(_worker, args=(world, _free_port()), nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + deadline_s
     try:
