@@ -8,6 +8,7 @@ tensor version so a rollout loop pays for it once.
 from __future__ import annotations
 
 import math
+import weakref
 from numbers import Integral, Real
 from typing import Optional, Sequence, Union
 
@@ -96,8 +97,9 @@ def check_sigmas(sigmas, device: torch.device) -> torch.Tensor:
         raise ValueError(f"sigmas must hold at least 2 values (T >= 1); got {sigmas.numel()}")
     if sigmas.device != device:
         raise ValueError(f"sigmas is on {sigmas.device} but sample is on {device}; move them to one device")
-    key = (sigmas.data_ptr(), sigmas._version, sigmas.numel(), sigmas.dtype, str(sigmas.device))
-    if key in _checked_schedules or capturing():
+    # Cached by tensor identity and version (not by address: a freed block is reused by a new tensor).
+    entry = _checked_schedules.get(id(sigmas))
+    if (entry is not None and entry[0]() is sigmas and entry[1] == sigmas._version) or capturing():
         return sigmas
     s = sigmas.detach().double().cpu()
     if not bool(torch.isfinite(s).all()):
@@ -116,7 +118,7 @@ def check_sigmas(sigmas, device: torch.device) -> torch.Tensor:
         )
     if len(_checked_schedules) > 256:
         _checked_schedules.clear()
-    _checked_schedules[key] = True
+    _checked_schedules[id(sigmas)] = (weakref.ref(sigmas), sigmas._version)
     return sigmas
 
 
