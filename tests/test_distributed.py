@@ -184,6 +184,7 @@ def _spawn(world, deadline_s=180):
                 p.join()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_matches_single_device(world):
     _spawn(world)
