@@ -535,6 +535,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--modes", type=_choices(MODES), default=list(MODES))
     p.add_argument("--ops", type=_choices(OPS), default=list(OPS))
     p.add_argument("--impls", type=_choices(IMPLS), default=list(IMPLS))
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU: torch.set_num_threads (1 gives stable timings on a loaded, shared machine)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--time-budget", type=float, default=math.inf,
                    help="stop starting new configurations after this many seconds (the table says so)")
@@ -545,6 +547,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
+    if args.threads is not None:
+        if args.threads < 1:
+            p.error(f"--threads must be >= 1; got {args.threads}")
+        torch.set_num_threads(args.threads)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available")
     shapes = args.shapes or (QUICK_SHAPES if args.quick else FULL_SHAPES)
