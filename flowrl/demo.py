@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from typing import List, Optional
 
@@ -85,7 +86,8 @@ def _rollout(model, scheduler, args, dtype, device):
     gens = [torch.Generator().manual_seed(args.seed * 1000 + i) for i in range(args.batch)]
     latents = torch.cat([torch.randn(1, model.dim, generator=g) for g in gens]).to(device=device, dtype=dtype)
     scheduler.set_timesteps(args.steps, device=device)
-    rec = scheduler.rollout(mode=args.mode, noise_level=args.noise_level, log_prob=args.log_prob, generator=gens)
+    rec = scheduler.rollout(mode=args.mode, noise_level=args.noise_level, log_prob=args.log_prob, generator=gens,
+                            backend=args.backend)
     with rec:
         for t in scheduler.timesteps:
             v = model(latents, t)
@@ -93,7 +95,7 @@ def _rollout(model, scheduler, args, dtype, device):
     return rec.trajectory(), latents
 
 
-def _recompute(model, traj):
+def _recompute(model, traj, backend):
     """Training side: every step's log-prob from the stored latents and a fresh model call."""
     lps = []
     for i in range(traj.num_steps):
@@ -102,7 +104,7 @@ def _recompute(model, traj):
         lps.append(
             flowrl.step_log_prob(
                 x, v, traj.latents[:, i + 1], traj.sigmas, i, mode=traj.mode, noise_level=traj.noise_level,
-                log_prob=traj.log_prob, reduction=traj.reduction,
+                log_prob=traj.log_prob, reduction=traj.reduction, backend=backend,
             )
         )
     return torch.stack(lps, dim=1)
@@ -153,10 +155,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.steps < 1 or args.batch < 1 or args.dim < 1:
         p.error("--steps, --batch and --dim must be positive")
 
-    import os
+    try:
+        return _report(args)
+    except (ValueError, TypeError, RuntimeError) as exc:  # bad flags for this machine: say so, no traceback
+        print(f"flowrl demo: error: {exc}", file=sys.stderr)
+        return 2
 
-    if args.backend != "auto":
-        os.environ["FLOWRL_BACKEND"] = args.backend  # the scheduler dispatches with backend="auto"
+
+def _report(args) -> int:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     model = GaussianMixtureVelocity.default(dim=args.dim, seed=args.seed)
@@ -165,7 +171,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.perf_counter()
     traj, final = _rollout(model, scheduler, args, dtype, device)
     rollout_s = time.perf_counter() - t0
-    recomputed = _recompute(model, traj)
+    recomputed = _recompute(model, traj, args.backend)
     ratios = torch.exp(recomputed - traj.log_probs)
 
     print(f"flowrl demo: {args.batch} samples x {args.steps} steps, mode={args.mode}, noise_level={args.noise_level}, "
