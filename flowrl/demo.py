@@ -154,6 +154,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1 or args.batch < 1 or args.dim < 1:
         p.error("--steps, --batch and --dim must be positive")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: this torch sees no CUDA device")
 
     try:
         return _report(args)
