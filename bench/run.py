@@ -182,6 +182,7 @@ _COMPILED: Dict[str, Callable] = {}
 
 def _compiled(name: str, fn: Callable) -> Callable:
     if name not in _COMPILED:
+        _set_recompile_limit(64)  # one code object serves every mode, dtype and grad mode
         _COMPILED[name] = torch.compile(fn, dynamic=True)
     return _COMPILED[name]
 
@@ -413,8 +414,6 @@ def run_sweep(
     if "flowrl-triton" in impls and not _dispatch.triton_available():
         impls.remove("flowrl-triton")
         notes.append(f"flowrl-triton unavailable: {_dispatch._triton_import_error()}")
-    if "compile" in impls:
-        _set_recompile_limit(64)
     copy = copy_gbps(device, budget_s=max(timing_budget_s, 1.0))
     log(f"# copy bandwidth: {copy:.1f} GB/s")
     rows: List[Row] = []
