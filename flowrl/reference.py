@@ -80,12 +80,30 @@ def _col(s: torch.Tensor) -> torch.Tensor:
     return s.reshape(-1, 1)
 
 
-def _pairwise_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim (a power of two) by a fixed halving tree of elementwise adds."""
+def _halving_tree(t: torch.Tensor) -> torch.Tensor:
     while t.shape[-1] > 1:
         half = t.shape[-1] // 2
         t = t[..., :half] + t[..., half:]
     return t[..., 0]
+
+
+class _PairwiseSum(torch.autograd.Function):
+    """The halving tree's backward is the plain sum's (every element has derivative 1): one broadcast
+    instead of a slice-backward per level, each zero-filling a full-size tensor."""
+
+    @staticmethod
+    def forward(ctx, t):
+        ctx.shape = t.shape
+        return _halving_tree(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.unsqueeze(-1).expand(ctx.shape)
+
+
+def _pairwise_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (a power of two) by a fixed halving tree of elementwise adds."""
+    return _PairwiseSum.apply(t) if t.requires_grad else _halving_tree(t)
 
 
 def chunk_partials(sq: torch.Tensor) -> torch.Tensor:
