@@ -80,40 +80,50 @@ def _col(s: torch.Tensor) -> torch.Tensor:
     return s.reshape(-1, 1)
 
 
-def _halving_tree(t: torch.Tensor) -> torch.Tensor:
-    while t.shape[-1] > 1:
-        half = t.shape[-1] // 2
-        t = t[..., :half] + t[..., half:]
-    return t[..., 0]
+def _halving_tree_(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (a power of two) by the fixed halving tree ``t[:h] + t[h:]``, level by
+    level, in place in ``t`` (no temporaries: on the CPU the allocations cost more than the adds)."""
+    width = t.shape[-1]
+    while width > 1:
+        width //= 2
+        t[..., :width] += t[..., width : 2 * width]
+    return t[..., 0].clone()
 
 
 class _PairwiseSum(torch.autograd.Function):
     """The halving tree's backward is the plain sum's (every element has derivative 1): one broadcast
-    instead of a slice-backward per level, each zero-filling a full-size tensor."""
+    instead of a slice-backward per level."""
 
     @staticmethod
-    def forward(ctx, t):
+    def forward(ctx, t, consume):
         ctx.shape = t.shape
-        return _halving_tree(t)
+        return _halving_tree_(t.detach() if consume else t.detach().clone())
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.unsqueeze(-1).expand(ctx.shape)
+        return grad.unsqueeze(-1).expand(ctx.shape), None
 
 
-def _pairwise_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim (a power of two) by a fixed halving tree of elementwise adds."""
-    return _PairwiseSum.apply(t) if t.requires_grad else _halving_tree(t)
+def _pairwise_sum(t: torch.Tensor, consume: bool = False) -> torch.Tensor:
+    """Halving-tree sum over the last dim; ``consume=True`` lets it overwrite ``t`` (a temporary that
+    nothing else reads or saved for backward)."""
+    if t.requires_grad:
+        return _PairwiseSum.apply(t, consume)
+    return _halving_tree_(t if consume else t.clone())
 
 
-def chunk_partials(sq: torch.Tensor) -> torch.Tensor:
-    """[B, N] squared residuals -> [B, ceil(N / CHUNK_SIZE)] chunk partials."""
+def _chunk_partials(sq: torch.Tensor, consume: bool) -> torch.Tensor:
     b, n = sq.shape
     nchunks = -(-n // CHUNK_SIZE)
     pad = nchunks * CHUNK_SIZE - n
     if pad:
-        sq = torch.nn.functional.pad(sq, (0, pad))
-    return _pairwise_sum(sq.reshape(b, nchunks, CHUNK_SIZE))
+        sq, consume = torch.nn.functional.pad(sq, (0, pad)), True
+    return _pairwise_sum(sq.reshape(b, nchunks, CHUNK_SIZE), consume)
+
+
+def chunk_partials(sq: torch.Tensor) -> torch.Tensor:
+    """[B, N] squared residuals -> [B, ceil(N / CHUNK_SIZE)] chunk partials."""
+    return _chunk_partials(sq, consume=False)
 
 
 def combine_partials(partials: torch.Tensor) -> torch.Tensor:
@@ -149,13 +159,16 @@ def finalize(
     return torch.where(deterministic, torch.zeros_like(value), value)
 
 
-def _mean(x: torch.Tensor, v: torch.Tensor, a: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """mu = a * x + c * v on [B, N] rows, in ``dtype``."""
-    return _col(a) * _rows(x).to(dtype) + _col(c) * _rows(v).to(dtype)
+def _mean(x: torch.Tensor, v: torch.Tensor, a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """mu = a * x + c * v on [B, N] rows, in a, c's compute dtype: a [B, 1] column times the stored
+    rows promotes them to it (a column is never 0-d, so promotion never demotes to the storage dtype),
+    without an upcast copy of x or v."""
+    mu = _col(a) * _rows(x)
+    return mu.add_(_col(c) * _rows(v))
 
 
 def _sq_partials(r: torch.Tensor) -> torch.Tensor:
-    return chunk_partials(r * r)
+    return _chunk_partials(r * r, consume=True)
 
 
 def sde_step(
@@ -178,9 +191,9 @@ def sde_step(
     is of the emitted ``prev_sample`` rounded to ``out_dtype`` (SPEC, Rounding)."""
     dtype = compute_dtype(sample, model_output, noise)
     a, c, std = mode_coefficients(sigmas, step_index, mode, noise_level, dtype)
-    mu = _mean(sample, model_output, a, c, dtype)
-    prev = (mu + _col(std) * _rows(noise).to(dtype)).to(out_dtype)
-    r = prev.to(dtype) - mu
+    mu = _mean(sample, model_output, a, c)
+    prev = (_col(std) * _rows(noise)).add_(mu).to(out_dtype)  # = mu + std * eps, rounded to out_dtype
+    r = (prev - mu).to(dtype)  # the emitted sample's residual (SPEC, Rounding)
     partials = _sq_partials(r)
     if gather is not None:
         partials = gather(partials)
@@ -206,7 +219,7 @@ def step_log_prob(
     """Log-prob [B] of ``prev_sample`` given ``sample`` under the policy's ``model_output``."""
     dtype = compute_dtype(sample, model_output, prev_sample)
     a, c, std = mode_coefficients(sigmas, step_index, mode, noise_level, dtype)
-    r = _rows(prev_sample).to(dtype) - _mean(sample, model_output, a, c, dtype)
+    r = (_rows(prev_sample) - _mean(sample, model_output, a, c)).to(dtype)
     partials = _sq_partials(r)
     if gather is not None:
         partials = gather(partials)
@@ -230,7 +243,7 @@ def step_kl(
     ``(mu_theta - mu_ref)^2 / (2 std^2)`` per element (SPEC, KL)."""
     dtype = compute_dtype(sample, model_output, ref_model_output)
     a, c, std = mode_coefficients(sigmas, step_index, mode, noise_level, dtype)
-    r = _mean(sample, model_output, a, c, dtype) - _mean(sample, ref_model_output, a, c, dtype)
+    r = _mean(sample, model_output, a, c) - _mean(sample, ref_model_output, a, c)
     partials = _sq_partials(r)
     if gather is not None:
         partials = gather(partials)
