@@ -28,7 +28,7 @@ from flowrl.kernels.step import (
 )
 
 from . import reference
-from ._validate import SIGMA_ONE_ATOL, SIGMA_ONE_RTOL
+from ._validate import SIGMA_ONE_ATOL, SIGMA_ONE_RTOL, NoiseSeed
 from .reference import CHUNK_SIZE, Gather
 
 _LOG2_CHUNK = CHUNK_SIZE.bit_length() - 1
@@ -75,15 +75,22 @@ def _rows_shape(t: torch.Tensor):
     return b, t.numel() // b
 
 
-def _partials(op: int, st: _Step, x, v, third, prev_out=None, mean_out=None) -> torch.Tensor:
+def _partials(op: int, st: _Step, x, v, third, prev_out=None, mean_out=None, noise_seed: Optional[NoiseSeed] = None) -> torch.Tensor:
+    """Chunk partials [B, P]; a rollout with ``noise_seed`` (and ``third`` None) draws its noise in
+    the kernel."""
     b, n = _rows_shape(x)
     n_chunks = triton.cdiv(n, CHUNK_SIZE)
     partials = torch.empty((b, n_chunks), dtype=torch.float32, device=x.device)
     write_mean = mean_out is not None
+    philox = noise_seed is not None
+    seeds, stream_stride, elem_offset = noise_seed if philox else (st.step_index, 0, 0)
     step_partials_kernel[(n_chunks, b)](
-        x, v, third, prev_out if prev_out is not None else partials, mean_out if write_mean else partials,
-        partials, st.sigmas, st.step_index, n, n_chunks, *st.scalars(),
+        x, v, x if philox else third, prev_out if prev_out is not None else partials,
+        mean_out if write_mean else partials, partials, st.sigmas, st.step_index,
+        seeds, stream_stride, elem_offset, n, n_chunks, *st.scalars(),
         MODE=st.mode, OP=op, WRITE_MEAN=write_mean, CHUNK=CHUNK_SIZE, LOG2_CHUNK=_LOG2_CHUNK,
+        # CHUNK_SIZE is a multiple of 4: every chunk starts on a Philox quad when the offset does
+        PHILOX=philox, PHILOX_ALIGNED=philox and elem_offset % 4 == 0,
         num_warps=_num_warps(CHUNK_SIZE), **_LAUNCH,
     )
     return partials
@@ -143,10 +150,10 @@ def _needs_grad(*tensors) -> bool:
 # ----------------------------------------------------------------------------------------- sde_step
 
 
-def _sde_step_forward(x, v, noise, st, log_prob, reduction, out_dtype, return_mean, numel, gather):
+def _sde_step_forward(x, v, noise, st, log_prob, reduction, out_dtype, return_mean, numel, gather, noise_seed):
     prev = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     mean = torch.empty(x.shape, dtype=torch.float32, device=x.device) if return_mean else None
-    partials = _partials(OP_ROLLOUT, st, x, v, noise, prev_out=prev, mean_out=mean)
+    partials = _partials(OP_ROLLOUT, st, x, v, noise, prev_out=prev, mean_out=mean, noise_seed=noise_seed)
     if gather is not None:
         partials = gather(partials)
     lp, std = _finalize(partials, st, numel or x[0].numel(), log_prob, reduction)
@@ -159,8 +166,10 @@ class _SDEStep(torch.autograd.Function):
     x' - mu, whose derivative in mu is exactly 0 (x' moves with mu), so it only reaches eps."""
 
     @staticmethod
-    def forward(ctx, x, v, noise, st, log_prob, reduction, out_dtype, return_mean, numel, gather):
-        prev, lp, mean, std = _sde_step_forward(x, v, noise, st, log_prob, reduction, out_dtype, return_mean, numel, gather)
+    def forward(ctx, x, v, noise, st, log_prob, reduction, out_dtype, return_mean, numel, gather, noise_seed):
+        prev, lp, mean, std = _sde_step_forward(
+            x, v, noise, st, log_prob, reduction, out_dtype, return_mean, numel, gather, noise_seed
+        )
         ctx.save_for_backward(x, v, noise, prev)
         ctx.st, ctx.log_prob, ctx.reduction = st, log_prob, reduction
         ctx.numel = numel or x[0].numel()
@@ -188,7 +197,7 @@ class _SDEStep(torch.autograd.Function):
             )
             total = grad_prev.to(torch.float32) + grad_prev_lp
             grad_noise = (std.reshape((b,) + (1,) * (x.dim() - 1)) * total).to(noise.dtype)
-        return grad_x, grad_v, grad_noise, None, None, None, None, None, None, None
+        return grad_x, grad_v, grad_noise, None, None, None, None, None, None, None, None
 
 
 def sde_step(
@@ -206,10 +215,12 @@ def sde_step(
     return_mean: bool = True,
     numel: Optional[int] = None,
     gather: Gather = None,
+    noise_seed: Optional[NoiseSeed] = None,
 ):
     st = _Step(sigmas, step_index, mode, noise_level)
-    x, v, eps = sample.contiguous(), model_output.contiguous(), noise.contiguous()
-    args = (st, log_prob, reduction, out_dtype, return_mean, numel, gather)
+    x, v = sample.contiguous(), model_output.contiguous()
+    eps = noise.contiguous() if noise is not None else None  # None: Philox noise drawn in the kernel
+    args = (st, log_prob, reduction, out_dtype, return_mean, numel, gather, noise_seed)
     if _needs_grad(x, v, eps):
         return _SDEStep.apply(x, v, eps, *args)
     return _sde_step_forward(x, v, eps, *args)

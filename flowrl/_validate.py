@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import weakref
 from numbers import Integral, Real
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -171,10 +171,49 @@ def check_generator(generator, batch: int):
     raise TypeError(f"generator must be None, a torch.Generator or a list of them; got {type(generator).__name__}")
 
 
+class NoiseSeed(NamedTuple):
+    """A validated ``noise_seed`` (in-kernel Philox noise, see flowrl.reference.philox_normal).
+
+    seeds: int64 [B] on the sample's device, the Philox key of each sample (its 64 bits).
+    stream_stride: sample b uses Philox stream b * stream_stride: 1 for an int seed (the samples of
+        one call differ), 0 for a per-sample seed tensor (a sample's noise depends on its seed only).
+    elem_offset: index in the flattened sample of the first local element (a sequence-parallel
+        shard's start; 0 on one device)."""
+
+    seeds: torch.Tensor
+    stream_stride: int
+    elem_offset: int = 0
+
+
+def check_noise_seed(noise_seed, sample: torch.Tensor) -> NoiseSeed:
+    """An int in [0, 2**63) (one seed, samples on streams 0..B-1) or an integer tensor [B] of
+    per-sample seeds on the sample's device (any int64 value)."""
+    batch = sample.shape[0]
+    if isinstance(noise_seed, bool):
+        raise TypeError("noise_seed must be an int or an integer tensor of shape [B]; got a bool")
+    if isinstance(noise_seed, Integral):
+        seed = int(noise_seed)
+        if not 0 <= seed < 2**63:
+            raise ValueError(f"noise_seed must be in [0, 2**63); got {seed}")
+        return NoiseSeed(torch.full((batch,), seed, dtype=torch.int64, device=sample.device), 1)
+    if not isinstance(noise_seed, torch.Tensor):
+        raise TypeError(f"noise_seed must be an int or an integer tensor of shape [B]; got {type(noise_seed).__name__}")
+    if noise_seed.dtype.is_floating_point or noise_seed.dtype.is_complex or noise_seed.dtype == torch.bool:
+        raise TypeError(f"noise_seed must be an integer tensor (int64 seeds); got {noise_seed.dtype}")
+    if noise_seed.shape != (batch,):
+        raise ValueError(
+            f"noise_seed must be an int or a tensor of shape [B] = [{batch}] (one seed per sample); "
+            f"got shape {tuple(noise_seed.shape)}"
+        )
+    if noise_seed.device != sample.device:
+        raise ValueError(f"noise_seed is on {noise_seed.device} but sample is on {sample.device}; move them to one device")
+    return NoiseSeed(noise_seed.to(torch.int64).contiguous(), 0)
+
+
 Scalar = Union[int, float]
 StepIndex = Union[int, torch.Tensor]
 __all__ = [
     "MODES", "LOG_PROB_KINDS", "REDUCTIONS", "check_choice", "check_float_tensor", "check_batch_tensor",
     "check_sample", "check_noise_level", "check_sigmas", "check_step_index", "check_out_dtype",
-    "check_generator", "capturing", "Optional",
+    "check_generator", "check_noise_seed", "NoiseSeed", "capturing", "Optional",
 ]

@@ -154,18 +154,21 @@ def sde_step(
     out_dtype: Optional[torch.dtype] = None,
     backend: str = "auto",
     return_prev_sample_mean: bool = True,
+    noise_seed: Union[None, int, torch.Tensor] = None,
     group=None,
     shard_numels: Optional[Sequence[int]] = None,
 ) -> F.SDEStepOutput:
     """``flowrl.sde_step`` on this rank's shard: ``prev_sample`` (and the mean) are this rank's shard,
     ``log_prob`` and ``std_dev`` the full samples' [B], the same on every rank. Noise drawn from
-    ``generator`` is this rank's slice of the single-device noise; ``noise=`` is this rank's shard."""
+    ``generator`` is this rank's slice of the single-device noise; ``noise=`` is this rank's shard.
+    ``noise_seed`` (the same on every rank) draws only this rank's elements of the single-device
+    Philox noise (keyed by the element's index in the full sample): no full-sample draw."""
     layout = shard_layout(sample, group, shard_numels)
     return F._sde_step(
         sample, model_output, sigmas, step_index, mode=mode, noise_level=noise_level, noise=noise,
         generator=generator, log_prob=log_prob, reduction=reduction, out_dtype=out_dtype, backend=backend,
-        return_prev_sample_mean=return_prev_sample_mean, numel=layout.numel, gather=layout.gather,
-        noise_fn=layout.noise,
+        return_prev_sample_mean=return_prev_sample_mean, noise_seed=noise_seed, numel=layout.numel,
+        gather=layout.gather, noise_fn=layout.noise, elem_offset=layout.offset,
     )
 
 

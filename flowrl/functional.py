@@ -77,42 +77,57 @@ def sde_step(
     out_dtype: Optional[torch.dtype] = None,
     backend: str = "auto",
     return_prev_sample_mean: bool = True,
+    noise_seed: Union[None, int, torch.Tensor] = None,
 ) -> SDEStepOutput:
     """Sample x' ~ N(mu, std^2) for one step of ``mode`` and return it with its log-prob.
 
     ``sigmas`` is the float32 schedule (length T + 1); ``step_index`` an int or an integer tensor
     [B]. ``noise`` (x's shape) is used as eps when given, else eps is drawn from ``generator``.
-    The log-prob is of ``prev_sample`` as emitted in ``out_dtype`` (default: model_output's dtype).
+    ``noise_seed`` (instead of ``noise`` / ``generator``) draws eps from Philox4x32-10 inside the
+    kernel, keyed by (seed, sample, element index): an int in [0, 2**63) (sample b on stream b) or an
+    integer tensor [B] of per-sample seeds (a sample's noise then depends on its seed only); see
+    docs/kernels.md. The log-prob is of ``prev_sample`` as emitted in ``out_dtype`` (default:
+    model_output's dtype).
     """
     return _sde_step(
         sample, model_output, sigmas, step_index, mode=mode, noise_level=noise_level, noise=noise,
         generator=generator, log_prob=log_prob, reduction=reduction, out_dtype=out_dtype, backend=backend,
-        return_prev_sample_mean=return_prev_sample_mean,
+        return_prev_sample_mean=return_prev_sample_mean, noise_seed=noise_seed,
     )
 
 
 def _sde_step(
     sample, model_output, sigmas, step_index, *, mode, noise_level, noise, generator, log_prob, reduction,
-    out_dtype, backend, return_prev_sample_mean, numel: Optional[int] = None, gather: Gather = None,
-    noise_fn=draw_noise,
+    out_dtype, backend, return_prev_sample_mean, noise_seed=None, numel: Optional[int] = None,
+    gather: Gather = None, noise_fn=draw_noise, elem_offset: int = 0,
 ) -> SDEStepOutput:
+    """``elem_offset`` (sequence parallelism): index of this shard's first element in the flattened
+    sample, so ``noise_seed`` noise is the shard's slice of the single-device noise."""
     sigmas, idx, eta = _common(sample, model_output, sigmas, step_index, mode, noise_level)
     V.check_choice("log_prob", log_prob, V.LOG_PROB_KINDS)
     V.check_choice("reduction", reduction, V.REDUCTIONS)
     out_dtype = V.check_out_dtype(out_dtype, model_output.dtype)
-    if noise is not None:
+    seed = None
+    if noise_seed is not None:
+        if noise is not None or generator is not None:
+            raise ValueError("pass noise_seed alone: it replaces noise and generator (got noise_seed with "
+                             f"{'noise' if noise is not None else 'generator'})")
+        seed = V.check_noise_seed(noise_seed, sample)._replace(elem_offset=elem_offset)
+    elif noise is not None:
         if generator is not None:
             raise ValueError("pass either noise or generator, not both")
         V.check_batch_tensor("noise", noise, sample)
     else:
         generator = V.check_generator(generator, sample.shape[0])
         noise = noise_fn(sample.shape, generator, sample.device)
-    name = _dispatch.resolve(backend, sample.device, _storage_dtype(sample, model_output, noise))
+    stored = (sample, model_output) if noise is None else (sample, model_output, noise)
+    name = _dispatch.resolve(backend, sample.device, _storage_dtype(*stored))
     if name == "triton" and out_dtype == torch.float64:
         raise TypeError("out_dtype=float64 runs on backend='torch' only")
     prev, lp, mean, std = _dispatch.module(name).sde_step(
         sample, model_output, sigmas, idx, noise, mode=mode, noise_level=eta, log_prob=log_prob,
         reduction=reduction, out_dtype=out_dtype, return_mean=return_prev_sample_mean, numel=numel, gather=gather,
+        noise_seed=seed,
     )
     return SDEStepOutput(prev, lp, mean, std)
 

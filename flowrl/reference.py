@@ -22,7 +22,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ._validate import SIGMA_ONE_ATOL, SIGMA_ONE_RTOL
+from ._validate import SIGMA_ONE_ATOL, SIGMA_ONE_RTOL, NoiseSeed
 
 # Elements per reduction chunk: the unit of the deterministic, shard-invariant reduction order.
 CHUNK_SIZE = 1024
@@ -159,6 +159,74 @@ def finalize(
     return torch.where(deterministic, torch.zeros_like(value), value)
 
 
+# ------------------------------------------------------------- Philox noise (sde_step(noise_seed=))
+# Philox4x32-10 (Salmon et al., SC'11; Random123) in torch integer ops: int64 tensors holding uint32
+# values, every product split so it stays below 2**63. The same integer stream, bit for bit, as the
+# Triton helpers in flowrl/kernels/common.py; the float32 normals use the same operations in the
+# same order (log, cos and sin may differ by an ulp or so between backends).
+PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57  # round multipliers
+PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85  # key bumps (Weyl sequence)
+_MASK32 = 0xFFFFFFFF
+PI_F32 = float(torch.tensor(math.pi, dtype=torch.float32))  # pi rounded to float32, as the kernels use it
+
+
+def _mulhilo32(m: int, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32-bit words of the 64-bit product m * x (uint32 m, x), in int64 arithmetic:
+    x is split in 16-bit halves so each partial product is below 2**48."""
+    x_lo, x_hi = x & 0xFFFF, x >> 16
+    p_lo, p_hi = m * x_lo, m * x_hi
+    return (p_hi + (p_lo >> 16)) >> 16, (((p_hi & 0xFFFF) << 16) + p_lo) & _MASK32
+
+
+def philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 of the counter (c0, c1, c2, c3) under the key (k0, k1): int64 tensors (or ints)
+    holding uint32 values, broadcast together; returns the four output words the same way."""
+    for round_ in range(10):
+        if round_ > 0:
+            k0, k1 = (k0 + PHILOX_W0) & _MASK32, (k1 + PHILOX_W1) & _MASK32
+        hi0, lo0 = _mulhilo32(PHILOX_M0, c0)
+        hi1, lo1 = _mulhilo32(PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def philox_quads(seed: NoiseSeed, first_quad: int, n_quads: int):
+    """The four uint32 words (int64 [B, n_quads] each) of quads first_quad + arange(n_quads): Philox
+    with key (seed low word, seed high word) and counter (quad low word, quad high word, stream, 0),
+    stream = b * seed.stream_stride."""
+    seeds = seed.seeds.reshape(-1, 1)
+    k0, k1 = seeds & _MASK32, (seeds >> 32) & _MASK32  # the seed's two's-complement words
+    quad = torch.arange(first_quad, first_quad + n_quads, dtype=torch.int64, device=seeds.device).reshape(1, -1)
+    stream = torch.arange(seeds.shape[0], dtype=torch.int64, device=seeds.device).reshape(-1, 1) * seed.stream_stride
+    return philox4x32_10(quad & _MASK32, quad >> 32, stream, torch.zeros_like(quad), k0, k1)
+
+
+def box_muller(x_radius: torch.Tensor, x_angle: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Two float32 standard normals (r cos(theta), r sin(theta)) from uint32 words: u = (x_radius +
+    1/2) / 2**32 in (0, 1] (never 0: a log follows), r = sqrt(-2 ln u), theta = pi * int32(x_angle) /
+    2**31 in [-pi, pi)."""
+    u = (x_radius.to(torch.float32) + 0.5) * 2.0**-32
+    r = torch.sqrt(-2.0 * torch.log(u))
+    signed = torch.where(x_angle >= 2**31, x_angle - 2**32, x_angle)  # the word as an int32
+    theta = (signed.to(torch.float32) * 2.0**-31) * PI_F32
+    return r * torch.cos(theta), r * torch.sin(theta)
+
+
+def philox_normal(seed: NoiseSeed, numel: int) -> torch.Tensor:
+    """float32 [B, numel] standard normal noise of elements seed.elem_offset + arange(numel) of each
+    flattened sample. Element e is lane e % 4 of quad e // 4: lanes 0, 1 are (r cos, r sin) of the
+    words (x0, x1), lanes 2, 3 of (x2, x3). A pure function of (seed, stream, e): the same values
+    whatever the chunking, launch or sharding."""
+    first_quad = seed.elem_offset // 4
+    n_quads = (seed.elem_offset + numel - 1) // 4 - first_quad + 1
+    x0, x1, x2, x3 = philox_quads(seed, first_quad, n_quads)
+    n0, n1 = box_muller(x0, x1)
+    n2, n3 = box_muller(x2, x3)
+    lanes = torch.stack((n0, n1, n2, n3), dim=-1).reshape(n0.shape[0], 4 * n_quads)
+    start = seed.elem_offset - 4 * first_quad
+    return lanes[:, start: start + numel]
+
+
 def _mean(x: torch.Tensor, v: torch.Tensor, a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """mu = a * x + c * v on [B, N] rows, in a, c's compute dtype: a [B, 1] column times the stored
     rows promotes them to it (a column is never 0-d, so promotion never demotes to the storage dtype),
@@ -186,9 +254,13 @@ def sde_step(
     return_mean: bool = True,
     numel: Optional[int] = None,
     gather: Gather = None,
+    noise_seed: Optional[NoiseSeed] = None,
 ):
     """One stochastic step. Returns ``(prev_sample, log_prob [B], mean or None, std [B])``; the log-prob
-    is of the emitted ``prev_sample`` rounded to ``out_dtype`` (SPEC, Rounding)."""
+    is of the emitted ``prev_sample`` rounded to ``out_dtype`` (SPEC, Rounding). ``noise`` None: eps
+    is the Philox noise of ``noise_seed`` (``philox_normal``)."""
+    if noise is None:
+        noise = philox_normal(noise_seed, _rows(sample).shape[1]).reshape(sample.shape)
     dtype = compute_dtype(sample, model_output, noise)
     a, c, std = mode_coefficients(sigmas, step_index, mode, noise_level, dtype)
     mu = _mean(sample, model_output, a, c)

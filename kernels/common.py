@@ -83,3 +83,90 @@ def round_to(x, DTYPE: tl.constexpr):
         bits = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16) << 16
         x = bits.to(tl.float32, bitcast=True)
     return x.to(DTYPE)
+
+
+# ------------------------------------------------------------------------------------ Philox noise
+# In-kernel noise (``sde_step(noise_seed=...)``): Philox4x32-10 (Salmon et al., SC'11; Random123),
+# the same integer stream as ``flowrl.reference.philox4x32_10`` bit for bit. Layout, shared with the
+# reference (see ``flowrl.reference.philox_normal``): element e of a flattened sample is lane e % 4 of
+# the call with counter (q low 32 bits, q high 32 bits, stream, 0), q = e // 4; lanes 0, 1 are the
+# Box-Muller pair of outputs (x0, x1), lanes 2, 3 that of (x2, x3); even lanes take r cos(theta), odd
+# lanes r sin(theta). So eps[e] depends only on (key, stream, e), never on the launch or the chunk.
+PHILOX_M0 = tl.constexpr(0xD2511F53)
+PHILOX_M1 = tl.constexpr(0xCD9E8D57)
+PHILOX_W0 = tl.constexpr(0x9E3779B9)
+PHILOX_W1 = tl.constexpr(0xBB67AE85)
+# exact float32 constants: 2**-32, 2**-31, and pi rounded to float32 (as the reference rounds it)
+TWO_POW_M32 = tl.constexpr(2.3283064365386963e-10)
+TWO_POW_M31 = tl.constexpr(4.656612873077393e-10)
+PI_F32 = tl.constexpr(3.1415927410125732)
+
+
+@triton.jit
+def philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 of the uint32 counter (c0, c1, c2, c3) under the uint32 key (k0, k1): ten
+    rounds of two 32x32 -> 64-bit multiplies, the key bumped by the Weyl constants between rounds."""
+    for round_ in tl.static_range(10):
+        if round_ > 0:
+            k0 = k0 + PHILOX_W0
+            k1 = k1 + PHILOX_W1
+        hi0 = tl.umulhi(c0, PHILOX_M0)
+        lo0 = c0 * PHILOX_M0
+        hi1 = tl.umulhi(c2, PHILOX_M1)
+        lo1 = c2 * PHILOX_M1
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def philox_key(seed):
+    """(k0, k1): the low and high 32-bit words of an int64 seed's two's-complement bits."""
+    bits = seed.to(tl.uint64, bitcast=True)
+    return bits.to(tl.uint32), (bits >> 32).to(tl.uint32)
+
+
+@triton.jit
+def box_muller(x_radius, x_angle):
+    """Two standard normals (r cos(theta), r sin(theta)) in float32 from two uint32 words:
+    u = (x_radius + 1/2) / 2**32 in (0, 1] (never 0: a log follows), r = sqrt(-2 ln u), and
+    theta = pi * int32(x_angle) / 2**31 in [-pi, pi) (the range where GPU sin/cos are most accurate)."""
+    u = (x_radius.to(tl.float32) + 0.5) * TWO_POW_M32
+    r = tl.sqrt_rn(-2.0 * tl.log(u))
+    theta = (x_angle.to(tl.int32, bitcast=True).to(tl.float32) * TWO_POW_M31) * PI_F32
+    return r * tl.cos(theta), r * tl.sin(theta)
+
+
+@triton.jit
+def philox_quad(k0, k1, stream, quad):
+    """The four uint32 words that feed elements 4 * quad + (0, 1, 2, 3) (int64 ``quad``, uint32
+    ``stream``): counter (quad low word, quad high word, stream, 0)."""
+    zero = (quad * 0).to(tl.uint32)
+    return philox4x32_10(quad.to(tl.uint32), (quad >> 32).to(tl.uint32), zero + stream, zero, k0, k1)
+
+
+@triton.jit
+def philox_normal_quads(k0, k1, stream, quad):
+    """The four normals of elements 4 * quad + (0, 1, 2, 3), from one Philox call each quad."""
+    x0, x1, x2, x3 = philox_quad(k0, k1, stream, quad)
+    n0, n1 = box_muller(x0, x1)
+    n2, n3 = box_muller(x2, x3)
+    return n0, n1, n2, n3
+
+
+@triton.jit
+def philox_normal_block(k0, k1, stream, first, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """Normals of elements first + arange(BLOCK) (int64 ``first``). ALIGNED (first % 4 == 0): one
+    Philox call per 4 elements, interleaved back to element order; otherwise one call per element,
+    keeping its own lane (the same values: same integers, same float32 operations)."""
+    if ALIGNED:
+        quad = first // 4 + tl.arange(0, BLOCK // 4)
+        n0, n1, n2, n3 = philox_normal_quads(k0, k1, stream, quad)
+        # join(join(n0, n2), join(n1, n3))[q, i, j] = n_{2i + j}: row-major flattening is element 4q + 2i + j
+        eps = tl.reshape(tl.join(tl.join(n0, n2), tl.join(n1, n3)), (BLOCK,))
+    else:
+        elem = first + tl.arange(0, BLOCK)
+        x0, x1, x2, x3 = philox_quad(k0, k1, stream, elem // 4)
+        low_pair = (elem % 4) < 2
+        cos_part, sin_part = box_muller(tl.where(low_pair, x0, x2), tl.where(low_pair, x1, x3))
+        eps = tl.where(elem % 2 == 0, cos_part, sin_part)
+    return eps

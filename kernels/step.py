@@ -5,7 +5,9 @@ Forward: one program per (chunk, sample); it reads its chunk of x, v and a third
 writes one float32 partial = sum of squared residuals over the chunk:
 
 - OP_ROLLOUT:  third = noise eps; writes x' = mu + std * eps rounded to out_dtype, the residual is
-  r = float32(rounded x') - mu (log-prob of the EMITTED sample), optionally writes mu.
+  r = float32(rounded x') - mu (log-prob of the EMITTED sample), optionally writes mu. With PHILOX,
+  eps is drawn in registers instead (common.philox_normal_block, keyed by the sample's seed, its
+  stream and the element's index elem_offset + in-sample index) and no noise tensor is read.
 - OP_LOG_PROB: third = the stored x'; r = x' - mu.
 - OP_KL:       third = the reference policy's velocity; r = mu(v) - mu(v_ref).
 
@@ -20,7 +22,10 @@ No atomics anywhere: every sum is a fixed tree of IEEE adds (see common.halving_
 import triton
 import triton.language as tl
 
-from .common import GAUSSIAN_CODE, KL_CODE, SQ_ERR_CODE, halving_tree_sum, mode_coefficients, round_to, step_mean
+from .common import (
+    GAUSSIAN_CODE, KL_CODE, SQ_ERR_CODE, halving_tree_sum, mode_coefficients, philox_key, philox_normal_block,
+    round_to, step_mean,
+)
 
 OP_ROLLOUT = 0
 OP_LOG_PROB = 1
@@ -39,18 +44,31 @@ def _chunk_offsets(n_per_sample, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _philox_eps(seeds_ptr, row, chunk, stream_stride, elem_offset, CHUNK: tl.constexpr, ALIGNED: tl.constexpr):
+    """This chunk's float32 noise: elements elem_offset + chunk * CHUNK + arange(CHUNK) of the
+    sample's Philox stream (elem_offset: where a sequence-parallel shard starts)."""
+    k0, k1 = philox_key(tl.load(seeds_ptr + row))
+    stream = (row * stream_stride).to(tl.uint32)
+    return philox_normal_block(k0, k1, stream, elem_offset + chunk * CHUNK, CHUNK, ALIGNED)
+
+
+@triton.jit
 def step_partials_kernel(
     x_ptr, v_ptr, third_ptr, prev_out_ptr, mean_out_ptr, partials_ptr, sigmas_ptr, step_ptr,
+    seeds_ptr, stream_stride, elem_offset,
     n_per_sample, n_chunks, sigma_one_tol, eta, sin_half_pi_eta,
     MODE: tl.constexpr, OP: tl.constexpr, WRITE_MEAN: tl.constexpr,
-    CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, PHILOX: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
 ):
     row, chunk, offs, mask = _chunk_offsets(n_per_sample, CHUNK)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if PHILOX:  # rollout only: the noise never touches memory
+        third = _philox_eps(seeds_ptr, row, chunk, stream_stride, elem_offset, CHUNK, PHILOX_ALIGNED)
+    else:
+        third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     mu = step_mean(a, c, x, v)
     if OP == 0:  # rollout
         prev = round_to(mu + std * third, prev_out_ptr.dtype.element_ty)
