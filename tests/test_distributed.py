@@ -129,6 +129,26 @@ def _check_triton(rank, S, rows):
     _same("triton grad model_output", vs.grad, vf.grad[:, lo:hi], True)
 
 
+def _check_noise_seed(rank, world, backend):
+    """sde_step(noise_seed=...): each rank draws only its elements of the single-device Philox noise
+    (keyed by the element's index in the full sample), so its prev_sample is exactly its slice of the
+    single-process one. Odd sizes: shards start off the Philox quads and off chunk boundaries."""
+    S, c = 83, 5
+    rows = [37, 46] if world == 2 else [20, 21, 20, 22]
+    lo, hi = sum(rows[:rank]), sum(rows[: rank + 1])
+    x, v, _, sigmas, step, _ = _inputs(S)
+    x, v = x[..., :c].contiguous(), v[..., :c].contiguous()
+    kw = dict(mode="sde", noise_level=0.7, backend=backend)
+    for seed in (1234, torch.tensor([5, 6, 7])):
+        full = flowrl.sde_step(x, v, sigmas, step, noise_seed=seed, **kw)
+        part = fd.sde_step(x[:, lo:hi].contiguous(), v[:, lo:hi].contiguous(), sigmas, step, noise_seed=seed, **kw)
+        tag = f"{backend} noise_seed={seed} rank={rank}"
+        _same(f"{tag} prev_sample", part.prev_sample, full.prev_sample[:, lo:hi], True)
+        _same(f"{tag} log_prob", part.log_prob, full.log_prob, False)  # shards cut inside a chunk
+        lp = fd.step_log_prob(x[:, lo:hi].contiguous(), v[:, lo:hi].contiguous(), part.prev_sample, sigmas, step, **kw)
+        _same(f"{tag} rollout == recompute", lp, part.log_prob, True)
+
+
 def _triton_runs_here():
     if "triton" not in flowrl.available_backends():
         return False
@@ -156,8 +176,10 @@ def _worker(rank, world, port):
         for k, (S, rows, exact) in enumerate(SPLITS[world]):
             # every mode on the first split, then one mode per split (keeps the run short)
             _check_split(rank, S, rows, exact, MODES if k == 0 else [MODES[k % len(MODES)]])
+        _check_noise_seed(rank, world, "torch")
         if world == 2 and _triton_runs_here():
             _check_triton(rank, 80, [48, 32])
+            _check_noise_seed(rank, world, "triton")
         _check_errors(rank, world)
         dist.barrier()
     finally:
