@@ -173,20 +173,23 @@ PI_F32 = float(torch.tensor(math.pi, dtype=torch.float32))  # pi rounded to floa
 def _mulhilo32(m: int, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """High and low 32-bit words of the 64-bit product m * x (uint32 m, x), in int64 arithmetic:
     x is split in 16-bit halves so each partial product is below 2**48."""
-    x_lo, x_hi = x & 0xFFFF, x >> 16
-    p_lo, p_hi = m * x_lo, m * x_hi
-    return (p_hi + (p_lo >> 16)) >> 16, (((p_hi & 0xFFFF) << 16) + p_lo) & _MASK32
+    p_lo = (x & 0xFFFF).mul_(m)  # in-place ops on temporaries: on the CPU the allocations dominate
+    p_hi = (x >> 16).mul_(m)
+    lo = (p_hi & 0xFFFF).bitwise_left_shift_(16).add_(p_lo).bitwise_and_(_MASK32)
+    hi = p_lo.bitwise_right_shift_(16).add_(p_hi).bitwise_right_shift_(16)
+    return hi, lo
 
 
 def philox4x32_10(c0, c1, c2, c3, k0, k1):
-    """Philox4x32-10 of the counter (c0, c1, c2, c3) under the key (k0, k1): int64 tensors (or ints)
-    holding uint32 values, broadcast together; returns the four output words the same way."""
+    """Philox4x32-10 of the counter (c0, c1, c2, c3) under the key (k0, k1): int64 tensors holding
+    uint32 values, broadcast together; returns the four output words."""
+    c0, c1, c2, c3 = torch.broadcast_tensors(c0, c1, c2, c3)  # views; every round writes new tensors
     for round_ in range(10):
         if round_ > 0:
             k0, k1 = (k0 + PHILOX_W0) & _MASK32, (k1 + PHILOX_W1) & _MASK32
         hi0, lo0 = _mulhilo32(PHILOX_M0, c0)
         hi1, lo1 = _mulhilo32(PHILOX_M1, c2)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        c0, c1, c2, c3 = hi1.bitwise_xor_(c1).bitwise_xor_(k0), lo1, hi0.bitwise_xor_(c3).bitwise_xor_(k1), lo0
     return c0, c1, c2, c3
 
 
