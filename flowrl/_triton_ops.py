@@ -16,7 +16,6 @@ backward kernel writes its shard's grads with no communication.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -24,7 +23,8 @@ import triton
 
 from flowrl.kernels.common import KIND_CODES, MODE_CODES
 from flowrl.kernels.step import (
-    OP_KL, OP_LOG_PROB, OP_ROLLOUT, finalize_kernel, step_backward_kernel, step_partials_kernel,
+    NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, finalize_kernel,
+    step_backward_kernel, step_partials_kernel,
 )
 
 from . import reference
@@ -57,12 +57,15 @@ class _Step:
         # the contract's float32 table (a float64 schedule is read as float32, as the reference does)
         self.sigmas = sigmas.to(torch.float32).contiguous()
         self.step_index = step_index.to(torch.int64).contiguous()
+        self.mode_name = mode
         self.mode = MODE_CODES[mode]
         self.eta = float(noise_level)
-        # cps' sin(eta * pi / 2) depends on the scalar eta only: computed once here in float32, as the
-        # reference computes it (a CPU scalar: no device work, no sync)
-        eta32 = torch.tensor(self.eta, dtype=torch.float32)
-        self.sin_half_pi_eta = float(torch.sin(eta32 * (math.pi / 2)))
+        # cps' sin(eta * pi / 2): the reference's float32 value, computed once on the host
+        self.sin_half_pi_eta = reference.sin_half_pi(self.eta, torch.float32)
+
+    def coefficients(self):
+        """(a, c, std) [B] by the torch reference, for the few steps done with torch ops."""
+        return reference.mode_coefficients(self.sigmas, self.step_index, self.mode_name, self.eta, torch.float32)
 
     def scalars(self):
         return (_SIGMA_ONE_TOL, self.eta, self.sin_half_pi_eta)
@@ -76,21 +79,22 @@ def _rows_shape(t: torch.Tensor):
 
 
 def _partials(op: int, st: _Step, x, v, third, prev_out=None, mean_out=None, noise_seed: Optional[NoiseSeed] = None) -> torch.Tensor:
-    """Chunk partials [B, P]; a rollout with ``noise_seed`` (and ``third`` None) draws its noise in
-    the kernel."""
+    """Chunk partials [B, P]. A rollout with ``third`` None draws its noise in the kernel from
+    ``noise_seed``, or, without a seed, is deterministic (x' = mu)."""
     b, n = _rows_shape(x)
     n_chunks = triton.cdiv(n, CHUNK_SIZE)
     partials = torch.empty((b, n_chunks), dtype=torch.float32, device=x.device)
     write_mean = mean_out is not None
     philox = noise_seed is not None
+    noise_from = NOISE_TENSOR if third is not None else NOISE_PHILOX if philox else NOISE_NONE
     seeds, stream_stride, elem_offset = noise_seed if philox else (st.step_index, 0, 0)
     step_partials_kernel[(n_chunks, b)](
-        x, v, x if philox else third, prev_out if prev_out is not None else partials,
+        x, v, x if third is None else third, prev_out if prev_out is not None else partials,
         mean_out if write_mean else partials, partials, st.sigmas, st.step_index,
         seeds, stream_stride, elem_offset, n, n_chunks, *st.scalars(),
         MODE=st.mode, OP=op, WRITE_MEAN=write_mean, CHUNK=CHUNK_SIZE, LOG2_CHUNK=_LOG2_CHUNK,
         # CHUNK_SIZE is a multiple of 4: every chunk starts on a Philox quad when the offset does
-        PHILOX=philox, PHILOX_ALIGNED=philox and elem_offset % 4 == 0,
+        NOISE=noise_from, PHILOX_ALIGNED=philox and elem_offset % 4 == 0,
         num_warps=_num_warps(CHUNK_SIZE), **_LAUNCH,
     )
     return partials
@@ -102,7 +106,7 @@ def _finalize(partials: torch.Tensor, st: _Step, numel: int, kind: str, reductio
     partials = partials.to(torch.float32).contiguous()
     width = max(2, 1 << max(p - 1, 0).bit_length())  # zero padding to >= 2 adds exact zeros only
     if width > MAX_FINALIZE_WIDTH:
-        _, _, std = reference.mode_coefficients(st.sigmas, st.step_index, _mode_name(st.mode), st.eta, torch.float32)
+        _, _, std = st.coefficients()
         return reference.finalize(partials, std, numel, kind, reduction), std
     value = torch.empty(b, dtype=torch.float32, device=partials.device)
     std = torch.empty(b, dtype=torch.float32, device=partials.device)
@@ -112,10 +116,6 @@ def _finalize(partials: torch.Tensor, st: _Step, numel: int, kind: str, reductio
         LOG2_WIDTH=width.bit_length() - 1, num_warps=_num_warps(width), **_LAUNCH,
     )
     return value, std
-
-
-def _mode_name(code: int) -> str:
-    return next(name for name, c in MODE_CODES.items() if c == code)
 
 
 def _backward(st: _Step, x, v, third, grad, numel: int, kind: str, reduction: str, need, third_dtype=None):
@@ -182,7 +182,7 @@ class _SDEStep(torch.autograd.Function):
         st = ctx.st
         need_x, need_v, need_noise = ctx.needs_input_grad[:3]
         b = x.shape[0]
-        a, c, std = reference.mode_coefficients(st.sigmas, st.step_index, _mode_name(st.mode), st.eta, torch.float32)
+        a, c, std = st.coefficients()
         grad_mu = grad_prev.to(torch.float32).reshape(b, -1)
         if grad_mean is not None:
             grad_mu = grad_mu + grad_mean.reshape(b, -1)
@@ -219,7 +219,7 @@ def sde_step(
 ):
     st = _Step(sigmas, step_index, mode, noise_level)
     x, v = sample.contiguous(), model_output.contiguous()
-    eps = noise.contiguous() if noise is not None else None  # None: Philox noise drawn in the kernel
+    eps = noise.contiguous() if noise is not None else None  # None: Philox noise, or a deterministic step
     args = (st, log_prob, reduction, out_dtype, return_mean, numel, gather, noise_seed)
     if _needs_grad(x, v, eps):
         return _SDEStep.apply(x, v, eps, *args)

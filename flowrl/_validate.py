@@ -141,7 +141,7 @@ def check_step_index(step_index, num_steps: int, batch: int, device: torch.devic
         raise ValueError(f"step_index must be an int or a tensor of shape [B] = [{batch}]; got shape {tuple(step_index.shape)}")
     step_index = step_index.to(device=device, dtype=torch.int64)
     if not capturing():
-        lo, hi = int(step_index.min()), int(step_index.max())
+        lo, hi = torch.stack(torch.aminmax(step_index)).tolist()  # one device-to-host copy for both bounds
         if lo < 0 or hi >= num_steps:
             raise ValueError(
                 f"step_index must be in [0, {num_steps - 1}] (the schedule has T = {num_steps} steps); "

@@ -119,7 +119,8 @@ def _sde_step(
         V.check_batch_tensor("noise", noise, sample)
     else:
         generator = V.check_generator(generator, sample.shape[0])
-        noise = noise_fn(sample.shape, generator, sample.device)
+        if mode != "ode" and eta != 0:  # a step deterministic by its arguments draws no noise
+            noise = noise_fn(sample.shape, generator, sample.device)
     stored = (sample, model_output) if noise is None else (sample, model_output, noise)
     name = _dispatch.resolve(backend, sample.device, _storage_dtype(*stored))
     if name == "triton" and out_dtype == torch.float64:

@@ -36,6 +36,12 @@ def compute_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def sin_half_pi(noise_level: float, dtype: torch.dtype) -> float:
+    """cps' ``sin(eta * pi / 2)`` rounded as ``dtype`` computes it; it depends on the scalar eta only,
+    so it is computed once on the host, and the Triton kernels take the same value."""
+    return float(torch.sin(torch.tensor(noise_level, dtype=dtype) * (math.pi / 2)))
+
+
 def mode_coefficients(
     sigmas: torch.Tensor, step_index: torch.Tensor, mode: str, noise_level: float, dtype: torch.dtype
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -46,24 +52,23 @@ def mode_coefficients(
     sigma = table[step_index]
     sigma_next = table[step_index + 1]
     d = sigma - sigma_next  # D > 0; diffusers' dt is -D
-    one = torch.ones_like(sigma)
-    eta = torch.tensor(noise_level, dtype=dtype, device=sigma.device)
+    # eta stays a Python scalar (the ops cast it to ``dtype``): no host-to-device copy, capturable
     if mode == "ode":
-        return one, -d, torch.zeros_like(sigma)
+        return torch.ones_like(sigma), -d, torch.zeros_like(sigma)
     if mode in ("sde", "dance"):
         if mode == "sde":
             # sigma == 1 would divide by zero: use the schedule's second value (Flow-GRPO, SGLang)
             at_one = (sigma - 1).abs() <= SIGMA_ONE_ATOL + SIGMA_ONE_RTOL
             sigma_t = torch.where(at_one, table[1].expand_as(sigma), sigma)
-            s = eta * torch.sqrt(sigma / (1 - sigma_t))
+            s = noise_level * torch.sqrt(sigma / (1 - sigma_t))
         else:
-            s = eta.expand_as(sigma)
+            s = torch.full_like(sigma, noise_level)
         s2 = s * s
         a = 1 - s2 * d / (2 * sigma)
         c = -(1 + s2 * (1 - sigma) / (2 * sigma)) * d
         return a, c, s * torch.sqrt(d)
     if mode == "cps":
-        std = sigma_next * torch.sin(eta * (math.pi / 2))
+        std = sigma_next * sin_half_pi(noise_level, dtype)
         # clamp: at eta = 1, sigma'^2 - std^2 is 0 up to rounding and may come out a hair negative
         k = torch.sqrt(torch.clamp(sigma_next * sigma_next - std * std, min=0))
         a = (1 - sigma_next) + k
@@ -238,8 +243,13 @@ def _mean(x: torch.Tensor, v: torch.Tensor, a: torch.Tensor, c: torch.Tensor) ->
     return mu.add_(_col(c) * _rows(v))
 
 
-def _sq_partials(r: torch.Tensor) -> torch.Tensor:
-    return _chunk_partials(r * r, consume=True)
+def _reduce(r: torch.Tensor, std: torch.Tensor, kind: str, reduction: str, numel: Optional[int], gather: Gather):
+    """[B, N] residuals -> the per-sample value: chunk partials of r^2, gathered across shards when
+    ``gather`` is given, then ``finalize`` with the full sample's element count."""
+    partials = _chunk_partials(r * r, consume=True)
+    if gather is not None:
+        partials = gather(partials)
+    return finalize(partials, std, numel or r.shape[1], kind, reduction)
 
 
 def sde_step(
@@ -261,18 +271,19 @@ def sde_step(
 ):
     """One stochastic step. Returns ``(prev_sample, log_prob [B], mean or None, std [B])``; the log-prob
     is of the emitted ``prev_sample`` rounded to ``out_dtype`` (SPEC, Rounding). ``noise`` None: eps
-    is the Philox noise of ``noise_seed`` (``philox_normal``)."""
-    if noise is None:
-        noise = philox_normal(noise_seed, _rows(sample).shape[1]).reshape(sample.shape)
+    is the Philox noise of ``noise_seed`` (``philox_normal``), or, with neither, the step is
+    deterministic by its arguments (``ode``, noise level 0) and x' = mu."""
+    if noise is None and noise_seed is not None:
+        noise = philox_normal(noise_seed, _rows(sample).shape[1])
     dtype = compute_dtype(sample, model_output, noise)
     a, c, std = mode_coefficients(sigmas, step_index, mode, noise_level, dtype)
     mu = _mean(sample, model_output, a, c)
-    prev = (_col(std) * _rows(noise)).add_(mu).to(out_dtype)  # = mu + std * eps, rounded to out_dtype
+    if noise is None:
+        prev = mu.to(out_dtype, copy=True)  # std is 0: mu + 0 * eps is mu
+    else:
+        prev = (_col(std) * _rows(noise)).add_(mu).to(out_dtype)  # = mu + std * eps, rounded to out_dtype
     r = (prev - mu).to(dtype)  # the emitted sample's residual (SPEC, Rounding)
-    partials = _sq_partials(r)
-    if gather is not None:
-        partials = gather(partials)
-    lp = finalize(partials, std, numel or r.shape[1], log_prob, reduction)
+    lp = _reduce(r, std, log_prob, reduction, numel, gather)
     mean = mu.reshape(sample.shape) if return_mean else None
     return prev.reshape(sample.shape), lp, mean, std
 
@@ -295,10 +306,7 @@ def step_log_prob(
     dtype = compute_dtype(sample, model_output, prev_sample)
     a, c, std = mode_coefficients(sigmas, step_index, mode, noise_level, dtype)
     r = (_rows(prev_sample) - _mean(sample, model_output, a, c)).to(dtype)
-    partials = _sq_partials(r)
-    if gather is not None:
-        partials = gather(partials)
-    return finalize(partials, std, numel or r.shape[1], log_prob, reduction)
+    return _reduce(r, std, log_prob, reduction, numel, gather)
 
 
 def step_kl(
@@ -319,7 +327,4 @@ def step_kl(
     dtype = compute_dtype(sample, model_output, ref_model_output)
     a, c, std = mode_coefficients(sigmas, step_index, mode, noise_level, dtype)
     r = _mean(sample, model_output, a, c) - _mean(sample, ref_model_output, a, c)
-    partials = _sq_partials(r)
-    if gather is not None:
-        partials = gather(partials)
-    return finalize(partials, std, numel or r.shape[1], "kl", reduction)
+    return _reduce(r, std, "kl", reduction, numel, gather)

@@ -709,15 +709,11 @@ class RolloutRecorder:
                 f"{i - 1}'s log-prob from latents[:, {i}] will not reproduce it"
             )
         stochastic = self.sde_steps is None or i in self.sde_steps
-        kwargs = {}
-        if stochastic:
-            kwargs["generator"] = self.generator if self.generator is not None else step_generator
-        else:
-            kwargs["noise"] = torch.zeros(sample.shape, dtype=torch.float32, device=sample.device)
+        # an ode step draws no noise (sde_step skips the draw), so the generators advance on sde steps only
         out = sde_step(
             sample, model_output, self._sigmas, i, mode=self.mode if stochastic else "ode",
             noise_level=self.noise_level, log_prob=self.log_prob, reduction=self.reduction, backend=self.backend,
-            **kwargs,
+            generator=(self.generator if self.generator is not None else step_generator) if stochastic else None,
         )
         if self._keep(i):
             self._latents[i] = sample.detach()

@@ -5,9 +5,11 @@ Forward: one program per (chunk, sample); it reads its chunk of x, v and a third
 writes one float32 partial = sum of squared residuals over the chunk:
 
 - OP_ROLLOUT:  third = noise eps; writes x' = mu + std * eps rounded to out_dtype, the residual is
-  r = float32(rounded x') - mu (log-prob of the EMITTED sample), optionally writes mu. With PHILOX,
-  eps is drawn in registers instead (common.philox_normal_block, keyed by the sample's seed, its
-  stream and the element's index elem_offset + in-sample index) and no noise tensor is read.
+  r = float32(rounded x') - mu (log-prob of the EMITTED sample), optionally writes mu. With
+  NOISE == NOISE_PHILOX, eps is drawn in registers instead (common.philox_normal_block, keyed by the
+  sample's seed, its stream and the element's index elem_offset + in-sample index) and no noise
+  tensor is read; with NOISE == NOISE_NONE the step is deterministic by its arguments (ode, noise
+  level 0): x' = mu and nothing is read for eps.
 - OP_LOG_PROB: third = the stored x'; r = x' - mu.
 - OP_KL:       third = the reference policy's velocity; r = mu(v) - mu(v_ref).
 
@@ -30,6 +32,10 @@ from .common import (
 OP_ROLLOUT = 0
 OP_LOG_PROB = 1
 OP_KL = 2
+# where a rollout's eps comes from
+NOISE_TENSOR = 0
+NOISE_PHILOX = 1
+NOISE_NONE = 2
 
 
 @triton.jit
@@ -58,20 +64,23 @@ def step_partials_kernel(
     seeds_ptr, stream_stride, elem_offset,
     n_per_sample, n_chunks, sigma_one_tol, eta, sin_half_pi_eta,
     MODE: tl.constexpr, OP: tl.constexpr, WRITE_MEAN: tl.constexpr,
-    CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, PHILOX: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
+    CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, NOISE: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
 ):
     row, chunk, offs, mask = _chunk_offsets(n_per_sample, CHUNK)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if PHILOX:  # rollout only: the noise never touches memory
+    if NOISE == 1:  # rollout only: the noise never touches memory
         third = _philox_eps(seeds_ptr, row, chunk, stream_stride, elem_offset, CHUNK, PHILOX_ALIGNED)
-    else:
+    elif NOISE == 0:
         third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     mu = step_mean(a, c, x, v)
     if OP == 0:  # rollout
-        prev = round_to(mu + std * third, prev_out_ptr.dtype.element_ty)
+        if NOISE == 2:  # deterministic: std is 0, and mu + 0 * eps is mu
+            prev = round_to(mu, prev_out_ptr.dtype.element_ty)
+        else:
+            prev = round_to(mu + std * third, prev_out_ptr.dtype.element_ty)
         tl.store(prev_out_ptr + offs, prev, mask=mask)
         r = prev.to(tl.float32) - mu
         if WRITE_MEAN:

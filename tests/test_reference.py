@@ -183,6 +183,32 @@ def test_deterministic_step_has_log_prob_zero(mode, i, eta, dtype):
     assert torch.equal(grad, torch.zeros_like(grad))
 
 
+@pytest.mark.parametrize("backend", [
+    "torch",
+    pytest.param("triton", marks=pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="triton on CPU needs TRITON_INTERPRET=1")),
+])
+@pytest.mark.parametrize("mode,eta", [("ode", 0.7), ("sde", 0.0), ("cps", 0.0)])
+def test_steps_deterministic_by_their_arguments_draw_no_noise(backend, mode, eta):
+    # ode and noise level 0 need no eps: no noise tensor is drawn or read, no generator advances,
+    # and the result is the bits of the same step given explicit noise
+    sigmas, shape = schedule(), (2, 3, 7, 5)
+    x, v, noise = randn(shape, torch.bfloat16, 0), randn(shape, torch.bfloat16, 1), randn(shape, torch.float32, 2)
+    gens = [torch.Generator().manual_seed(k) for k in range(2)]
+    states = [g.get_state() for g in gens]
+    global_state = torch.get_rng_state()
+    drawn = sde_step(x, v, sigmas, 4, mode=mode, noise_level=eta, generator=gens, backend=backend)
+    unseeded = sde_step(x, v, sigmas, 4, mode=mode, noise_level=eta, backend=backend)
+    assert all(torch.equal(g.get_state(), st) for g, st in zip(gens, states))
+    assert torch.equal(torch.get_rng_state(), global_state)
+    given = sde_step(x, v, sigmas, 4, mode=mode, noise_level=eta, noise=noise, backend=backend)
+    for out in (drawn, unseeded):
+        assert torch.equal(out.prev_sample, given.prev_sample)
+        assert torch.equal(out.prev_sample_mean, given.prev_sample_mean)
+        assert torch.equal(out.log_prob, torch.zeros_like(out.log_prob))
+    assert out.prev_sample.data_ptr() != out.prev_sample_mean.data_ptr()
+
+
 def test_cps_eta_one_is_finite_everywhere():
     # sigma'^2 - std^2 is 0 up to rounding at eta = 1: it must not turn into sqrt(negative) = NaN
     sigmas, shape = schedule(), (2, 64)
