@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from . import _validate as V
+from ._dispatch import BACKENDS
 from .functional import GeneratorArg, draw_noise, sde_step
 from .trajectory import RolloutTrajectory
 
@@ -617,7 +618,7 @@ class RolloutRecorder:
         self.noise_level = V.check_noise_level(noise_level, mode)
         V.check_choice("log_prob", log_prob, V.LOG_PROB_KINDS)
         V.check_choice("reduction", reduction, V.REDUCTIONS)
-        V.check_choice("backend", backend, ("auto", "torch", "triton"))
+        V.check_choice("backend", backend, BACKENDS)
         if generator is not None and not isinstance(generator, (torch.Generator, list, tuple)):
             raise TypeError(f"generator must be None, a torch.Generator or a list of them; got {type(generator).__name__}")
         self.scheduler = scheduler
