@@ -111,7 +111,7 @@ def check_sigmas(sigmas, device: torch.device) -> torch.Tensor:
             f"sigmas must start at <= 1 and end at 0 (diffusers' set_timesteps appends the terminal 0); "
             f"got sigmas[0] = {float(s[0])}, sigmas[-1] = {float(s[-1])}"
         )
-    if abs(float(sigmas[1].float()) - 1.0) <= SIGMA_ONE_ATOL + SIGMA_ONE_RTOL:
+    if abs(float(s[1].float()) - 1.0) <= SIGMA_ONE_ATOL + SIGMA_ONE_RTOL:  # the host copy: no second sync
         raise ValueError(
             "sigmas[1] must not be 1: the sde mode replaces sigma = 1 by sigmas[1] at the first step, "
             "which would divide by zero"

@@ -18,6 +18,7 @@ from typing import List, Optional
 import torch
 
 import flowrl
+from flowrl._dispatch import BACKENDS
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -148,7 +149,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--log-prob", default="gaussian", choices=["gaussian", "kernel", "sq_err"])
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="storage dtype of latents")
     p.add_argument("--shift", type=float, default=1.0, help="the scheduler's timestep shift")
-    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--backend", default="auto", choices=list(BACKENDS))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
