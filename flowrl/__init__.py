@@ -1,14 +1,16 @@
 """flowrl: fused sampling steps and per-step log-probabilities for RL post-training of
 flow-matching diffusion models (Flow-GRPO, DanceGRPO, CPS).
 
-The math contract is in README.md ("Math contract"). Import never needs triton or CUDA.
+The math contract is docs/contract.md. Import never needs triton or CUDA.
 """
 from __future__ import annotations
 
 import importlib
 
+from ._validate import no_value_checks
+from .contract import CHUNK_SIZE
 from .functional import SDEStepOutput, draw_noise, sde_step, step_kl, step_log_prob
-from .reference import CHUNK_SIZE
+from .step_spec import StepSpec
 
 __version__ = "0.1.0"
 
@@ -39,6 +41,7 @@ def available_backends():
 
 
 __all__ = [
-    "SDEStepOutput", "sde_step", "step_log_prob", "step_kl", "draw_noise", "CHUNK_SIZE",
+    "SDEStepOutput", "sde_step", "step_log_prob", "step_kl", "draw_noise", "CHUNK_SIZE", "StepSpec",
+    "no_value_checks",
     "FlowMatchEulerDiscreteScheduler", "RolloutRecorder", "RolloutTrajectory", "available_backends",
 ]

@@ -1,19 +1,56 @@
-"""Backend selection: the one place that decides which implementation runs.
+"""The backend table and the one place that decides which backend runs.
 
-``backend="auto"`` runs the Triton kernels on CUDA tensors when triton imports, the torch reference
-otherwise. ``FLOWRL_BACKEND=torch|triton`` in the environment replaces ``"auto"`` (an explicit
-``backend=`` argument always wins). Triton on CPU tensors runs only under ``TRITON_INTERPRET=1``.
+``BACKEND_TABLE`` maps a backend's name to its three ops, each taking a ``StepSpec`` and the
+tensors. ``backend="auto"`` runs the Triton kernels on CUDA tensors when triton imports, the torch
+reference otherwise. ``FLOWRL_BACKEND=torch|triton`` in the environment replaces ``"auto"`` (an
+explicit ``backend=`` argument always wins). Triton on CPU tensors runs only under
+``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
 import functools
 import os
-from types import ModuleType
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton")  # the names ``backend=`` accepts
 ENV_VAR = "FLOWRL_BACKEND"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend's ops: ``sde_step(spec, sample, model_output, noise)`` -> (prev_sample, log_prob,
+    mean or None, std); ``step_log_prob(spec, sample, model_output, prev_sample)`` and
+    ``step_kl(spec, sample, model_output, ref_model_output)`` -> value [B]."""
+
+    name: str
+    sde_step: Callable
+    step_log_prob: Callable
+    step_kl: Callable
+
+
+def _torch_backend() -> Backend:
+    from . import reference
+
+    return Backend("torch", reference.sde_step, reference.step_log_prob, reference.step_kl)
+
+
+def _triton_backend() -> Backend:
+    from . import _triton_ops
+
+    return Backend("triton", _triton_ops.sde_step, _triton_ops.step_log_prob, _triton_ops.step_kl)
+
+
+# name -> loader (the Triton backend imports triton, so it loads on first use)
+BACKEND_TABLE = {"torch": _torch_backend, "triton": _triton_backend}
+
+
+@functools.lru_cache(maxsize=None)
+def backend(name: str) -> Backend:
+    """The ops of backend ``name`` ("torch" or "triton"), from ``BACKEND_TABLE``."""
+    return BACKEND_TABLE[name]()
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,11 +99,7 @@ def resolve(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     return backend
 
 
-def module(name: str) -> ModuleType:
-    if name == "triton":
-        from . import _triton_ops
-
-        return _triton_ops
-    from . import reference
-
-    return reference
+def select(backend_arg: str, *tensors: torch.Tensor) -> Backend:
+    """The backend's ops for these tensors (their device; float64 when any is float64)."""
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else tensors[0].dtype
+    return backend(resolve(backend_arg, tensors[0].device, dtype))

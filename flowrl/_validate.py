@@ -1,32 +1,72 @@
 """Argument checks shared by every backend and every public entry point.
 
 Each check raises ``ValueError`` / ``TypeError`` whose message names the argument. Checks that read
-tensor *values* (the schedule, tensor step indices) need a host sync on CUDA; they are skipped while
-a CUDA graph is being captured (values cannot be read then), and the schedule check is cached per
-tensor version so a rollout loop pays for it once.
+tensor *values* (the schedule, tensor step indices) need a host sync on CUDA. They are cached per
+tensor identity and version (a schedule, or a step-index tensor reused across the log-prob, KL and
+loss calls of a batch, is read once), skipped while a CUDA graph is being captured (values cannot be
+read then), and skipped inside ``flowrl.no_value_checks()``, the explicit opt-out for loops that
+must not sync.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import weakref
 from numbers import Integral, Real
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
-MODES = ("ode", "sde", "dance", "cps")
-LOG_PROB_KINDS = ("gaussian", "kernel", "sq_err")
-REDUCTIONS = ("mean", "sum")
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# the contract's fp32 isclose(sigma, 1) tolerance, also used to reject a schedule whose sigmas[1] is 1
-SIGMA_ONE_RTOL = 1e-5
-SIGMA_ONE_ATOL = 1e-8
+from .contract import LOG_PROB_KINDS, SIGMA_ONE_TOL, Mode, Reduction
 
-_checked_schedules: dict = {}
+MODES = Mode.labels()
+REDUCTIONS = Reduction.labels()
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class _CheckedValues:
+    """Tensors whose values passed a check, by identity and version (not by address: a freed block
+    is reused by a new tensor); bounded."""
+
+    def __init__(self, limit: int = 256):
+        self._entries: dict = {}
+        self._limit = limit
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        entry = self._entries.get(id(t))
+        return entry is not None and entry[0]() is t and entry[1] == t._version and entry[2] == t.device
+
+    def add(self, t: torch.Tensor) -> None:
+        if len(self._entries) >= self._limit:
+            self._entries.clear()
+        self._entries[id(t)] = (weakref.ref(t), t._version, t.device)
+
+
+_checked_schedules = _CheckedValues()
+_checked_step_indices: dict = {}  # num_steps -> _CheckedValues (a range check depends on T)
+_skip = threading.local()
+
+
+@contextlib.contextmanager
+def no_value_checks():
+    """Inside, the checks that read device values (the schedule's values, the range of tensor step
+    indices) are skipped: no host sync, for eager loops on CUDA that must not wait on the device.
+    Every other check still runs. Out-of-range indices are then the caller's responsibility."""
+    previous = getattr(_skip, "active", False)
+    _skip.active = True
+    try:
+        yield
+    finally:
+        _skip.active = previous
 
 
 def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _skip_value_reads() -> bool:
+    return getattr(_skip, "active", False) or capturing()
 
 
 def check_choice(name: str, value, choices: Sequence[str]) -> str:
@@ -97,9 +137,7 @@ def check_sigmas(sigmas, device: torch.device) -> torch.Tensor:
         raise ValueError(f"sigmas must hold at least 2 values (T >= 1); got {sigmas.numel()}")
     if sigmas.device != device:
         raise ValueError(f"sigmas is on {sigmas.device} but sample is on {device}; move them to one device")
-    # Cached by tensor identity and version (not by address: a freed block is reused by a new tensor).
-    entry = _checked_schedules.get(id(sigmas))
-    if (entry is not None and entry[0]() is sigmas and entry[1] == sigmas._version) or capturing():
+    if sigmas in _checked_schedules or _skip_value_reads():
         return sigmas
     s = sigmas.detach().double().cpu()
     if not bool(torch.isfinite(s).all()):
@@ -111,14 +149,12 @@ def check_sigmas(sigmas, device: torch.device) -> torch.Tensor:
             f"sigmas must start at <= 1 and end at 0 (diffusers' set_timesteps appends the terminal 0); "
             f"got sigmas[0] = {float(s[0])}, sigmas[-1] = {float(s[-1])}"
         )
-    if abs(float(s[1].float()) - 1.0) <= SIGMA_ONE_ATOL + SIGMA_ONE_RTOL:  # the host copy: no second sync
+    if abs(float(s[1].float()) - 1.0) <= SIGMA_ONE_TOL:  # the host copy: no second sync
         raise ValueError(
             "sigmas[1] must not be 1: the sde mode replaces sigma = 1 by sigmas[1] at the first step, "
             "which would divide by zero"
         )
-    if len(_checked_schedules) > 256:
-        _checked_schedules.clear()
-    _checked_schedules[id(sigmas)] = (weakref.ref(sigmas), sigmas._version)
+    _checked_schedules.add(sigmas)
     return sigmas
 
 
@@ -139,15 +175,16 @@ def check_step_index(step_index, num_steps: int, batch: int, device: torch.devic
         step_index = step_index.reshape(1).expand(batch)
     if step_index.dim() != 1 or step_index.shape[0] != batch:
         raise ValueError(f"step_index must be an int or a tensor of shape [B] = [{batch}]; got shape {tuple(step_index.shape)}")
-    step_index = step_index.to(device=device, dtype=torch.int64)
-    if not capturing():
+    checked = _checked_step_indices.setdefault(num_steps, _CheckedValues())
+    if step_index not in checked and not _skip_value_reads():
         lo, hi = torch.stack(torch.aminmax(step_index)).tolist()  # one device-to-host copy for both bounds
         if lo < 0 or hi >= num_steps:
             raise ValueError(
                 f"step_index must be in [0, {num_steps - 1}] (the schedule has T = {num_steps} steps); "
                 f"got values in [{lo}, {hi}]"
             )
-    return step_index
+        checked.add(step_index)
+    return step_index.to(device=device, dtype=torch.int64)
 
 
 def check_out_dtype(out_dtype, default: torch.dtype) -> torch.dtype:
@@ -215,5 +252,5 @@ StepIndex = Union[int, torch.Tensor]
 __all__ = [
     "MODES", "LOG_PROB_KINDS", "REDUCTIONS", "check_choice", "check_float_tensor", "check_batch_tensor",
     "check_sample", "check_noise_level", "check_sigmas", "check_step_index", "check_out_dtype",
-    "check_generator", "check_noise_seed", "NoiseSeed", "capturing", "Optional",
+    "check_generator", "check_noise_seed", "NoiseSeed", "capturing", "no_value_checks",
 ]

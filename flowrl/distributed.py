@@ -21,17 +21,18 @@ known to skip it.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import _validate as V
 from . import functional as F
-from .reference import CHUNK_SIZE
-
-GeneratorArg = F.GeneratorArg
+from .contract import CHUNK_SIZE
+from .step_spec import GeneratorArg, ShardContext, draw_noise
 
 
 @dataclass(frozen=True)
@@ -72,9 +73,13 @@ class ShardLayout:
         slice for a generator, a list of per-sample generators, or the global RNG (same state on
         every rank)."""
         shape = tuple(shape)
-        full = F.draw_noise((shape[0], self.numel), generator, device)
+        full = draw_noise((shape[0], self.numel), generator, device)
         local = full[:, self.offset: self.offset + self.shard_numels[self.rank]]
         return local.reshape(shape)
+
+    def context(self) -> ShardContext:
+        """What a step needs to know of this layout (``StepSpec.shard``)."""
+        return ShardContext(numel=self.numel, offset=self.offset, gather=self.gather, draw_noise=self.noise)
 
 
 class _GatherPartials(torch.autograd.Function):
@@ -139,84 +144,40 @@ def shard_layout(sample: torch.Tensor, group=None, shard_numels: Optional[Sequen
     return ShardLayout([n for _, n in pairs], rank, group)
 
 
-def sde_step(
-    sample: torch.Tensor,
-    model_output: torch.Tensor,
-    sigmas: torch.Tensor,
-    step_index: Union[int, torch.Tensor],
-    *,
-    mode: str = "sde",
-    noise_level: float = 0.7,
-    noise: Optional[torch.Tensor] = None,
-    generator: GeneratorArg = None,
-    log_prob: str = "gaussian",
-    reduction: str = "mean",
-    out_dtype: Optional[torch.dtype] = None,
-    backend: str = "auto",
-    return_prev_sample_mean: bool = True,
-    noise_seed: Union[None, int, torch.Tensor] = None,
-    group=None,
-    shard_numels: Optional[Sequence[int]] = None,
-) -> F.SDEStepOutput:
-    """``flowrl.sde_step`` on this rank's shard: ``prev_sample`` (and the mean) are this rank's shard,
-    ``log_prob`` and ``std_dev`` the full samples' [B], the same on every rank. Noise drawn from
-    ``generator`` is this rank's slice of the single-device noise; ``noise=`` is this rank's shard.
-    ``noise_seed`` (the same on every rank) draws only this rank's elements of the single-device
-    Philox noise (keyed by the element's index in the full sample): no full-sample draw."""
-    layout = shard_layout(sample, group, shard_numels)
-    return F._sde_step(
-        sample, model_output, sigmas, step_index, mode=mode, noise_level=noise_level, noise=noise,
-        generator=generator, log_prob=log_prob, reduction=reduction, out_dtype=out_dtype, backend=backend,
-        return_prev_sample_mean=return_prev_sample_mean, noise_seed=noise_seed, numel=layout.numel,
-        gather=layout.gather, noise_fn=layout.noise, elem_offset=layout.offset,
+def _with_group(op):
+    """``op`` (a ``flowrl.functional`` op) on this rank's shards: the same arguments, less ``shard``,
+    plus ``group`` (the process group; None: the default group) and ``shard_numels`` (every rank's
+    elements per sample, when known: skips their exchange). The layout becomes the spec's shard
+    context; nothing else changes."""
+    signature = inspect.signature(op)
+    params = [p for name, p in signature.parameters.items() if name != "shard"]
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+               for name in ("group", "shard_numels")]
+
+    @functools.wraps(op)
+    def on_shards(sample, *args, group=None, shard_numels: Optional[Sequence[int]] = None, **kwargs):
+        if "shard" in kwargs:
+            raise TypeError(f"flowrl.distributed.{op.__name__} builds the shard from group and shard_numels; "
+                            "do not pass shard")
+        return op(sample, *args, shard=shard_layout(sample, group, shard_numels).context(), **kwargs)
+
+    on_shards.__signature__ = signature.replace(parameters=params)
+    on_shards.__module__ = __name__
+    on_shards.__doc__ = (
+        f"``flowrl.{op.__name__}`` on this rank's shard of every sample (``group``: the process group).\n\n"
+        "Tensors of the sample's shape are this rank's shards (and so are ``prev_sample`` and the mean "
+        "returned by sde_step); values [B] (log_prob, KL, std_dev) are the full samples', the same on "
+        "every rank, and differentiable: each rank's gradient is its slice of the single-device "
+        "gradient. Noise drawn from ``generator`` is this rank's slice of the single-device noise; "
+        "``noise_seed`` (the same on every rank) draws only this rank's elements of the single-device "
+        "Philox noise.\n\n" + (op.__doc__ or "")
     )
+    return on_shards
 
 
-def step_log_prob(
-    sample: torch.Tensor,
-    model_output: torch.Tensor,
-    prev_sample: torch.Tensor,
-    sigmas: torch.Tensor,
-    step_index: Union[int, torch.Tensor],
-    *,
-    mode: str = "sde",
-    noise_level: float = 0.7,
-    log_prob: str = "gaussian",
-    reduction: str = "mean",
-    backend: str = "auto",
-    group=None,
-    shard_numels: Optional[Sequence[int]] = None,
-) -> torch.Tensor:
-    """``flowrl.step_log_prob`` of the full samples [B] from this rank's shards; differentiable, each
-    rank's gradient being its slice of the single-device gradient."""
-    layout = shard_layout(sample, group, shard_numels)
-    return F._step_log_prob(
-        sample, model_output, prev_sample, sigmas, step_index, mode=mode, noise_level=noise_level,
-        log_prob=log_prob, reduction=reduction, backend=backend, numel=layout.numel, gather=layout.gather,
-    )
-
-
-def step_kl(
-    sample: torch.Tensor,
-    model_output: torch.Tensor,
-    ref_model_output: torch.Tensor,
-    sigmas: torch.Tensor,
-    step_index: Union[int, torch.Tensor],
-    *,
-    mode: str = "sde",
-    noise_level: float = 0.7,
-    reduction: str = "mean",
-    backend: str = "auto",
-    group=None,
-    shard_numels: Optional[Sequence[int]] = None,
-) -> torch.Tensor:
-    """``flowrl.step_kl`` of the full samples [B] from this rank's shards; differentiable like
-    ``step_log_prob``."""
-    layout = shard_layout(sample, group, shard_numels)
-    return F._step_kl(
-        sample, model_output, ref_model_output, sigmas, step_index, mode=mode, noise_level=noise_level,
-        reduction=reduction, backend=backend, numel=layout.numel, gather=layout.gather,
-    )
+sde_step = _with_group(F.sde_step)
+step_log_prob = _with_group(F.step_log_prob)
+step_kl = _with_group(F.step_kl)
 
 
 __all__ = ["CHUNK_SIZE", "ShardLayout", "shard_layout", "sde_step", "step_log_prob", "step_kl"]

@@ -1,4 +1,4 @@
-"""The torch reference backend: the math contract (SPEC) written once, in plain torch.
+"""The torch reference backend: the math contract (docs/contract.md) written once, in plain torch.
 
 It is the oracle the Triton kernels are tested against, the path taken on CPU, and the only backend
 that accepts float64. Every function takes already-validated arguments (see ``flowrl.functional``):
@@ -11,54 +11,52 @@ tree, zero-padded to a power of two. Only elementwise adds are used, so the bits
 the batch size, the position in the batch, threading, or how a sample was sharded (when shard
 boundaries fall on chunk boundaries).
 
-The backend functions share one signature with ``flowrl._triton_ops``; ``numel`` (elements per
-sample, for the mean) and ``gather`` (a differentiable map of the local partials to the full
-sample's partials) exist for sequence parallelism, where each rank holds a shard of every sample.
+The backend's three ops take a validated ``flowrl.step_spec.StepSpec`` and the tensors, like the
+Triton backend's (``flowrl._dispatch`` holds the table); under sequence parallelism the spec's
+``numel`` is the full sample's and ``spec.gather`` maps the local partials to the full sample's.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from ._validate import SIGMA_ONE_ATOL, SIGMA_ONE_RTOL, NoiseSeed
-
-# Elements per reduction chunk: the unit of the deterministic, shard-invariant reduction order.
-CHUNK_SIZE = 1024
-HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
-
-Gather = Optional[Callable[[torch.Tensor], torch.Tensor]]
+from ._validate import NoiseSeed
+from .contract import CHUNK_SIZE, HALF_LOG_2PI, SIGMA_ONE_TOL, STD_FLOOR, LogProbKind, Mode, NoiseSource, Reduction
 
 
 def compute_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
-    """float64 when the reference is given float64, float32 otherwise (SPEC, Precision)."""
+    """float64 when the reference is given float64, float32 otherwise (docs/contract.md, Precision)."""
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+@functools.lru_cache(maxsize=256)
 def sin_half_pi(noise_level: float, dtype: torch.dtype) -> float:
     """cps' ``sin(eta * pi / 2)`` rounded as ``dtype`` computes it; it depends on the scalar eta only,
-    so it is computed once on the host, and the Triton kernels take the same value."""
+    so it is computed once per (eta, dtype) on the host (cached: no CPU tensor per call), and the
+    Triton kernels take the same value."""
     return float(torch.sin(torch.tensor(noise_level, dtype=dtype) * (math.pi / 2)))
 
 
 def mode_coefficients(
-    sigmas: torch.Tensor, step_index: torch.Tensor, mode: str, noise_level: float, dtype: torch.dtype
+    sigmas: torch.Tensor, step_index: torch.Tensor, mode: Mode, noise_level: float, dtype: torch.dtype
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample ``(a, c, std)`` with ``mu = a * x + c * v``, each [B] in ``dtype``.
 
-    This is the only place the torch backend writes the modes' math (SPEC, Modes)."""
+    This is the only place the torch backend writes the modes' math (docs/contract.md, Modes)."""
     table = sigmas.to(dtype)
     sigma = table[step_index]
     sigma_next = table[step_index + 1]
     d = sigma - sigma_next  # D > 0; diffusers' dt is -D
     # eta stays a Python scalar (the ops cast it to ``dtype``): no host-to-device copy, capturable
-    if mode == "ode":
+    if mode is Mode.ODE:
         return torch.ones_like(sigma), -d, torch.zeros_like(sigma)
-    if mode in ("sde", "dance"):
-        if mode == "sde":
+    if mode in (Mode.SDE, Mode.DANCE):
+        if mode is Mode.SDE:
             # sigma == 1 would divide by zero: use the schedule's second value (Flow-GRPO, SGLang)
-            at_one = (sigma - 1).abs() <= SIGMA_ONE_ATOL + SIGMA_ONE_RTOL
+            at_one = (sigma - 1).abs() <= SIGMA_ONE_TOL
             sigma_t = torch.where(at_one, table[1].expand_as(sigma), sigma)
             s = noise_level * torch.sqrt(sigma / (1 - sigma_t))
         else:
@@ -67,14 +65,14 @@ def mode_coefficients(
         a = 1 - s2 * d / (2 * sigma)
         c = -(1 + s2 * (1 - sigma) / (2 * sigma)) * d
         return a, c, s * torch.sqrt(d)
-    if mode == "cps":
+    if mode is Mode.CPS:
         std = sigma_next * sin_half_pi(noise_level, dtype)
         # clamp: at eta = 1, sigma'^2 - std^2 is 0 up to rounding and may come out a hair negative
         k = torch.sqrt(torch.clamp(sigma_next * sigma_next - std * std, min=0))
         a = (1 - sigma_next) + k
         c = k * (1 - sigma) - (1 - sigma_next) * sigma
         return a, c, std
-    raise ValueError(f"unknown mode {mode!r}")
+    raise ValueError(f"mode must be a flowrl.contract.Mode; got {mode!r}")
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -140,28 +138,42 @@ def combine_partials(partials: torch.Tensor) -> torch.Tensor:
     return _pairwise_sum(partials)
 
 
-def finalize(
-    partials: torch.Tensor, std: torch.Tensor, numel: int, kind: str, reduction: str
-) -> torch.Tensor:
-    """Combine the chunk partials of squared residuals and turn them into the log-prob (``kind`` in
-    gaussian/kernel/sq_err) or the KL (``kind="kl"``), per sample. Deterministic steps (std = 0) give
-    exactly 0 with zero gradient (SPEC, Deterministic steps)."""
-    total = combine_partials(partials)
-    if reduction == "mean":
-        total = total / numel
+def density_std(std: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The deterministic-step rule and the std floor (docs/contract.md), for every op of this
+    backend: returns (deterministic, the std the value divides by). std == 0 is deterministic (value
+    0, gradient 0; 1 keeps the masked branch finite, so its gradient is 0, not NaN); otherwise
+    max(std, STD_FLOOR), so std**2 never underflows and r**2 / std**2 stays finite."""
     deterministic = std == 0
-    # a safe variance keeps the masked branch finite, so its gradient is 0, not NaN
-    var = torch.where(deterministic, torch.ones_like(std), std * std)
-    if kind == "sq_err":
+    return deterministic, torch.where(deterministic, torch.ones_like(std), std.clamp(min=STD_FLOOR))
+
+
+def value_from_total(
+    total: torch.Tensor, std: torch.Tensor, numel: int, kind: LogProbKind, reduction: Reduction
+) -> torch.Tensor:
+    """A sample's log-prob (``kind`` gaussian/kernel/sq_err) or KL (``kind`` KL) from its total of
+    squared residuals: the same operations as the kernels' ``value_from_total``."""
+    if reduction is Reduction.MEAN:
+        total = total / numel
+    deterministic, std_d = density_std(std)
+    var = std_d * std_d
+    if kind is LogProbKind.SQ_ERR:
         value = -total
-    elif kind == "kl":
+    elif kind is LogProbKind.KL:
         value = total / (2 * var)
     else:
         value = -total / (2 * var)
-        if kind == "gaussian":
-            const = -torch.log(torch.where(deterministic, torch.ones_like(std), std)) - HALF_LOG_2PI
-            value = value + (const if reduction == "mean" else const * numel)
+        if kind is LogProbKind.GAUSSIAN:
+            const = -torch.log(std_d) - HALF_LOG_2PI
+            value = value + (const if reduction is Reduction.MEAN else const * numel)
     return torch.where(deterministic, torch.zeros_like(value), value)
+
+
+def finalize(
+    partials: torch.Tensor, std: torch.Tensor, numel: int, kind: LogProbKind, reduction: Reduction
+) -> torch.Tensor:
+    """Combine a sample's chunk partials of squared residuals (``combine_partials``) and turn the
+    total into its log-prob or KL (``value_from_total``)."""
+    return value_from_total(combine_partials(partials), std, numel, kind, reduction)
 
 
 # ------------------------------------------------------------- Philox noise (sde_step(noise_seed=))
@@ -243,88 +255,62 @@ def _mean(x: torch.Tensor, v: torch.Tensor, a: torch.Tensor, c: torch.Tensor) ->
     return mu.add_(_col(c) * _rows(v))
 
 
-def _reduce(r: torch.Tensor, std: torch.Tensor, kind: str, reduction: str, numel: Optional[int], gather: Gather):
-    """[B, N] residuals -> the per-sample value: chunk partials of r^2, gathered across shards when
-    ``gather`` is given, then ``finalize`` with the full sample's element count."""
-    partials = _chunk_partials(r * r, consume=True)
-    if gather is not None:
-        partials = gather(partials)
-    return finalize(partials, std, numel or r.shape[1], kind, reduction)
+def _reduce(spec, r: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """[B, N] residuals -> the per-sample value: chunk partials of r^2, gathered across shards
+    (``spec.gather``), then ``finalize`` with the full sample's element count."""
+    partials = spec.gather(_chunk_partials(r * r, consume=True))
+    return finalize(partials, std, spec.numel, spec.kind, spec.reduction)
 
 
-def sde_step(
-    sample: torch.Tensor,
-    model_output: torch.Tensor,
-    sigmas: torch.Tensor,
-    step_index: torch.Tensor,
-    noise: torch.Tensor,
-    *,
-    mode: str,
-    noise_level: float,
-    log_prob: str,
-    reduction: str,
-    out_dtype: torch.dtype,
-    return_mean: bool = True,
-    numel: Optional[int] = None,
-    gather: Gather = None,
-    noise_seed: Optional[NoiseSeed] = None,
-):
+class _EmittedResidual(torch.autograd.Function):
+    """r = x' - mu of the emitted sample x' = round(mu + std * eps), in ``dtype``. The rounding to
+    out_dtype is a constant of the step, so r moves with the noise term std * eps only, never with
+    mu: d log_prob / d model_output of a rollout step is exactly 0 (as in the Triton kernel), where
+    autograd through the cast would round a zero-sum gradient through out_dtype instead."""
+
+    @staticmethod
+    def forward(ctx, prev, mu, noise_term, dtype):
+        return (prev - mu).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, grad, None
+
+
+def sde_step(spec, sample: torch.Tensor, model_output: torch.Tensor, noise: Optional[torch.Tensor]):
     """One stochastic step. Returns ``(prev_sample, log_prob [B], mean or None, std [B])``; the log-prob
-    is of the emitted ``prev_sample`` rounded to ``out_dtype`` (SPEC, Rounding). ``noise`` None: eps
-    is the Philox noise of ``noise_seed`` (``philox_normal``), or, with neither, the step is
-    deterministic by its arguments (``ode``, noise level 0) and x' = mu."""
-    if noise is None and noise_seed is not None:
-        noise = philox_normal(noise_seed, _rows(sample).shape[1])
+    is of the emitted ``prev_sample`` rounded to ``spec.out_dtype`` (docs/contract.md, Rounding).
+    ``noise`` is eps for a TENSOR noise source; for PHILOX eps is ``philox_normal`` of the spec's seed;
+    for NONE the step is deterministic by its arguments (ode, noise level 0) and x' = mu."""
+    if spec.noise_source is NoiseSource.PHILOX:
+        noise = philox_normal(spec.noise_seed, _rows(sample).shape[1])
     dtype = compute_dtype(sample, model_output, noise)
-    a, c, std = mode_coefficients(sigmas, step_index, mode, noise_level, dtype)
+    a, c, std = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
     mu = _mean(sample, model_output, a, c)
     if noise is None:
-        prev = mu.to(out_dtype, copy=True)  # std is 0: mu + 0 * eps is mu
+        noise_term = None
+        prev = mu.to(spec.out_dtype, copy=True)  # std is 0: mu + 0 * eps is mu
     else:
-        prev = (_col(std) * _rows(noise)).add_(mu).to(out_dtype)  # = mu + std * eps, rounded to out_dtype
-    r = (prev - mu).to(dtype)  # the emitted sample's residual (SPEC, Rounding)
-    lp = _reduce(r, std, log_prob, reduction, numel, gather)
-    mean = mu.reshape(sample.shape) if return_mean else None
+        noise_term = _col(std) * _rows(noise)
+        prev = (noise_term + mu).to(spec.out_dtype)  # = mu + std * eps, rounded to out_dtype
+    r = _EmittedResidual.apply(prev, mu, noise_term, dtype)  # docs/contract.md, Rounding
+    lp = _reduce(spec, r, std)
+    mean = mu.reshape(sample.shape) if spec.return_mean else None
     return prev.reshape(sample.shape), lp, mean, std
 
 
-def step_log_prob(
-    sample: torch.Tensor,
-    model_output: torch.Tensor,
-    prev_sample: torch.Tensor,
-    sigmas: torch.Tensor,
-    step_index: torch.Tensor,
-    *,
-    mode: str,
-    noise_level: float,
-    log_prob: str,
-    reduction: str,
-    numel: Optional[int] = None,
-    gather: Gather = None,
-) -> torch.Tensor:
+def step_log_prob(spec, sample: torch.Tensor, model_output: torch.Tensor, prev_sample: torch.Tensor) -> torch.Tensor:
     """Log-prob [B] of ``prev_sample`` given ``sample`` under the policy's ``model_output``."""
     dtype = compute_dtype(sample, model_output, prev_sample)
-    a, c, std = mode_coefficients(sigmas, step_index, mode, noise_level, dtype)
+    a, c, std = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
     r = (_rows(prev_sample) - _mean(sample, model_output, a, c)).to(dtype)
-    return _reduce(r, std, log_prob, reduction, numel, gather)
+    return _reduce(spec, r, std)
 
 
-def step_kl(
-    sample: torch.Tensor,
-    model_output: torch.Tensor,
-    ref_model_output: torch.Tensor,
-    sigmas: torch.Tensor,
-    step_index: torch.Tensor,
-    *,
-    mode: str,
-    noise_level: float,
-    reduction: str,
-    numel: Optional[int] = None,
-    gather: Gather = None,
-) -> torch.Tensor:
+def step_kl(spec, sample: torch.Tensor, model_output: torch.Tensor, ref_model_output: torch.Tensor) -> torch.Tensor:
     """Exact Gaussian KL [B] between the step's transitions under two policies sharing ``std``:
-    ``(mu_theta - mu_ref)^2 / (2 std^2)`` per element (SPEC, KL)."""
+    ``(mu_theta - mu_ref)^2 / (2 std^2)`` per element (docs/contract.md, KL)."""
     dtype = compute_dtype(sample, model_output, ref_model_output)
-    a, c, std = mode_coefficients(sigmas, step_index, mode, noise_level, dtype)
+    a, c, std = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
     r = _mean(sample, model_output, a, c) - _mean(sample, ref_model_output, a, c)
-    return _reduce(r, std, "kl", reduction, numel, gather)
+    return _reduce(spec, r, std)

@@ -11,12 +11,28 @@ arithmetic is then the reference's, operation for operation.
 import triton
 import triton.language as tl
 
-# Integer codes of the string options, shared by the launchers (flowrl/_triton_ops.py) and kernels.
-MODE_CODES = {"ode": 0, "sde": 1, "dance": 2, "cps": 3}
-KIND_CODES = {"gaussian": 0, "kernel": 1, "sq_err": 2, "kl": 3}
-SQ_ERR_CODE = 2
-KL_CODE = 3
-GAUSSIAN_CODE = 0
+from flowrl.contract import HALF_LOG_2PI as _HALF_LOG_2PI
+from flowrl.contract import STD_FLOOR as _STD_FLOOR
+from flowrl.contract import LogProbKind, Mode, NoiseSource, Op
+
+# Named constexpr switches from flowrl.contract's enums: a @triton.jit function may read a module
+# global only when it is a tl.constexpr (a plain int compiles under the interpreter, not for a GPU).
+MODE_ODE = tl.constexpr(Mode.ODE.value)
+MODE_SDE = tl.constexpr(Mode.SDE.value)
+MODE_DANCE = tl.constexpr(Mode.DANCE.value)
+MODE_CPS = tl.constexpr(Mode.CPS.value)
+KIND_GAUSSIAN = tl.constexpr(LogProbKind.GAUSSIAN.value)
+KIND_KERNEL = tl.constexpr(LogProbKind.KERNEL.value)
+KIND_SQ_ERR = tl.constexpr(LogProbKind.SQ_ERR.value)
+KIND_KL = tl.constexpr(LogProbKind.KL.value)
+OP_ROLLOUT = tl.constexpr(Op.ROLLOUT.value)
+OP_LOG_PROB = tl.constexpr(Op.LOG_PROB.value)
+OP_KL = tl.constexpr(Op.KL.value)
+NOISE_TENSOR = tl.constexpr(NoiseSource.TENSOR.value)
+NOISE_PHILOX = tl.constexpr(NoiseSource.PHILOX.value)
+NOISE_NONE = tl.constexpr(NoiseSource.NONE.value)
+HALF_LOG_2PI = tl.constexpr(_HALF_LOG_2PI)
+STD_FLOOR = tl.constexpr(_STD_FLOOR)
 
 
 @triton.jit
@@ -28,18 +44,18 @@ def mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MOD
     sigma = tl.load(sigmas_ptr + step)
     sigma_next = tl.load(sigmas_ptr + step + 1)
     d = sigma - sigma_next  # D > 0; diffusers' dt is -D
-    if MODE == 0:  # ode
+    if MODE == MODE_ODE:
         a = sigma * 0.0 + 1.0
         c = -d
         std = sigma * 0.0
-    elif MODE == 3:  # cps
+    elif MODE == MODE_CPS:
         std = sigma_next * sin_half_pi_eta
         # clamp: at eta = 1, sigma'^2 - std^2 is 0 up to rounding and may come out a hair negative
         k = tl.sqrt_rn(tl.maximum(sigma_next * sigma_next - std * std, 0.0))
         a = (1.0 - sigma_next) + k
         c = k * (1.0 - sigma) - (1.0 - sigma_next) * sigma
-    else:  # sde (1) or dance (2)
-        if MODE == 1:
+    else:  # sde or dance
+        if MODE == MODE_SDE:
             # sigma == 1 would divide by zero: use the schedule's second value (Flow-GRPO, SGLang)
             sigma_sub = tl.load(sigmas_ptr + 1)
             sigma_t = tl.where(tl.abs(sigma - 1.0) <= sigma_one_tol, sigma_sub, sigma)
@@ -58,6 +74,56 @@ def mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MOD
 def step_mean(a, c, x, v):
     """mu = a * x + c * v in float32 (x, v already upcast)."""
     return a * x + c * v
+
+
+@triton.jit
+def density_std(std):
+    """The deterministic-step rule and the std floor (docs/contract.md), for every kernel: returns
+    (deterministic, the std the value divides by). std == 0 is deterministic (value 0, gradient 0;
+    1.0 keeps the masked branch finite); otherwise max(std, STD_FLOOR), so std**2 never underflows."""
+    deterministic = std == 0.0
+    return deterministic, tl.where(deterministic, 1.0, tl.maximum(std, STD_FLOOR))
+
+
+@triton.jit
+def value_from_total(total, std, numel_f, KIND: tl.constexpr, MEAN: tl.constexpr):
+    """A sample's log-prob (KIND gaussian/kernel/sq_err) or KL (KIND_KL) from its total of squared
+    residuals, as flowrl.reference.value_from_total computes it."""
+    if MEAN:
+        total = tl.div_rn(total, numel_f)
+    deterministic, std_d = density_std(std)
+    var = std_d * std_d
+    if KIND == KIND_SQ_ERR:
+        value = -total
+    elif KIND == KIND_KL:
+        value = tl.div_rn(total, 2.0 * var)
+    else:
+        value = tl.div_rn(-total, 2.0 * var)
+        if KIND == KIND_GAUSSIAN:
+            const = -tl.log(std_d) - HALF_LOG_2PI
+            if MEAN:
+                value = value + const
+            else:
+                value = value + const * numel_f
+    return tl.where(deterministic, 0.0, value)
+
+
+@triton.jit
+def total_grad(grad, std, numel_f, KIND: tl.constexpr, MEAN: tl.constexpr):
+    """d value / d total times the incoming ``grad``: the backward of value_from_total (0 on
+    deterministic steps)."""
+    deterministic, std_d = density_std(std)
+    var = std_d * std_d
+    g = tl.where(deterministic, 0.0, grad)
+    if KIND == KIND_SQ_ERR:
+        coef = -g
+    elif KIND == KIND_KL:
+        coef = tl.div_rn(g, 2.0 * var)
+    else:
+        coef = -tl.div_rn(g, 2.0 * var)
+    if MEAN:
+        coef = tl.div_rn(coef, numel_f)
+    return coef
 
 
 @triton.jit

@@ -1,8 +1,9 @@
 """Fused forward, finalize and backward kernels of flowrl's three ops (launchers and autograd
 Functions live in flowrl/_triton_ops.py).
 
-Forward: one program per (chunk, sample); it reads its chunk of x, v and a third input once and
-writes one float32 partial = sum of squared residuals over the chunk:
+Forward: one program per (sample, chunk); it reads its chunk of x, v and a third input once and
+writes one float32 partial = sum of squared residuals over the chunk. The switches (MODE, OP, KIND,
+NOISE) take flowrl.contract's enum values, compared against the named constants of kernels/common.py.
 
 - OP_ROLLOUT:  third = noise eps; writes x' = mu + std * eps rounded to out_dtype, the residual is
   r = float32(rounded x') - mu (log-prob of the EMITTED sample), optionally writes mu. With
@@ -14,7 +15,8 @@ writes one float32 partial = sum of squared residuals over the chunk:
 - OP_KL:       third = the reference policy's velocity; r = mu(v) - mu(v_ref).
 
 Finalize: one program per sample combines its partials (zero-padded to a power of two) by the same
-halving tree, and turns the total into the log-prob / KL (flowrl.reference.finalize).
+halving tree, and turns the total into the log-prob / KL (common.value_from_total; the torch backend's
+flowrl.reference.value_from_total).
 
 Backward: same grid as forward; from the per-sample incoming grad it writes the input grads
 directly (autograd of the reference, reproduced operation for operation).
@@ -25,25 +27,19 @@ import triton
 import triton.language as tl
 
 from .common import (
-    GAUSSIAN_CODE, KL_CODE, SQ_ERR_CODE, halving_tree_sum, mode_coefficients, philox_key, philox_normal_block,
-    round_to, step_mean,
+    NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, halving_tree_sum, mode_coefficients,
+    philox_key, philox_normal_block, round_to, step_mean, total_grad, value_from_total,
 )
-
-OP_ROLLOUT = 0
-OP_LOG_PROB = 1
-OP_KL = 2
-# where a rollout's eps comes from
-NOISE_TENSOR = 0
-NOISE_PHILOX = 1
-NOISE_NONE = 2
 
 
 @triton.jit
-def _chunk_offsets(n_per_sample, CHUNK: tl.constexpr):
-    """int64 element offsets and mask of this program's chunk (batches of video latents exceed 2**31
-    elements, so offsets are never int32)."""
-    chunk = tl.program_id(0).to(tl.int64)
-    row = tl.program_id(1).to(tl.int64)
+def _chunk_offsets(n_per_sample, n_chunks, CHUNK: tl.constexpr):
+    """This program's (sample, chunk), its int64 element offsets and mask. The grid is 1-D, one
+    program per (sample, chunk), sample-major: any batch size fits (a 2-D grid's second axis stops at
+    65535), and offsets are int64 (batches of video latents exceed 2**31 elements)."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // n_chunks
+    chunk = pid - row * n_chunks
     in_row = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = in_row < n_per_sample
     return row, chunk, row * n_per_sample + in_row, mask
@@ -66,18 +62,18 @@ def step_partials_kernel(
     MODE: tl.constexpr, OP: tl.constexpr, WRITE_MEAN: tl.constexpr,
     CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, NOISE: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
 ):
-    row, chunk, offs, mask = _chunk_offsets(n_per_sample, CHUNK)
+    row, chunk, offs, mask = _chunk_offsets(n_per_sample, n_chunks, CHUNK)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if NOISE == 1:  # rollout only: the noise never touches memory
+    if NOISE == NOISE_PHILOX:  # rollout only: the noise never touches memory
         third = _philox_eps(seeds_ptr, row, chunk, stream_stride, elem_offset, CHUNK, PHILOX_ALIGNED)
-    elif NOISE == 0:
+    elif NOISE == NOISE_TENSOR:
         third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     mu = step_mean(a, c, x, v)
-    if OP == 0:  # rollout
-        if NOISE == 2:  # deterministic: std is 0, and mu + 0 * eps is mu
+    if OP == OP_ROLLOUT:
+        if NOISE == NOISE_NONE:  # deterministic: std is 0, and mu + 0 * eps is mu
             prev = round_to(mu, prev_out_ptr.dtype.element_ty)
         else:
             prev = round_to(mu + std * third, prev_out_ptr.dtype.element_ty)
@@ -85,9 +81,9 @@ def step_partials_kernel(
         r = prev.to(tl.float32) - mu
         if WRITE_MEAN:
             tl.store(mean_out_ptr + offs, mu, mask=mask)
-    elif OP == 1:  # log-prob recompute
+    elif OP == OP_LOG_PROB:
         r = third - mu
-    else:  # KL
+    else:  # OP_KL
         r = mu - step_mean(a, c, x, third)
     r = tl.where(mask, r, 0.0)  # the tail of the last chunk adds exact zeros, as the reference's padding
     partial = halving_tree_sum(r * r, CHUNK, LOG2_CHUNK)
@@ -97,7 +93,7 @@ def step_partials_kernel(
 @triton.jit
 def finalize_kernel(
     partials_ptr, sigmas_ptr, step_ptr, value_ptr, std_ptr,
-    n_partials, numel_f, half_log_2pi, sigma_one_tol, eta, sin_half_pi_eta,
+    n_partials, numel_f, sigma_one_tol, eta, sin_half_pi_eta,
     MODE: tl.constexpr, KIND: tl.constexpr, MEAN: tl.constexpr,
     WIDTH: tl.constexpr, LOG2_WIDTH: tl.constexpr,
 ):
@@ -109,54 +105,26 @@ def finalize_kernel(
     offs = tl.arange(0, WIDTH)
     partials = tl.load(partials_ptr + row * n_partials + offs, mask=offs < n_partials, other=0.0)
     total = halving_tree_sum(partials, WIDTH, LOG2_WIDTH)
-    if MEAN:
-        total = tl.div_rn(total, numel_f)
-    deterministic = std == 0.0
-    # a safe variance keeps the masked branch finite (SPEC, Deterministic steps)
-    var = tl.where(deterministic, 1.0, std * std)
-    if KIND == SQ_ERR_CODE:
-        value = -total
-    elif KIND == KL_CODE:
-        value = tl.div_rn(total, 2.0 * var)
-    else:
-        value = tl.div_rn(-total, 2.0 * var)
-        if KIND == GAUSSIAN_CODE:
-            const = -tl.log(tl.where(deterministic, 1.0, std)) - half_log_2pi
-            if MEAN:
-                value = value + const
-            else:
-                value = value + const * numel_f
-    value = tl.where(deterministic, 0.0, value)
-    tl.store(value_ptr + row, value)
+    tl.store(value_ptr + row, value_from_total(total, std, numel_f, KIND, MEAN))
     tl.store(std_ptr + row, std)
 
 
 @triton.jit
 def step_backward_kernel(
     x_ptr, v_ptr, third_ptr, grad_ptr, grad_x_ptr, grad_v_ptr, grad_third_ptr, sigmas_ptr, step_ptr,
-    n_per_sample, numel_f, sigma_one_tol, eta, sin_half_pi_eta,
+    n_per_sample, n_chunks, numel_f, sigma_one_tol, eta, sin_half_pi_eta,
     MODE: tl.constexpr, KIND: tl.constexpr, MEAN: tl.constexpr, IS_KL: tl.constexpr,
     NEED_X: tl.constexpr, NEED_V: tl.constexpr, NEED_THIRD: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Input grads of step_log_prob (third = x') or step_kl (third = v_ref) from grad [B].
 
-    Per sample: coef = d value / d total (0 on deterministic steps, / numel for the mean); per element
-    d value / d r = 2 * coef * r, then dmu/dx = a, dmu/dv = c, and r = x' - mu or mu - mu_ref.
-    The KL's grad w.r.t. x is exactly 0 (a * x cancels) and is not computed here."""
-    row, chunk, offs, mask = _chunk_offsets(n_per_sample, CHUNK)
+    Per sample: coef = d value / d total (common.total_grad); per element d value / d r = 2 * coef * r,
+    then dmu/dx = a, dmu/dv = c, and r = x' - mu or mu - mu_ref. The KL's grad w.r.t. x is exactly 0
+    (a * x cancels) and is not computed here."""
+    row, chunk, offs, mask = _chunk_offsets(n_per_sample, n_chunks, CHUNK)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
-    deterministic = std == 0.0
-    var = tl.where(deterministic, 1.0, std * std)
-    g = tl.where(deterministic, 0.0, tl.load(grad_ptr + row))
-    if KIND == SQ_ERR_CODE:
-        coef = -g
-    elif KIND == KL_CODE:
-        coef = tl.div_rn(g, 2.0 * var)
-    else:
-        coef = -tl.div_rn(g, 2.0 * var)
-    if MEAN:
-        coef = tl.div_rn(coef, numel_f)
+    coef = total_grad(tl.load(grad_ptr + row), std, numel_f, KIND, MEAN)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)

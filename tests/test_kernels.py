@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import flowrl
-from flowrl import _dispatch, _triton_ops, functional
+from flowrl import _dispatch, _triton_ops
+from flowrl.step_spec import ShardContext
 
 MODES = ("ode", "sde", "dance", "cps")
 KINDS = ("gaussian", "kernel", "sq_err")
@@ -157,14 +158,27 @@ def test_odd_shapes(device, shape, mode, kind, reduction, dtype, step):
     check_all_ops(shape, dtype, device, mode, kind, reduction, step_index, seed=3)
 
 
-def test_non_contiguous_inputs_are_copied(device):
+@pytest.mark.parametrize("kind", KINDS)
+def test_non_contiguous_inputs_match_the_reference(device, kind):
+    """Transposed and strided views (what a pipeline's permute or slice hands over): the kernels'
+    values and grads against the torch reference on the same views, and the emitted sample."""
     sigmas = schedule(device)
     x, v, prev = inputs((4, 6, 8), torch.float32, device, 5)
-    xt, vt, pt = (t.transpose(1, 2) for t in (x, v, prev))
-    assert not xt.is_contiguous()
-    got = flowrl.step_log_prob(xt, vt, pt, sigmas, 3, backend="triton")
-    want = flowrl.step_log_prob(xt.contiguous(), vt.contiguous(), pt.contiguous(), sigmas, 3, backend="triton")
-    assert torch.equal(got, want)
+    x, v, prev = (t.transpose(1, 2) for t in (x, v, prev))
+    _, _, noise = inputs((4, 8, 12), torch.float32, device, 6, third="noise")
+    noise = noise[:, :, ::2]  # strided
+    assert not (x.is_contiguous() or v.is_contiguous() or prev.is_contiguous() or noise.is_contiguous())
+    for backend_out in (("triton", "torch"),):
+        outs = {b: _grads(lambda a, m, p: flowrl.step_log_prob(a, m, p, sigmas, steps_for(4, device), log_prob=kind,
+                                                                 backend=b), (x, v, prev)) for b in backend_out}
+    (lp, grads), (lp_ref, grads_ref) = outs["triton"], outs["torch"]
+    torch.testing.assert_close(lp, lp_ref, rtol=2e-5, atol=2e-5)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-7)
+    step = flowrl.sde_step(x, v, sigmas, 3, noise=noise, log_prob=kind, backend="triton")
+    step_ref = flowrl.sde_step(x, v, sigmas, 3, noise=noise, log_prob=kind, backend="torch")
+    assert_within_one_ulp(step.prev_sample, step_ref.prev_sample)
+    assert_close_dtype(step.log_prob, step_ref.log_prob, torch.float32, "non-contiguous sde_step")
 
 
 def test_float64_is_refused(device):
@@ -306,8 +320,8 @@ def test_gather_identity_and_sharded_partials(device):
     x, v, prev = inputs((2, n), torch.float32, device, 15)
     step_index = steps_for(2, device)
     full = flowrl.step_log_prob(x, v, prev, sigmas, step_index, backend="triton")
-    same = functional._step_log_prob(x, v, prev, sigmas, step_index, mode="sde", noise_level=0.7,
-                                      log_prob="gaussian", reduction="mean", backend="triton", gather=lambda p: p)
+    same = flowrl.step_log_prob(x, v, prev, sigmas, step_index, backend="triton",
+                                shard=ShardContext(numel=n, offset=0, gather=lambda p: p))
     assert torch.equal(full, same)
 
     cut = 2 * flowrl.CHUNK_SIZE
@@ -318,14 +332,15 @@ def test_gather_identity_and_sharded_partials(device):
         second["partials"] = p
         return p
     vs = [v[s].clone().requires_grad_(True) for s in shards]
-    args = dict(mode="sde", noise_level=0.7, log_prob="gaussian", reduction="mean", backend="triton", numel=n)
-    functional._step_log_prob(x[shards[1]], vs[1], prev[shards[1]], sigmas, step_index, gather=keep, **args)
-    lp0 = functional._step_log_prob(x[shards[0]], vs[0], prev[shards[0]], sigmas, step_index,
-                                    gather=lambda p: torch.cat([p, second["partials"]], dim=1), **args)
+    def on_shard(k, gather):
+        shard = ShardContext(numel=n, offset=cut * k, gather=gather)
+        return flowrl.step_log_prob(x[shards[k]], vs[k], prev[shards[k]], sigmas, step_index, backend="triton",
+                                    shard=shard)
+    on_shard(1, keep)
+    lp0 = on_shard(0, lambda p: torch.cat([p, second["partials"]], dim=1))
     assert torch.equal(lp0, full)
     # backward: each rank uses the same incoming grad and the global numel
-    lp1 = functional._step_log_prob(x[shards[1]], vs[1], prev[shards[1]], sigmas, step_index,
-                                    gather=lambda p: torch.cat([second["partials"].new_zeros(2, 2), p], dim=1), **args)
+    lp1 = on_shard(1, lambda p: torch.cat([second["partials"].new_zeros(2, 2), p], dim=1))
     lp0.sum().backward()
     lp1.sum().backward()
     v_full = v.clone().requires_grad_(True)
@@ -354,17 +369,24 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error():
 def test_auto_picks_torch_on_cpu(monkeypatch):
     monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
     assert _dispatch.resolve("auto", torch.device("cpu"), torch.float32) == "torch"
-    assert _dispatch.module("triton") is _triton_ops
 
 
-def test_wide_finalize_falls_back_to_the_same_tree(device, monkeypatch):
-    """Above MAX_FINALIZE_WIDTH partials the combine runs as torch ops: same bits (float32)."""
+@pytest.mark.parametrize("kind", KINDS + ("kl",))
+def test_wide_finalize_runs_the_same_tree(device, monkeypatch, kind):
+    """Above MAX_FINALIZE_WIDTH partials the tree's first levels run as elementwise torch adds before
+    the finalize kernel: the same bits as one program."""
     sigmas = schedule(device)
-    x, v, prev = inputs((2, 3 * flowrl.CHUNK_SIZE + 1), torch.float32, device, 16)
-    want = flowrl.step_log_prob(x, v, prev, sigmas, torch.tensor([0, 5], device=device), backend="triton")
-    monkeypatch.setattr(_triton_ops, "MAX_FINALIZE_WIDTH", 2)
-    got = flowrl.step_log_prob(x, v, prev, sigmas, torch.tensor([0, 5], device=device), backend="triton")
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    x, v, prev = inputs((2, 5 * flowrl.CHUNK_SIZE + 1), torch.float32, device, 16)
+    steps = torch.tensor([0, 5], device=device)
+
+    def run():
+        if kind == "kl":
+            return flowrl.step_kl(x, v, prev, sigmas, steps, reduction="sum", backend="triton")
+        return flowrl.step_log_prob(x, v, prev, sigmas, steps, log_prob=kind, backend="triton")
+    want = run()
+    for width in (4, 2):  # 6 partials: padded to 8, then one or two torch levels
+        monkeypatch.setattr(_triton_ops, "MAX_FINALIZE_WIDTH", width)
+        assert torch.equal(run(), want), width
 
 
 def test_sde_step_without_mean_under_autograd(device):

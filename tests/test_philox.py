@@ -12,9 +12,9 @@ import triton
 import triton.language as tl
 
 import flowrl
-from flowrl import functional as F
 from flowrl import reference as R
 from flowrl._validate import NoiseSeed
+from flowrl.step_spec import ShardContext
 from flowrl.kernels.common import philox4x32_10, philox_key, philox_normal_block, philox_quad
 
 TRITON_OK = "triton" in flowrl.available_backends() and (
@@ -251,12 +251,12 @@ def test_shards_draw_their_slice_of_the_noise(backend, cut):
     """Two calls on the halves of every flattened sample, each with its elem_offset, emit exactly the
     halves of the one-call sample (what flowrl.distributed passes per rank)."""
     x, v, sigmas = _inputs(shape=(2, 2051))
-    kw = dict(mode="sde", noise_level=0.7, noise=None, generator=None, log_prob="gaussian", reduction="mean",
-              out_dtype=None, backend=backend, return_prev_sample_mean=True)
-    full = F._sde_step(x, v, sigmas, 2, noise_seed=31, **kw)
+    kw = dict(mode="sde", noise_level=0.7, backend=backend)
+    full = flowrl.sde_step(x, v, sigmas, 2, noise_seed=31, **kw)
     for lo, hi in ((0, cut), (cut, 2051)):
-        part = F._sde_step(x[:, lo:hi].contiguous(), v[:, lo:hi].contiguous(), sigmas, 2, noise_seed=31,
-                           elem_offset=lo, numel=2051, **kw)
+        shard = ShardContext(numel=2051, offset=lo, gather=lambda partials: partials)
+        part = flowrl.sde_step(x[:, lo:hi].contiguous(), v[:, lo:hi].contiguous(), sigmas, 2, noise_seed=31,
+                               shard=shard, **kw)
         assert torch.equal(part.prev_sample, full.prev_sample[:, lo:hi]), f"shard [{lo}, {hi})"
         assert torch.equal(part.prev_sample_mean, full.prev_sample_mean[:, lo:hi])
 

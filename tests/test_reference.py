@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flowrl
+import flowrl.step_spec
 from flowrl import reference as R
 from flowrl import sde_step, step_kl, step_log_prob
 
@@ -394,11 +395,11 @@ def test_shard_invariance_at_a_chunk_boundary(kind):
     x, v, prev, v_ref = (randn((2, n), torch.float32, k) for k in range(4))
 
     def run(sl, gather=None, numel=None):
+        shard = None if gather is None else flowrl.step_spec.ShardContext(numel=numel or n, offset=0, gather=gather)
+        common = dict(mode="sde", noise_level=eta, reduction="mean", backend="torch", shard=shard)
         if kind == "kl":
-            return R.step_kl(x[:, sl], v[:, sl], v_ref[:, sl], sigmas, torch.tensor([i, i]), mode="sde",
-                             noise_level=eta, reduction="mean", numel=numel, gather=gather)
-        return R.step_log_prob(x[:, sl], v[:, sl], prev[:, sl], sigmas, torch.tensor([i, i]), mode="sde",
-                               noise_level=eta, log_prob=kind, reduction="mean", numel=numel, gather=gather)
+            return step_kl(x[:, sl], v[:, sl], v_ref[:, sl], sigmas, torch.tensor([i, i]), **common)
+        return step_log_prob(x[:, sl], v[:, sl], prev[:, sl], sigmas, torch.tensor([i, i]), log_prob=kind, **common)
 
     whole = run(slice(None))
     captured = {}
