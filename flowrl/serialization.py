@@ -1,4 +1,4 @@
-"""Wire format for rollouts: SGLang's JSON tensor envelope over a hand-written safetensors container.
+"""Wire format for rollouts: SGLang's JSON tensor envelope over the safetensors container.
 
 SGLang's ``POST /rollout/generate`` sends every tensor (and numpy array) as
 
@@ -7,32 +7,33 @@ SGLang's ``POST /rollout/generate`` sends every tensor (and numpy array) as
 
 nested anywhere inside dicts and lists. ``to_wire`` / ``from_wire`` encode and decode such structures.
 
-The safetensors container (8-byte little-endian header length, a JSON header, then the raw
-little-endian bytes of each tensor) is written and parsed here by hand rather than through the
-``safetensors`` package: the format is tiny, and owning the parser lets decoding check every field
-of a payload that came from the network instead of trusting a parser's error behaviour. Decoding
-never unpickles, takes dtypes from an allowlist, checks the shape against the byte count, bounds the
-header and the total decoded size (``DEFAULT_MAX_BYTES`` or ``max_bytes=``), and raises ``ValueError``
-saying what is wrong for any malformed payload.
+The container (8-byte little-endian header length, a JSON header, the raw tensor bytes) is written and
+parsed by the ``safetensors`` library. Payloads come from the network, so decoding adds flowrl's own
+checks around it: the size (``DEFAULT_MAX_BYTES`` or ``max_bytes=``) and the header length are bounded
+before anything is allocated, the header's dtypes must be on an allowlist and its shapes at most
+``MAX_NDIM``-dimensional, bool bytes must be 0 or 1, and the envelope's shape and dtype must match the
+data. Decoding never unpickles, and every malformed payload, including one the library rejects,
+raises ``ValueError`` naming where it is.
 """
 from __future__ import annotations
 
 import base64
 import binascii
 import json
-import math
 import os
 import struct
-import sys
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import numpy as np
+import safetensors
+import safetensors.torch
 import torch
 
 # Largest total of decoded bytes one ``from_wire`` / ``load_safetensors`` call accepts by default
 # (2 GiB: a long video rollout's latents in bf16 fit; a hostile payload cannot ask for more).
 DEFAULT_MAX_BYTES = 2 << 30
-# Largest safetensors JSON header accepted: a header describes a handful of tensors, never megabytes.
+# Largest safetensors JSON header accepted: a header describes a handful of tensors, never megabytes
+# (the library's own limit is 100 MB).
 MAX_HEADER_BYTES = 1 << 20
 # Deepest nesting of dicts/lists ``from_wire`` / ``to_wire`` walk (guards against stack exhaustion).
 MAX_DEPTH = 64
@@ -41,7 +42,8 @@ MAX_NDIM = 32
 TENSOR_KEY = "t"  # the key SGLang stores the tensor under inside each envelope's safetensors bytes
 ENVELOPE_KEYS = frozenset({"__tensor__", "data", "shape", "dtype"})
 
-# allowlist: torch dtype <-> safetensors dtype tag
+# allowlist: torch dtype <-> safetensors dtype tag. The library knows more (float8, uint16-64,
+# complex); those are refused on both sides so a payload cannot smuggle in a dtype training never expects.
 _ST_DTYPES: Dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -58,18 +60,9 @@ _FROM_ST = {tag: dt for dt, tag in _ST_DTYPES.items()}
 # envelope dtype names: torch's str(dtype) as SGLang writes it, and the bare (numpy-style) names
 _FROM_NAME = {str(dt): dt for dt in _ST_DTYPES}
 _FROM_NAME.update({str(dt).replace("torch.", ""): dt for dt in _ST_DTYPES})
+_ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 
 Path = Union[str, "os.PathLike[str]"]
-
-
-def _require_little_endian() -> None:
-    # safetensors stores little-endian bytes; this module copies raw memory both ways
-    if sys.byteorder != "little":
-        raise RuntimeError("flowrl.serialization supports little-endian hosts only")
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _check_encodable(t: torch.Tensor, where: str) -> None:
@@ -78,99 +71,6 @@ def _check_encodable(t: torch.Tensor, where: str) -> None:
         raise TypeError(f"{where}: dtype {t.dtype} cannot be sent on the wire; allowed: {allowed}")
     if t.layout != torch.strided:
         raise TypeError(f"{where}: only dense (strided) tensors can be sent on the wire; got layout {t.layout}")
-
-
-def _raw_bytes(t: torch.Tensor) -> bytes:
-    """The tensor's elements as contiguous little-endian bytes, from any device or memory layout."""
-    t = t.detach().to("cpu").contiguous()
-    if t.numel() == 0:
-        return b""
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-# ---------------------------------------------------------------------------------------------------
-# safetensors container
-
-
-def encode_safetensors(tensors: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> bytes:
-    """Serialize ``tensors`` (name -> tensor) and optional string ``metadata`` to safetensors bytes,
-    readable by the ``safetensors`` library. Tensors may live on any device and be non-contiguous."""
-    _require_little_endian()
-    header: Dict[str, Any] = {}
-    if metadata is not None:
-        for k, v in metadata.items():
-            if not isinstance(k, str) or not isinstance(v, str):
-                raise TypeError(f"metadata must map str to str; got {k!r}: {type(v).__name__}")
-        header["__metadata__"] = dict(metadata)
-    blobs = []
-    offset = 0
-    for name in sorted(tensors):
-        t = tensors[name]
-        if not isinstance(name, str) or name == "__metadata__":
-            raise ValueError(f"tensor names must be strings other than '__metadata__'; got {name!r}")
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensor {name!r} must be a torch.Tensor; got {type(t).__name__}")
-        _check_encodable(t, f"tensor {name!r}")
-        raw = _raw_bytes(t)
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    head += b" " * (-len(head) % 8)  # pad so the data starts 8-byte aligned, as the library does
-    return struct.pack("<Q", len(head)) + head + b"".join(blobs)
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"non-finite number {name} in header")
-
-
-def _unique_keys(pairs):
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r} in header")
-        out[k] = v
-    return out
-
-
-def _parse_header(head: bytes) -> Tuple[Dict[str, dict], Dict[str, str]]:
-    """Validate a safetensors JSON header: returns (name -> (dtype, shape, (begin, end)), metadata)."""
-    try:
-        text = head.decode("utf-8")
-        parsed = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ValueError(f"invalid safetensors header: {exc}") from None
-    if not isinstance(parsed, dict):
-        raise ValueError(f"invalid safetensors header: expected a JSON object, got {type(parsed).__name__}")
-    metadata = parsed.pop("__metadata__", None)
-    if metadata is None:
-        metadata = {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise ValueError("invalid safetensors header: __metadata__ must map strings to strings")
-    entries = {}
-    for name, info in parsed.items():
-        where = f"safetensors header entry {name!r}"
-        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise ValueError(f"{where} must be an object with exactly dtype, shape, data_offsets")
-        dtype = _FROM_ST.get(info["dtype"]) if isinstance(info["dtype"], str) else None
-        if dtype is None:
-            raise ValueError(f"{where}: dtype {info['dtype']!r} is not allowed; allowed: {', '.join(_FROM_ST)}")
-        shape = _check_shape(info["shape"], where)
-        offsets = info["data_offsets"]
-        if (
-            not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]
-        ):
-            raise ValueError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end; got {offsets!r}")
-        nbytes = math.prod(shape) * _itemsize(dtype)
-        if offsets[1] - offsets[0] != nbytes:
-            raise ValueError(
-                f"{where}: shape {shape} of {info['dtype']} needs {nbytes} bytes but data_offsets "
-                f"span {offsets[1] - offsets[0]}"
-            )
-        entries[name] = (dtype, shape, (offsets[0], offsets[1]))
-    return entries, metadata
 
 
 def _check_shape(shape, where: str) -> list:
@@ -182,27 +82,78 @@ def _check_shape(shape, where: str) -> list:
     return shape
 
 
-def _check_layout(entries: Dict[str, tuple], data_len: int) -> None:
-    """The tensors' byte ranges must tile the data section exactly: no gaps, overlaps or trailing bytes."""
-    end = 0
-    for name, (_, _, (begin, stop)) in sorted(entries.items(), key=lambda kv: kv[1][2]):
-        if begin != end:
-            raise ValueError(f"safetensors data of {name!r} starts at byte {begin}, expected {end} (gap or overlap)")
-        end = stop
-    if end != data_len:
-        raise ValueError(f"safetensors data section holds {data_len} bytes but the header describes {end}")
+# ---------------------------------------------------------------------------------------------------
+# safetensors container
 
 
-def _tensor_from_bytes(buf, dtype: torch.dtype, shape: list, name: str) -> torch.Tensor:
-    if math.prod(shape) == 0:
-        return torch.empty(shape, dtype=dtype)
-    t = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
-    if dtype == torch.bool and bool((t > 1).any()):
-        raise ValueError(f"tensor {name!r}: bool data holds bytes other than 0 and 1")
-    return t.view(dtype).reshape(shape)
+def _prepare_for_library(tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Check names and tensors, and hand the library what it requires: detached, dense, contiguous
+    CPU tensors that share no memory with each other (it refuses overlapping storage)."""
+    prepared = {}
+    storages = set()
+    for name, t in tensors.items():
+        if not isinstance(name, str) or name == "__metadata__":
+            raise ValueError(f"tensor names must be strings other than '__metadata__'; got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensor {name!r} must be a torch.Tensor; got {type(t).__name__}")
+        _check_encodable(t, f"tensor {name!r}")
+        t = t.detach().to("cpu").contiguous()
+        if t.numel():
+            storage = t.untyped_storage().data_ptr()
+            if storage in storages:
+                t = t.clone()  # e.g. the same tensor under two names, or a view of another one
+            storages.add(t.untyped_storage().data_ptr())
+        prepared[name] = t
+    return prepared
+
+
+def _check_metadata(metadata: Optional[Mapping[str, str]]) -> Optional[Dict[str, str]]:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must map str to str; got {type(metadata).__name__}")
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"metadata must map str to str; got {k!r}: {type(v).__name__}")
+    return dict(metadata)
+
+
+def encode_safetensors(tensors: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> bytes:
+    """Serialize ``tensors`` (name -> tensor) and optional string ``metadata`` to safetensors bytes
+    with the ``safetensors`` library. Tensors may live on any device and be non-contiguous."""
+    prepared = _prepare_for_library(tensors)
+    return safetensors.torch.save(prepared, metadata=_check_metadata(metadata))
+
+
+def save_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> None:
+    """Write a safetensors file with the library (atomically: a temporary file renamed into place)."""
+    prepared = _prepare_for_library(tensors)
+    metadata = _check_metadata(metadata)
+    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+    try:
+        safetensors.torch.save_file(prepared, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"non-finite number {name} in JSON")
+
+
+def _unique_keys(pairs):
+    # the library keeps the last of duplicate keys; a header that says two things is refused instead
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r} in header")
+        out[k] = v
+    return out
 
 
 def _header_length(prefix: bytes, total: int, max_bytes: int) -> int:
+    """The container's header length, bounded before anything is allocated for the header or data."""
     if len(prefix) < 8:
         raise ValueError(f"safetensors data too short: {len(prefix)} bytes, need at least 8 for the header length")
     (n,) = struct.unpack("<Q", prefix[:8])
@@ -215,40 +166,68 @@ def _header_length(prefix: bytes, total: int, max_bytes: int) -> int:
     return n
 
 
+def _read_header(head: bytes) -> Tuple[Dict[str, Tuple[torch.dtype, list]], Dict[str, str]]:
+    """What the header promises, checked against flowrl's allowlist before the library allocates:
+    returns (name -> (dtype, shape), metadata). Offsets and byte counts are left to the library; the
+    metadata is read here because the library's bytes API does not return it."""
+    try:
+        header = json.loads(head.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"invalid safetensors header: {exc}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"invalid safetensors header: expected a JSON object, got {type(header).__name__}")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise ValueError("invalid safetensors header: __metadata__ must map strings to strings")
+    promised = {}
+    for name, info in header.items():
+        where = f"safetensors header entry {name!r}"
+        if not isinstance(info, dict) or set(info) != _ENTRY_KEYS:
+            raise ValueError(f"{where} must be an object with exactly dtype, shape, data_offsets")
+        dtype = _FROM_ST.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        if dtype is None:
+            raise ValueError(f"{where}: dtype {info['dtype']!r} is not allowed; allowed: {', '.join(_FROM_ST)}")
+        promised[name] = (dtype, _check_shape(info["shape"], where))
+    return promised, metadata
+
+
 def decode_safetensors(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
-    """Parse safetensors ``data`` strictly: returns (name -> CPU tensor, metadata). Any malformed input
-    raises ``ValueError``."""
-    _require_little_endian()
+    """Parse safetensors ``data`` strictly with the library: returns (name -> CPU tensor, metadata).
+    Any malformed input raises ``ValueError``."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"data must be bytes; got {type(data).__name__}")
-    data = memoryview(data)
-    n = _header_length(bytes(data[:8]), len(data), max_bytes)
-    entries, metadata = _parse_header(bytes(data[8:8 + n]))
-    body = data[8 + n:]
-    _check_layout(entries, len(body))
-    tensors = {name: _tensor_from_bytes(body[b:e], dt, shape, name) for name, (dt, shape, (b, e)) in entries.items()}
+    data = bytes(data)
+    n = _header_length(data[:8], len(data), max_bytes)
+    promised, metadata = _read_header(data[8:8 + n])
+    try:
+        tensors = safetensors.torch.load(data)
+    except (safetensors.SafetensorError, RuntimeError, OverflowError) as exc:
+        raise ValueError(f"the safetensors library rejected the data: {exc}") from None
+    # the library parsed the same header; this guards the allowlist against any parser difference
+    found = {name: (t.dtype, list(t.shape)) for name, t in tensors.items()}
+    if found != promised:
+        raise ValueError(f"safetensors data holds {found} but its header promised {promised}")
+    for name, t in tensors.items():
+        if t.dtype == torch.bool and t.numel() and bool((t.view(torch.uint8) > 1).any()):
+            raise ValueError(f"tensor {name!r}: bool data holds bytes other than 0 and 1")
     return tensors, metadata
 
 
-def save_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> None:
-    """Write a safetensors file (atomically: a temporary file renamed into place)."""
-    blob = encode_safetensors(tensors, metadata)
-    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(blob)
-    os.replace(tmp, path)
-
-
 def load_safetensors(path: Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
-    """Read a safetensors file strictly; the size is checked before the data is read."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        _header_length(f.read(8), size, max_bytes)  # size checks before reading the whole file
-        f.seek(0)
-        blob = f.read(size)
-    if len(blob) != size:
-        raise ValueError(f"{os.fspath(path)}: file changed while being read")
-    return decode_safetensors(blob, max_bytes=max_bytes)
+    """Read a safetensors file as strictly as ``decode_safetensors``; the size is checked before the
+    data is read."""
+    where = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            _header_length(f.read(8), size, max_bytes)
+            f.seek(0)
+            blob = f.read(size)
+        if len(blob) != size:
+            raise ValueError("file changed while being read")
+        return decode_safetensors(blob, max_bytes=max_bytes)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -381,9 +360,7 @@ def from_wire(obj: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, device=None) -> A
 def _decode(obj: Any, where: str, depth: int, budget: _Budget, device) -> Any:
     if depth > MAX_DEPTH:
         raise ValueError(f"{where}: nesting deeper than {MAX_DEPTH} levels")
-    if obj is None or isinstance(obj, (bool, int, str)):
-        return obj
-    if isinstance(obj, float):
+    if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, dict):
         if "__tensor__" in obj:

@@ -24,7 +24,9 @@ class RolloutTrajectory:
     log_probs: float32 [B, T], the log-prob of each step's emitted sample (0 on ode steps).
     timesteps: [T] the scheduler's timesteps (schedule metadata: shared, never sliced per sample).
     sigmas: float32 [T + 1] snapshot of the exact schedule, post-shift, with the terminal 0.
-    latent_step_indices: int64 [K], which loop steps ``latents`` holds.
+    latent_step_indices: int64 [K], which loop steps ``latents`` holds. Optional when K = T + 1 (every
+        step's input plus the final output, as an SGLang rollout returns): it then defaults to
+        ``arange(T + 1)``; a filtered K must pass it.
     mode, noise_level, log_prob, reduction: the rollout settings, to recompute with the same ones.
     sde_steps: int64 [S] loop steps that were stochastic (the others ran as ``ode``), or None for all.
     """
@@ -33,12 +35,35 @@ class RolloutTrajectory:
     log_probs: torch.Tensor
     timesteps: torch.Tensor
     sigmas: torch.Tensor
-    latent_step_indices: torch.Tensor
+    latent_step_indices: Optional[torch.Tensor] = None  # a tensor after __init__
     mode: str = "sde"
     noise_level: float = 0.7
     log_prob: str = "gaussian"
     reduction: str = "mean"
     sde_steps: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.latent_step_indices is not None:
+            return
+        for name in ("latents", "sigmas"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor; got {type(getattr(self, name)).__name__}")
+        if self.latents.dim() < 2:
+            raise ValueError(
+                f"latents must be [B, K, ...] to default latent_step_indices; got shape {tuple(self.latents.shape)}"
+            )
+        if self.sigmas.dim() != 1 or self.sigmas.numel() < 2:
+            raise ValueError(
+                f"sigmas must be 1-D [T + 1] to default latent_step_indices; got shape {tuple(self.sigmas.shape)}"
+            )
+        kept, num_steps = int(self.latents.shape[1]), self.num_steps
+        if kept != num_steps + 1:
+            raise ValueError(
+                f"latent_step_indices is required when latents hold K = {kept} latents per sample for "
+                f"T = {num_steps} steps (the default arange(T + 1) needs K = T + 1 = {num_steps + 1})"
+            )
+        # on the schedule's device, as RolloutRecorder builds it
+        self.latent_step_indices = torch.arange(kept, dtype=torch.int64, device=self.sigmas.device)
 
     @property
     def batch_size(self) -> int:

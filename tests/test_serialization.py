@@ -1,8 +1,8 @@
-"""Wire format: SGLang tensor envelopes, the hand-written safetensors container, RolloutTrajectory I/O.
+"""Wire format: SGLang tensor envelopes, the safetensors container, RolloutTrajectory I/O.
 
-The ``safetensors`` library is the independent encoder/decoder here: payloads it writes must decode,
-and what flowrl writes must load with it. Malformed payloads must raise ValueError, never anything
-else; hypothesis fuzzes that.
+flowrl encodes and decodes the container through the ``safetensors`` library; the tests also build
+payloads with the library directly (as SGLang does) and by hand (malformed headers). Malformed payloads
+must raise ValueError naming where they are, never anything else; hypothesis fuzzes that.
 """
 import base64
 import json
@@ -191,6 +191,14 @@ def _env(blob: bytes, shape=(2,), dtype="torch.float32") -> dict:
 GOOD = sglang_envelope(torch.tensor([1.0, 2.0]))
 F32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
 BODY = struct.pack("<2f", 1.0, 2.0)
+# what the library itself rejects (offsets, byte counts) comes back as a ValueError naming where it is
+REJECTED = "^obj: the safetensors library rejected the data: "
+
+
+def _duplicate_entry_bytes() -> bytes:
+    entry = json.dumps(F32)
+    head = f'{{"t": {entry}, "t": {entry}}}'.encode()  # well-formed twice: the library alone accepts it
+    return struct.pack("<Q", len(head)) + head + BODY
 
 MALFORMED = {
     "not base64": (dict(GOOD, data="@@@@"), "base64"),
@@ -205,16 +213,21 @@ MALFORMED = {
     "header is a list": (_env(_st_bytes([1])), "JSON object"),
     "header NaN": (_env(struct.pack("<Q", 14) + b'{"t": NaN}    '), "non-finite"),
     "duplicate key": (_env(struct.pack("<Q", 17) + b'{"t": 1, "t": 2} '), "duplicate key"),
+    "duplicate valid entry": (_env(_duplicate_entry_bytes()), "duplicate key"),
     "header dtype": (_env(_st_bytes({"t": dict(F32, dtype="F8_E4M3")}, BODY)), "not allowed"),
+    # dtypes the library reads but flowrl refuses
+    "header dtype U16": (_env(_st_bytes({"t": dict(F32, dtype="U16", shape=[4])}, BODY)), "'U16' is not allowed"),
+    "header dtype C64": (_env(_st_bytes({"t": dict(F32, dtype="C64", shape=[1])}, BODY)), "'C64' is not allowed"),
     "header extra field": (_env(_st_bytes({"t": dict(F32, x=1)}, BODY)), "exactly dtype"),
+    "too many dims": (_env(_st_bytes({"t": dict(F32, shape=[1] * 33 + [2])}, BODY)), "at most 32"),
     "negative dim": (_env(_st_bytes({"t": dict(F32, shape=[-2])}, BODY)), "non-negative"),
     "bool dim": (_env(_st_bytes({"t": dict(F32, shape=[True, 2])}, BODY)), "non-negative"),
-    "huge shape": (_env(_st_bytes({"t": dict(F32, shape=[1 << 62, 1 << 62])}, BODY)), "needs"),
-    "offsets vs shape": (_env(_st_bytes({"t": dict(F32, data_offsets=[0, 4])}, BODY)), "needs 8 bytes"),
-    "offsets reversed": (_env(_st_bytes({"t": dict(F32, data_offsets=[8, 0])}, BODY)), "data_offsets"),
-    "offsets not ints": (_env(_st_bytes({"t": dict(F32, data_offsets=[0.0, 8])}, BODY)), "data_offsets"),
-    "trailing bytes": (_env(_st_bytes({"t": F32}, BODY + b"xx")), "holds 10 bytes"),
-    "gap": (_env(_st_bytes({"t": dict(F32, data_offsets=[2, 10])}, b"\0\0" + BODY)), "gap or overlap"),
+    "huge shape": (_env(_st_bytes({"t": dict(F32, shape=[1 << 62, 1 << 62])}, BODY)), REJECTED),
+    "offsets vs shape": (_env(_st_bytes({"t": dict(F32, data_offsets=[0, 4])}, BODY)), REJECTED),
+    "offsets reversed": (_env(_st_bytes({"t": dict(F32, data_offsets=[8, 0])}, BODY)), REJECTED),
+    "offsets not ints": (_env(_st_bytes({"t": dict(F32, data_offsets=[0.0, 8])}, BODY)), REJECTED),
+    "trailing bytes": (_env(_st_bytes({"t": F32}, BODY + b"xx")), REJECTED),
+    "gap": (_env(_st_bytes({"t": dict(F32, data_offsets=[2, 10])}, b"\0\0" + BODY)), REJECTED),
     "metadata not strings": (_env(_st_bytes({"__metadata__": {"a": 1}, "t": F32}, BODY)), "__metadata__"),
     "wrong tensor name": (_env(_st_bytes({"x": F32}, BODY)), "exactly one tensor named 't'"),
     "two tensors": (_env(st_save({"t": torch.zeros(2), "u": torch.zeros(1)})), "exactly one tensor"),
@@ -244,6 +257,46 @@ def test_bool_bytes_other_than_0_1_rejected():
     assert S.from_wire(_env(_st_bytes(header, b"\x00\x01\x01"), (3,), "torch.bool")).tolist() == [False, True, True]
     with pytest.raises(ValueError, match="bool data"):
         S.from_wire(_env(_st_bytes(header, b"\x00\x01\x02"), (3,), "torch.bool"))
+
+
+def test_library_rejections_name_where():
+    bad = _env(_st_bytes({"t": dict(F32, data_offsets=[0, 4])}, BODY))
+    with pytest.raises(ValueError, match=r"^obj\['rollout'\]\[1\]: the safetensors library rejected the data"):
+        S.from_wire({"rollout": [GOOD, bad]})
+    with pytest.raises(ValueError, match=r"^envelope: the safetensors library rejected the data"):
+        S.decode_tensor(bad)
+
+
+def test_container_metadata_round_trip():
+    tensors = {"a": _random((2, 3), torch.bfloat16), "b": _random((4,), torch.bool)}
+    loaded, meta = S.decode_safetensors(S.encode_safetensors(tensors, {"k": "v", "format": "x/1"}))
+    assert meta == {"k": "v", "format": "x/1"}
+    assert all(_bits_equal(loaded[k], tensors[k]) for k in tensors)
+    # metadata written by the library itself comes back too; no metadata reads as {}
+    assert S.decode_safetensors(st_save(tensors, metadata={"k": "w"}))[1] == {"k": "w"}
+    assert S.decode_safetensors(st_save(tensors))[1] == {}
+    with pytest.raises(TypeError, match="metadata must map str to str"):
+        S.encode_safetensors(tensors, {"k": 1})
+    with pytest.raises(ValueError, match="tensor names"):
+        S.encode_safetensors({"__metadata__": torch.zeros(1)})
+    with pytest.raises(TypeError, match="tensor 'a' must be a torch.Tensor"):
+        S.encode_safetensors({"a": [1.0]})
+
+
+def test_container_tensors_sharing_memory(tmp_path):
+    # the library refuses tensors that overlap in memory; flowrl copies the second one instead
+    base = _random((4, 5), torch.float32)
+    tensors = {"a": base, "same": base, "row": base[1], "cols": base[:, 1:]}
+    for loaded, _ in (S.decode_safetensors(S.encode_safetensors(tensors)),
+                      (S.save_safetensors(tmp_path / "s", tensors), S.load_safetensors(tmp_path / "s"))[1]):
+        assert set(loaded) == set(tensors)
+        assert all(_bits_equal(loaded[k], tensors[k].contiguous()) for k in tensors)
+
+
+def test_loaded_tensors_are_writable():
+    t = S.from_wire(S.to_wire(torch.arange(4.0)))
+    t.add_(1)  # backed by its own writable memory, not the payload's bytes
+    assert t.tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
 def test_size_limit():
@@ -443,7 +496,7 @@ def test_trajectory_load_rejects(tmp_path):
     traj.save(path)
     blob = path.read_bytes()
     (tmp_path / "cut").write_bytes(blob[:-3])
-    with pytest.raises(ValueError, match="data section"):
+    with pytest.raises(ValueError, match="cut: the safetensors library rejected the data"):
         RolloutTrajectory.load(tmp_path / "cut")
     with pytest.raises(ValueError, match="max_bytes"):
         RolloutTrajectory.load(path, max_bytes=100)
