@@ -17,6 +17,8 @@ import torch
 
 # SPEC: sigma counts as 1 under an fp32 isclose with rtol 1e-5
 SIGMA_ONE_RTOL = 1e-5
+# contract: the log-prob and KL divide by max(std, 2**-40) (std == 0 is the deterministic rule)
+STD_FLOOR = 2.0**-40
 F64 = torch.float64
 
 
@@ -108,10 +110,11 @@ def log_prob(x, v, x_prev, sigmas, step_index, mode: str, eta: float, kind: str 
         if st.std == 0:
             out.append((r * 0).sum())  # deterministic: exactly 0, zero gradient
             continue
+        sd = max(st.std, STD_FLOOR)
         if kind == "gaussian":
-            per = -r * r / (2 * st.std ** 2) - math.log(st.std) - math.log(math.sqrt(2 * math.pi))
+            per = -r * r / (2 * sd ** 2) - math.log(sd) - math.log(math.sqrt(2 * math.pi))
         elif kind == "kernel":
-            per = -r * r / (2 * st.std ** 2)
+            per = -r * r / (2 * sd ** 2)
         elif kind == "sq_err":
             per = -r * r
         else:
@@ -131,7 +134,7 @@ def kl(x, v, v_ref, sigmas, step_index, mode: str, eta: float, reduction: str = 
         if st.std == 0:
             out.append((diff * 0).sum())
             continue
-        out.append(_reduce(diff * diff / (2 * st.std ** 2), reduction))
+        out.append(_reduce(diff * diff / (2 * max(st.std, STD_FLOOR) ** 2), reduction))
     return torch.stack(out)
 
 

@@ -64,3 +64,22 @@ def test_offsets_past_two_to_the_31_elements():
     del noise
     lp = flowrl.step_log_prob(x, v, both.prev_sample, sigmas, 3, backend="triton")
     assert torch.equal(lp, both.log_prob)
+
+
+def test_batches_past_the_grid_limit_of_65535_samples():
+    # one program per (sample, chunk) on a 1-D grid: 70,000 samples are one launch; every row equals
+    # the same row computed alone, and the rollout's log-probs equal the recompute's
+    g = torch.Generator(device="cuda").manual_seed(2)
+    b, n = 70_000, 1100
+    x = torch.randn((b, n), device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn((b, n), device="cuda", generator=g, dtype=torch.bfloat16)
+    noise = torch.randn((b, n), device="cuda", generator=g)
+    step = torch.randint(0, 10, (b,), device="cuda", generator=g)
+    sigmas = _schedule()
+    out = flowrl.sde_step(x, v, sigmas, step, noise=noise, backend="triton", return_prev_sample_mean=False)
+    lp = flowrl.step_log_prob(x, v, out.prev_sample, sigmas, step, backend="triton")
+    assert torch.equal(lp, out.log_prob)
+    for row in (0, 65_535, b - 1):
+        alone = flowrl.step_log_prob(x[row:row + 1], v[row:row + 1], out.prev_sample[row:row + 1], sigmas,
+                                     step[row:row + 1], backend="triton")
+        assert torch.equal(alone, lp[row:row + 1])

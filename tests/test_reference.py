@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +27,8 @@ MODES = tuple(ETA)
 KINDS = ("gaussian", "kernel", "sq_err")
 REDUCTIONS = ("mean", "sum")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+BACKENDS = ("torch", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="triton on CPU needs TRITON_INTERPRET=1")))
 # 4-D image latents, 5-D video latents, one element, and sizes that are not powers of two
 # (3 * 1500 crosses a CHUNK_SIZE boundary inside every sample)
 SHAPES = ((2, 3, 5, 7), (2, 2, 3, 4, 5), (1, 1), (3, 1500))
@@ -337,10 +340,16 @@ def explicit_order(sq_row) -> np.float32:
     return tree_sum_f32(partials)
 
 
-def test_chunk_size_is_documented_and_exported():
-    assert flowrl.CHUNK_SIZE == R.CHUNK_SIZE == 1024
+def test_chunk_size_is_the_documented_one_and_cuts_the_reduction():
+    """docs/contract.md states the chunk size; the reduction cuts samples at exactly that size."""
+    from flowrl import contract
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "contract.md").read_text()
+    assert f"`CHUNK_SIZE` = {contract.CHUNK_SIZE}" in doc
+    assert flowrl.CHUNK_SIZE == R.CHUNK_SIZE == contract.CHUNK_SIZE
     assert R.CHUNK_SIZE & (R.CHUNK_SIZE - 1) == 0 and 1024 <= R.CHUNK_SIZE <= 65536
-    assert "CHUNK_SIZE" in R.__doc__
+    for n, chunks in ((1, 1), (R.CHUNK_SIZE, 1), (R.CHUNK_SIZE + 1, 2), (3 * R.CHUNK_SIZE, 3)):
+        assert R.chunk_partials(torch.ones(2, n)).shape == (2, chunks)
 
 
 def test_chunk_partials_follow_the_explicit_tree():
@@ -487,3 +496,61 @@ def test_float64_reference_passes_gradcheck():
             assert torch.autograd.gradcheck(f, (x, v, prev))
         g = lambda a, b, c: step_kl(a, b, c, sigmas, idx, mode=mode, noise_level=0.5, backend="torch")  # noqa: E731
         assert torch.autograd.gradcheck(g, (x, v, v_ref))
+
+
+# ---- tiny noise levels and the rollout's gradient -----------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["sde", "dance", "cps"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_noise_level_whose_variance_underflows_gives_finite_log_probs(backend, mode, dtype):
+    """noise_level=1e-23: std > 0 but std**2 underflows float32 (it gave 0/0 = NaN). The value divides
+    by max(std, STD_FLOOR)**2 (docs/contract.md), equal to the oracle's, and rollout == recompute."""
+    from flowrl.contract import STD_FLOOR
+
+    sigmas, shape, idx = schedule(), (3, 50), torch.tensor([0, 4, 8])
+    x, v, noise = randn(shape, dtype, 0), randn(shape, dtype, 1), randn(shape, torch.float32, 2)
+    out = sde_step(x, v, sigmas, idx, mode=mode, noise_level=1e-23, noise=noise, backend=backend)
+    assert bool((out.std_dev > 0).all()) and bool((out.std_dev < STD_FLOOR).all())
+    assert bool((out.std_dev * out.std_dev == 0).all())  # the underflow the floor guards against
+    # The noise cannot move a float32 sample at this level: r is 0 in float32 and the bf16 rounding
+    # error otherwise. The value is the Gaussian of std STD_FLOOR at that residual (a float64 oracle
+    # of mu would see mu's own float32 rounding as a residual 1e8 std wide, so it is not the yardstick).
+    r = (out.prev_sample.double() - out.prev_sample_mean.double()).reshape(3, -1)
+    if dtype == torch.float32:
+        assert torch.equal(out.prev_sample, out.prev_sample_mean)
+    mean_sq = (r * r).mean(1)
+    const = -math.log(STD_FLOOR) - 0.5 * math.log(2 * math.pi)
+    want = {"gaussian": -mean_sq / (2 * STD_FLOOR**2) + const, "kernel": -mean_sq / (2 * STD_FLOOR**2),
+            "sq_err": -mean_sq}
+    for kind in KINDS:
+        lp = step_log_prob(x, v, out.prev_sample, sigmas, idx, mode=mode, noise_level=1e-23, log_prob=kind,
+                           backend=backend)
+        assert bool(torch.isfinite(lp).all()), (kind, lp)
+        close(lp.double(), want[kind], 1e-5, 1e-6, f"{kind} at std < STD_FLOOR")
+    assert torch.equal(out.log_prob, step_log_prob(x, v, out.prev_sample, sigmas, idx, mode=mode,
+                                                   noise_level=1e-23, backend=backend))
+    kl = step_kl(x, v, randn(shape, dtype, 3), sigmas, idx, mode=mode, noise_level=1e-23, backend=backend)
+    assert bool(torch.isfinite(kl).all()) and bool((kl >= 0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["sde", "cps"])
+def test_rollout_log_prob_gradient_in_model_output_is_exactly_zero(backend, dtype, mode):
+    """d log_prob / d model_output (and d sample) of a rollout step is exactly 0: the rounding of the
+    emitted sample is a constant, so r = x' - mu moves with the noise only. Both backends, every
+    storage dtype (autograd through the cast used to leave ~1e-5 in bf16 on the torch path); the
+    noise gradients of the two backends agree."""
+    sigmas, shape, idx = schedule(), (3, 2, 300), torch.tensor([0, 4, 8])
+    grads = {}
+    for b in ("torch", backend):
+        x, v = randn(shape, dtype, 0).requires_grad_(True), randn(shape, dtype, 1).requires_grad_(True)
+        noise = randn(shape, torch.float32, 2).requires_grad_(True)
+        out = sde_step(x, v, sigmas, idx, mode=mode, noise=noise, backend=b, noise_level=ETA[mode])
+        (out.log_prob * torch.tensor([1.0, -2.0, 0.5])).sum().backward()
+        for t in (x, v):
+            assert t.grad is None or torch.equal(t.grad, torch.zeros_like(t.grad)), (b, t.grad.abs().max())
+        grads[b] = noise.grad
+        assert bool(noise.grad.abs().sum() > 0)
+    torch.testing.assert_close(grads[backend], grads["torch"], rtol=1e-5, atol=1e-7)
