@@ -1,7 +1,8 @@
 """The public functional API: ``sde_step``, ``step_log_prob``, ``step_kl``.
 
-Each op builds one validated ``StepSpec`` from its arguments (``flowrl.step_spec``), picks a backend
-from the table in ``flowrl._dispatch``, and calls that backend's op with the spec and the tensors.
+Each op declares its arguments once, here, builds one validated, immutable ``StepSpec`` from them
+(``flowrl.step_spec``), picks a backend from the table in ``flowrl._dispatch``, and calls that
+backend's op with the spec and the tensors. ``flowrl.distributed`` wraps these ops (adding ``group``).
 The math lives in the backends (``flowrl.reference`` and the Triton kernels), never here.
 """
 from __future__ import annotations
@@ -12,8 +13,11 @@ from typing import List, Optional, Union
 import torch
 
 from . import _dispatch
-from .contract import NoiseSource
-from .step_spec import GeneratorArg, ShardContext, draw_noise, kl_spec, log_prob_spec, rollout_spec
+from . import _validate as V
+from .contract import LogProbKind, Mode, NoiseSource, Op, Reduction
+from .step_spec import (
+    GeneratorArg, ShardContext, StepSpec, draw_noise, elements_per_sample, log_prob_kind, schedule_and_steps,
+)
 
 
 @dataclass
@@ -64,14 +68,30 @@ def sde_step(
     model_output's dtype). ``shard``: the sequence-parallel context (``flowrl.distributed`` passes
     it; None on one device).
     """
-    spec = rollout_spec(
-        sample, model_output, sigmas, step_index, mode=mode, noise_level=noise_level, log_prob=log_prob,
-        reduction=reduction, out_dtype=out_dtype, noise=noise, generator=generator, noise_seed=noise_seed,
-        return_mean=return_prev_sample_mean, shard=shard,
-    )
-    if noise is None and spec.noise_source is NoiseSource.TENSOR:
-        draw = draw_noise if shard is None else shard.draw_noise
-        noise = draw(sample.shape, generator, sample.device)
+    sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
+    kind, reduction = log_prob_kind(log_prob), Reduction.parse("reduction", reduction)
+    out_dtype = V.check_out_dtype(out_dtype, model_output.dtype)
+    seed = None
+    if noise_seed is not None:  # noise, generator and noise_seed are exclusive
+        if noise is not None or generator is not None:
+            raise ValueError("pass noise_seed alone: it replaces noise and generator (got noise_seed with "
+                             f"{'noise' if noise is not None else 'generator'})")
+        seed = V.check_noise_seed(noise_seed, sample)._replace(elem_offset=0 if shard is None else shard.offset)
+        source = NoiseSource.PHILOX
+    elif noise is not None:
+        if generator is not None:
+            raise ValueError("pass either noise or generator, not both")
+        V.check_batch_tensor("noise", noise, sample)
+        source = NoiseSource.TENSOR
+    else:
+        generator = V.check_generator(generator, sample.shape[0])
+        # a step deterministic by its arguments draws no noise and advances no generator
+        source = NoiseSource.NONE if mode is Mode.ODE or eta == 0 else NoiseSource.TENSOR
+    spec = StepSpec(Op.ROLLOUT, sigmas, idx, mode, eta, kind, reduction, elements_per_sample(sample, shard),
+                    out_dtype=out_dtype, noise_source=source, noise_seed=seed,
+                    return_mean=bool(return_prev_sample_mean), shard=shard)
+    if noise is None and source is NoiseSource.TENSOR:
+        noise = (draw_noise if shard is None else shard.draw_noise)(sample.shape, generator, sample.device)
     ops = _dispatch.select(backend, *((sample, model_output) if noise is None else (sample, model_output, noise)))
     if ops.name == "triton" and spec.out_dtype == torch.float64:
         raise TypeError("out_dtype=float64 runs on backend='torch' only")
@@ -95,8 +115,10 @@ def step_log_prob(
     """Log-prob [B] of the stored ``prev_sample`` under the current ``model_output``; differentiable
     with respect to ``model_output``, ``sample`` and ``prev_sample``. On the same backend and inputs it
     reproduces ``sde_step``'s log-prob bit for bit."""
-    spec = log_prob_spec(sample, model_output, prev_sample, sigmas, step_index, mode=mode,
-                         noise_level=noise_level, log_prob=log_prob, reduction=reduction, shard=shard)
+    sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
+    V.check_batch_tensor("prev_sample", prev_sample, sample)
+    spec = StepSpec(Op.LOG_PROB, sigmas, idx, mode, eta, log_prob_kind(log_prob), Reduction.parse("reduction", reduction),
+                    elements_per_sample(sample, shard), shard=shard)
     return _dispatch.select(backend, sample, model_output, prev_sample).step_log_prob(
         spec, sample, model_output, prev_sample)
 
@@ -116,8 +138,10 @@ def step_kl(
 ) -> torch.Tensor:
     """Exact KL [B] between this step's transitions under ``model_output`` and ``ref_model_output``
     (same std): ``(mu - mu_ref)^2 / (2 std^2)`` reduced like the log-prob; 0 on deterministic steps."""
-    spec = kl_spec(sample, model_output, ref_model_output, sigmas, step_index, mode=mode,
-                   noise_level=noise_level, reduction=reduction, shard=shard)
+    sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
+    V.check_batch_tensor("ref_model_output", ref_model_output, sample)
+    spec = StepSpec(Op.KL, sigmas, idx, mode, eta, LogProbKind.KL, Reduction.parse("reduction", reduction),
+                    elements_per_sample(sample, shard), shard=shard)
     return _dispatch.select(backend, sample, model_output, ref_model_output).step_kl(
         spec, sample, model_output, ref_model_output)
 

@@ -1,7 +1,7 @@
 """One validated, immutable description of a step: ``StepSpec``.
 
-The public ops (``flowrl.functional``) build a spec once from their arguments (every check that names
-an argument runs here, through ``flowrl._validate``), then hand it with the tensors to a backend of
+Each public op (``flowrl.functional``) builds its spec once from its arguments, with the checks here
+and in ``flowrl._validate`` (each names its argument), then hands it with the tensors to a backend of
 the table in ``flowrl._dispatch``. Backends read their scalars and switches from the spec only, so a
 parameter is followed from ``flowrl.sde_step`` to the kernel launch through named fields:
 ``noise_level`` -> ``StepSpec.noise_level`` -> ``reference.mode_coefficients`` or the kernels'
@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from . import _validate as V
-from .contract import LogProbKind, Mode, NoiseSource, Op, Reduction
+from .contract import LogProbKind, Mode, NoiseSource, Op, Reduction  # noqa: F401 (StepSpec field types)
 
 GeneratorArg = Union[None, torch.Generator, Sequence[torch.Generator]]
 
@@ -86,7 +86,9 @@ class StepSpec:
         return partials if self.shard is None else self.shard.gather(partials)
 
 
-def _schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level):
+def schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level):
+    """The checks every op makes: the sample, model_output like it, the mode, the noise level, the
+    schedule and the step indices. Returns (sigmas, int64 step indices [B], Mode, float eta)."""
     V.check_sample(sample)
     V.check_batch_tensor("model_output", model_output, sample)
     mode = Mode.parse("mode", mode)
@@ -96,7 +98,8 @@ def _schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_le
     return sigmas, idx, mode, eta
 
 
-def _numel(sample: torch.Tensor, shard: Optional[ShardContext]) -> int:
+def elements_per_sample(sample: torch.Tensor, shard: Optional[ShardContext]) -> int:
+    """The mean's denominator: the sample's element count, or the full sample's under ``shard``."""
     if shard is None:
         return sample.numel() // sample.shape[0]
     if not isinstance(shard, ShardContext):
@@ -104,65 +107,11 @@ def _numel(sample: torch.Tensor, shard: Optional[ShardContext]) -> int:
     return shard.numel
 
 
-def rollout_spec(
-    sample, model_output, sigmas, step_index, *, mode, noise_level, log_prob, reduction, out_dtype,
-    noise, generator, noise_seed, return_mean: bool, shard: Optional[ShardContext],
-) -> StepSpec:
-    """The spec of ``sde_step``; checks the noise arguments too (``noise``, ``generator``, ``noise_seed``
-    are exclusive). The noise source is PHILOX for a seed, TENSOR for a given tensor or one to draw,
-    and NONE for a step deterministic by its arguments (ode, noise level 0) with nothing given: such
-    a step draws no noise and advances no generator."""
-    sigmas, idx, mode, eta = _schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
-    kind = _log_prob_kind(log_prob)
-    reduction = Reduction.parse("reduction", reduction)
-    out_dtype = V.check_out_dtype(out_dtype, model_output.dtype)
-    seed = None
-    if noise_seed is not None:
-        if noise is not None or generator is not None:
-            raise ValueError("pass noise_seed alone: it replaces noise and generator (got noise_seed with "
-                             f"{'noise' if noise is not None else 'generator'})")
-        seed = V.check_noise_seed(noise_seed, sample)._replace(elem_offset=0 if shard is None else shard.offset)
-        source = NoiseSource.PHILOX
-    elif noise is not None:
-        if generator is not None:
-            raise ValueError("pass either noise or generator, not both")
-        V.check_batch_tensor("noise", noise, sample)
-        source = NoiseSource.TENSOR
-    else:
-        V.check_generator(generator, sample.shape[0])
-        deterministic = mode is Mode.ODE or eta == 0
-        source = NoiseSource.NONE if deterministic else NoiseSource.TENSOR
-    return StepSpec(
-        Op.ROLLOUT, sigmas, idx, mode, eta, kind, reduction, _numel(sample, shard), out_dtype=out_dtype,
-        noise_source=source, noise_seed=seed, return_mean=bool(return_mean), shard=shard,
-    )
-
-
-def log_prob_spec(
-    sample, model_output, prev_sample, sigmas, step_index, *, mode, noise_level, log_prob, reduction,
-    shard: Optional[ShardContext],
-) -> StepSpec:
-    """The spec of ``step_log_prob``."""
-    sigmas, idx, mode, eta = _schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
-    V.check_batch_tensor("prev_sample", prev_sample, sample)
-    return StepSpec(Op.LOG_PROB, sigmas, idx, mode, eta, _log_prob_kind(log_prob),
-                    Reduction.parse("reduction", reduction), _numel(sample, shard), shard=shard)
-
-
-def kl_spec(
-    sample, model_output, ref_model_output, sigmas, step_index, *, mode, noise_level, reduction,
-    shard: Optional[ShardContext],
-) -> StepSpec:
-    """The spec of ``step_kl``."""
-    sigmas, idx, mode, eta = _schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
-    V.check_batch_tensor("ref_model_output", ref_model_output, sample)
-    return StepSpec(Op.KL, sigmas, idx, mode, eta, LogProbKind.KL, Reduction.parse("reduction", reduction),
-                    _numel(sample, shard), shard=shard)
-
-
-def _log_prob_kind(log_prob) -> LogProbKind:
-    V.check_choice("log_prob", log_prob, V.LOG_PROB_KINDS)  # "kl" is step_kl's, not a log_prob= value
+def log_prob_kind(log_prob) -> LogProbKind:
+    """``log_prob=``'s kind ("kl" is step_kl's value, not a log-prob kind)."""
+    V.check_choice("log_prob", log_prob, V.LOG_PROB_KINDS)
     return LogProbKind.parse("log_prob", log_prob)
 
 
-__all__ = ["StepSpec", "ShardContext", "rollout_spec", "log_prob_spec", "kl_spec", "draw_noise", "GeneratorArg"]
+__all__ = ["StepSpec", "ShardContext", "schedule_and_steps", "elements_per_sample", "log_prob_kind", "draw_noise",
+           "GeneratorArg"]

@@ -31,44 +31,52 @@ def test_backend_table_names_every_backend_and_its_ops():
         assert list(inspect.signature(getattr(ops, op)).parameters)[0] == "spec"
 
 
-def test_the_spec_carries_every_argument_to_the_backend(monkeypatch):
-    """A parameter is followed from the public op to the backend through the spec's named fields."""
-    seen = {}
+@pytest.fixture
+def spy_backend(monkeypatch):
+    """The torch backend with its ops recording the spec they receive."""
+    real = _dispatch.backend("torch")
+    specs = []
 
-    def spy(spec, sample, model_output, prev_sample):
-        seen["spec"] = spec
-        return torch.zeros(sample.shape[0])
-    monkeypatch.setitem(_dispatch.BACKEND_TABLE, "torch", lambda: _dispatch.Backend("torch", None, spy, None))
+    def recording(op):
+        return lambda spec, *tensors: specs.append(spec) or op(spec, *tensors)
+    monkeypatch.setitem(_dispatch.BACKEND_TABLE, "torch", lambda: _dispatch.Backend(
+        "torch", recording(real.sde_step), recording(real.step_log_prob), recording(real.step_kl)))
     _dispatch.backend.cache_clear()
-    try:
-        x, v, prev = data()
-        flowrl.step_log_prob(x, v, prev, schedule(), torch.tensor([3, 4]), mode="dance", noise_level=0.25,
-                             log_prob="sq_err", reduction="sum", backend="torch")
-    finally:
-        _dispatch.backend.cache_clear()
-    spec = seen["spec"]
-    assert (spec.op, spec.mode, spec.noise_level, spec.kind, spec.reduction) == (
+    yield specs
+    _dispatch.backend.cache_clear()
+
+
+def test_the_spec_carries_every_argument_to_the_backend(spy_backend):
+    """A parameter is followed from the public op to the backend through the spec's named fields."""
+    x, v, prev = data()
+    flowrl.step_log_prob(x, v, prev, schedule(), torch.tensor([3, 4]), mode="dance", noise_level=0.25,
+                         log_prob="sq_err", reduction="sum", backend="torch")
+    flowrl.step_kl(x, v, prev, schedule(), 2, mode="cps", noise_level=0.5, backend="torch")
+    lp_spec, kl_spec = spy_backend
+    assert (lp_spec.op, lp_spec.mode, lp_spec.noise_level, lp_spec.kind, lp_spec.reduction) == (
         Op.LOG_PROB, Mode.DANCE, 0.25, LogProbKind.SQ_ERR, Reduction.SUM)
-    assert spec.step_index.dtype == torch.int64 and spec.step_index.tolist() == [3, 4]
-    assert spec.numel == 40 and spec.shard is None and spec.noise_source is NoiseSource.NONE
+    assert lp_spec.step_index.dtype == torch.int64 and lp_spec.step_index.tolist() == [3, 4]
+    assert lp_spec.numel == 40 and lp_spec.shard is None and lp_spec.noise_source is NoiseSource.NONE
+    assert (kl_spec.op, kl_spec.mode, kl_spec.kind, kl_spec.reduction) == (Op.KL, Mode.CPS, LogProbKind.KL, Reduction.MEAN)
+    assert kl_spec.step_index.tolist() == [2, 2]
     with pytest.raises(Exception):
-        spec.noise_level = 0.5  # immutable
+        lp_spec.noise_level = 0.5  # immutable
 
 
-def test_rollout_spec_noise_sources():
+def test_the_rollout_spec_names_its_noise_source(spy_backend):
     x, v, noise = data()
     sig = schedule()
-    common = dict(log_prob="gaussian", reduction="mean", out_dtype=None, return_mean=True, shard=None)
-    build = flowrl.step_spec.rollout_spec
-    assert build(x, v, sig, 1, mode="sde", noise_level=0.7, noise=noise, generator=None, noise_seed=None,
-                 **common).noise_source is NoiseSource.TENSOR
-    assert build(x, v, sig, 1, mode="sde", noise_level=0.7, noise=None, generator=None, noise_seed=None,
-                 **common).noise_source is NoiseSource.TENSOR  # drawn by the op
-    assert build(x, v, sig, 1, mode="sde", noise_level=0.7, noise=None, generator=None, noise_seed=5,
-                 **common).noise_source is NoiseSource.PHILOX
-    for mode, eta in (("ode", 0.7), ("cps", 0.0)):
-        assert build(x, v, sig, 1, mode=mode, noise_level=eta, noise=None, generator=None, noise_seed=None,
-                     **common).noise_source is NoiseSource.NONE
+    flowrl.sde_step(x, v, sig, 1, noise=noise, out_dtype=torch.bfloat16, backend="torch")
+    flowrl.sde_step(x, v, sig, 1, generator=torch.Generator().manual_seed(0), backend="torch",
+                    return_prev_sample_mean=False)  # drawn by the op
+    flowrl.sde_step(x, v, sig, 1, noise_seed=5, backend="torch")
+    flowrl.sde_step(x, v, sig, 1, mode="ode", backend="torch")
+    flowrl.sde_step(x, v, sig, 1, mode="cps", noise_level=0.0, backend="torch")
+    assert [s.noise_source for s in spy_backend] == [NoiseSource.TENSOR, NoiseSource.TENSOR, NoiseSource.PHILOX,
+                                                     NoiseSource.NONE, NoiseSource.NONE]
+    assert spy_backend[0].out_dtype == torch.bfloat16 and spy_backend[0].return_mean
+    assert spy_backend[1].out_dtype == torch.float32 and not spy_backend[1].return_mean
+    assert spy_backend[2].noise_seed.seeds.tolist() == [5, 5] and spy_backend[2].noise_seed.stream_stride == 1
 
 
 # ------------------------------------------------------------------------------- FLOWRL_BACKEND
