@@ -17,7 +17,8 @@ __version__ = "0.1.0"
 # Heavier parts load on first use, so `import flowrl` stays light.
 _LAZY = {
     "FlowMatchEulerDiscreteScheduler": ("flowrl.scheduler", "FlowMatchEulerDiscreteScheduler"),
-    "RolloutRecorder": ("flowrl.scheduler", "RolloutRecorder"),
+    "RolloutRecorder": ("flowrl.recorder", "RolloutRecorder"),
+    "recorder": ("flowrl.recorder", None),
     "RolloutTrajectory": ("flowrl.trajectory", "RolloutTrajectory"),
     "serialization": ("flowrl.serialization", None),
     "distributed": ("flowrl.distributed", None),

@@ -1,15 +1,18 @@
-"""A drop-in ``FlowMatchEulerDiscreteScheduler`` that records RL rollouts from unmodified pipelines.
+"""flowrl's ``FlowMatchEulerDiscreteScheduler``: diffusers' scheduler, copied, plus ``rollout()``.
 
     pipe.scheduler = flowrl.FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
     with pipe.scheduler.rollout(mode="sde", noise_level=0.7) as rec:
         pipe(...)
     traj = rec.trajectory()   # flowrl.RolloutTrajectory
 
-Outside a rollout, ``set_timesteps`` and ``step`` compute exactly what diffusers'
-``FlowMatchEulerDiscreteScheduler`` computes (same code, same operation order, so the same bits). Inside
-one, every ``step`` samples with ``flowrl.sde_step`` and records the latents and log-probs.
+``set_timesteps`` and ``step`` are a copy of diffusers' code (same operations in the same order, so the
+same bits), so they work without diffusers and do not change when diffusers does. With diffusers
+installed the class also subclasses diffusers' ``FlowMatchEulerDiscreteScheduler``: that is what
+diffusers checks to save a pipeline component, and what pipelines check with ``isinstance``; every
+method diffusers defines for it is overridden here. docs/scheduler.md says why.
 
-diffusers is never imported here: the config is a plain frozen dict, so the scheduler works without it.
+The bf16-safe timestep lookup lives in ``flowrl.timestep_lookup``; the rollout recorder, which also
+wraps diffusers' own scheduler, in ``flowrl.recorder`` (``RolloutRecorder`` is re-exported here).
 """
 from __future__ import annotations
 
@@ -26,9 +29,13 @@ import numpy as np
 import torch
 
 from . import _validate as V
-from ._dispatch import BACKENDS
-from .functional import GeneratorArg, draw_noise, sde_step
-from .trajectory import RolloutTrajectory
+from . import timestep_lookup
+from .functional import GeneratorArg, draw_noise
+
+try:  # optional: the copy runs without diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler as DiffusersFlowMatchEulerDiscreteScheduler
+except ImportError:
+    DiffusersFlowMatchEulerDiscreteScheduler = None
 
 logger = logging.getLogger(__name__)
 CONFIG_NAME = "scheduler_config.json"
@@ -51,6 +58,7 @@ _DEFAULTS: Dict[str, Any] = {
     "time_shift_type": "exponential",
     "stochastic_sampling": False,
 }
+_FROZEN_HINT = "the scheduler config is frozen; build a new scheduler with from_config(config, key=value)"
 
 
 class SchedulerConfig(dict):
@@ -64,7 +72,7 @@ class SchedulerConfig(dict):
             raise AttributeError(f"scheduler config has no key {name!r}") from None
 
     def _frozen(self, *args, **kwargs):
-        raise TypeError("the scheduler config is frozen; build a new scheduler with from_config(config, key=value)")
+        raise TypeError(_FROZEN_HINT)
 
     __setattr__ = __setitem__ = __delitem__ = _frozen
     update = pop = popitem = clear = setdefault = _frozen
@@ -112,12 +120,30 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int; got {value!r}")
 
 
-class FlowMatchEulerDiscreteScheduler:
+def check_step_timestep(timestep) -> None:
+    """``step``'s timestep must be a schedule value, not a loop index (diffusers raises the same)."""
+    if isinstance(timestep, (bool, Integral)) or (
+        isinstance(timestep, torch.Tensor) and not timestep.dtype.is_floating_point
+    ):
+        raise ValueError(
+            "timestep must be one of scheduler.timesteps (a float), not an integer index such as one "
+            "from enumerate(timesteps)"
+        )
+
+
+class FlowMatchEulerDiscreteScheduler(
+    *((DiffusersFlowMatchEulerDiscreteScheduler,) if DiffusersFlowMatchEulerDiscreteScheduler else ())
+):
     """diffusers' ``FlowMatchEulerDiscreteScheduler`` (same arguments, defaults, config, attributes and
-    results), plus ``rollout()`` recording and a bf16-safe timestep lookup (``index_for_timestep``,
-    ``indices_for_timesteps``)."""
+    results; a subclass of it when diffusers is installed), plus ``rollout()`` recording and a bf16-safe
+    timestep lookup (``index_for_timestep``, ``indices_for_timesteps``).
+
+    ``pipe.save_pretrained`` saves it as diffusers' scheduler (``model_index.json`` names
+    ``["diffusers", "FlowMatchEulerDiscreteScheduler"]``), so the saved pipeline reloads with plain
+    diffusers, flowrl imported or not, and its scheduler computes the same results."""
 
     order = 1
+    config_name = CONFIG_NAME
     _compatibles: List[str] = []
 
     def __init__(
@@ -171,6 +197,13 @@ class FlowMatchEulerDiscreteScheduler:
             use_beta_sigmas=use_beta_sigmas, time_shift_type=time_shift_type,
             stochastic_sampling=stochastic_sampling, _class_name=_CLASS_NAME,
         )
+        if DiffusersFlowMatchEulerDiscreteScheduler is not None and type(self) is FlowMatchEulerDiscreteScheduler:
+            # A pipeline records a component as (the library of its __module__, its class name) when it is
+            # assigned, and save_pretrained writes that to model_index.json. Naming diffusers' module (on
+            # this instance only; the class and pickling keep flowrl's) saves the pipeline as plain
+            # diffusers, which reloads anywhere. A subclass keeps its own module: diffusers has no class
+            # of its name.
+            self.__module__ = DiffusersFlowMatchEulerDiscreteScheduler.__module__
 
         # Same code as diffusers' __init__: the 1000-entry training table.
         timesteps = np.linspace(1, num_train_timesteps, num_train_timesteps, dtype=np.float32)[::-1].copy()
@@ -186,13 +219,17 @@ class FlowMatchEulerDiscreteScheduler:
         self.sigma_min = self.sigmas[-1].item()
         self.sigma_max = self.sigmas[0].item()
         self.num_inference_steps: Optional[int] = None
-        self._recorder: Optional[RolloutRecorder] = None
         self._table_cache: Dict[Any, torch.Tensor] = {}
 
     # ----------------------------------------------------------------------------- config & loading
     @property
     def config(self) -> SchedulerConfig:
         return self._config
+
+    def register_to_config(self, **kwargs) -> None:
+        """Refused: the config is frozen (diffusers would change the config without rebuilding the
+        schedule, so the two would disagree)."""
+        raise TypeError(_FROZEN_HINT)
 
     @classmethod
     def from_config(cls, config: Mapping, **kwargs) -> "FlowMatchEulerDiscreteScheduler":
@@ -209,23 +246,36 @@ class FlowMatchEulerDiscreteScheduler:
             warnings.warn(f"FlowMatchEulerDiscreteScheduler ignores config keys it does not take: {unknown}")
         return cls(**{k: v for k, v in merged.items() if k in _DEFAULTS})
 
-    def save_pretrained(self, save_directory: Union[str, os.PathLike], **kwargs) -> None:
-        """Write ``scheduler_config.json`` as diffusers does (so ``pipe.save_pretrained`` works)."""
+    def to_json_string(self) -> str:
+        """The config as ``scheduler_config.json`` holds it (diffusers' ``ConfigMixin`` name)."""
+        return json.dumps(dict(self.config), indent=2, sort_keys=True) + "\n"
+
+    def save_pretrained(self, save_directory: Union[str, os.PathLike], push_to_hub: bool = False, **kwargs) -> None:
+        """Write ``save_directory/scheduler_config.json`` as diffusers does; ``pipe.save_pretrained``
+        calls this. ``push_to_hub`` is not supported (upload the folder with huggingface_hub)."""
+        if push_to_hub:
+            raise ValueError("push_to_hub=True is not supported; save locally and upload the folder with huggingface_hub")
         os.makedirs(save_directory, exist_ok=True)
         with open(os.path.join(save_directory, CONFIG_NAME), "w", encoding="utf-8") as f:
-            json.dump(dict(self.config), f, indent=2, sort_keys=True)
-            f.write("\n")
+            f.write(self.to_json_string())
+
+    save_config = save_pretrained  # diffusers' ConfigMixin name for the same file
 
     @classmethod
-    def from_pretrained(cls, path: Union[str, os.PathLike], subfolder: Optional[str] = None, **kwargs):
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: Union[str, os.PathLike], subfolder: Optional[str] = None, **kwargs
+    ) -> "FlowMatchEulerDiscreteScheduler":
         """Load a local ``scheduler_config.json`` (a directory, or a pipeline directory with
-        ``subfolder="scheduler"``). Hub downloads go through diffusers: ``from_config(diffusers_sched.config)``."""
+        ``subfolder="scheduler"``); ``kwargs`` override config values. Hub downloads go through diffusers:
+        ``from_config(diffusers_sched.config)``."""
+        path = pretrained_model_name_or_path
         folder = os.path.join(path, subfolder) if subfolder else os.fspath(path)
         file = os.path.join(folder, CONFIG_NAME)
         if not os.path.isfile(file):
             raise ValueError(
-                f"path must be a local directory holding {CONFIG_NAME}; {file} does not exist. To load from the "
-                "Hub, load diffusers' scheduler and call FlowMatchEulerDiscreteScheduler.from_config(its.config)"
+                f"pretrained_model_name_or_path must be a local directory holding {CONFIG_NAME} (with subfolder); "
+                f"{file} does not exist. To load from the Hub, load diffusers' scheduler and call "
+                "FlowMatchEulerDiscreteScheduler.from_config(its.config)"
             )
         with open(file, encoding="utf-8") as f:
             return cls.from_config(json.load(f), **kwargs)
@@ -280,7 +330,13 @@ class FlowMatchEulerDiscreteScheduler:
 
     def time_shift(self, mu: float, sigma: float, t):
         if self.config.time_shift_type == "exponential":
-            return math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** sigma)
+            return self._time_shift_exponential(mu, sigma, t)
+        return self._time_shift_linear(mu, sigma, t)
+
+    def _time_shift_exponential(self, mu: float, sigma: float, t):
+        return math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** sigma)
+
+    def _time_shift_linear(self, mu: float, sigma: float, t):
         return mu / (mu + (1 / t - 1) ** sigma)
 
     def stretch_shift_to_terminal(self, t):
@@ -299,8 +355,6 @@ class FlowMatchEulerDiscreteScheduler:
     ) -> None:
         """Build the inference schedule exactly as diffusers does (lists or numpy arrays for ``sigmas`` /
         ``timesteps``; ``mu`` for dynamic shifting)."""
-        if self._recorder is not None:
-            self._recorder._on_set_timesteps()
         if self.config.use_dynamic_shifting and mu is None:
             raise ValueError("mu must be passed when use_dynamic_shifting is True")
         if mu is not None:
@@ -395,64 +449,15 @@ class FlowMatchEulerDiscreteScheduler:
         )
 
     # ----------------------------------------------------------------------------- timestep lookup
-    def _resolve(self, timesteps: torch.Tensor, schedule: torch.Tensor) -> torch.Tensor:
-        """int64 [N]: the schedule index of each timestep; -1 where none matches, -2 where distinct
-        entries match (ambiguous). Sync-free.
-
-        A float timestep matches the schedule entries that round to it in its own dtype (exact equality
-        for float32, as diffusers; within bf16/fp16 rounding otherwise). Equal entries (a repeated
-        timestep) are not ambiguous: diffusers' rule picks the second occurrence."""
-        schedule = schedule.to(timesteps.device)
-        if timesteps.dtype.is_floating_point and timesteps.dtype != torch.float64:
-            match = schedule.to(timesteps.dtype)[None, :] == timesteps[:, None]
-        else:  # float64 and integer timesteps compare exactly, as diffusers' == does
-            match = schedule.double()[None, :] == timesteps.double()[:, None]
-        count = match.sum(dim=1)
-        first = match.to(torch.uint8).argmax(dim=1)
-        second = (match & (match.cumsum(dim=1) == 2)).to(torch.uint8).argmax(dim=1)
-        first_value = schedule[first]
-        ambiguous = (match & (schedule[None, :] != first_value[:, None])).any(dim=1)
-        index = torch.where(count >= 2, second, first)
-        index = torch.where(count == 0, torch.full_like(index, -1), index)
-        return torch.where(ambiguous, torch.full_like(index, -2), index)
-
-    def _explain(self, code: int, timestep: torch.Tensor, schedule: torch.Tensor) -> str:
-        """The error message for a lookup code from ``_resolve`` (-1: no match, -2: ambiguous)."""
-        value, dtype = float(timestep), timestep.dtype
-        if code == -1:
-            return (
-                f"timestep {value} ({dtype}) is not in the scheduler's timesteps (no entry rounds to it in "
-                f"{dtype}); pass one of scheduler.timesteps, not a loop index or a recomputed value"
-            )
-        schedule = schedule.to(timestep.device)
-        near = schedule[schedule.to(dtype) == timestep]
-        return (
-            f"timestep {value} ({dtype}) is ambiguous: the schedule entries {near.tolist()} all round to it in "
-            f"{dtype}. Pass the timestep in float32, or use fewer inference steps"
-        )
-
     def index_for_timestep(self, timestep, schedule_timesteps: Optional[torch.Tensor] = None) -> int:
         """The schedule index of one timestep (a float or a one-element tensor of any float dtype).
 
         Unlike diffusers' exact float match, a bf16/fp16 timestep resolves to the one entry that rounds to
-        it; ``ValueError`` when none does or when several distinct entries do (ambiguous)."""
-        if schedule_timesteps is None:
-            schedule_timesteps = self.timesteps
-        if isinstance(timestep, torch.Tensor):
-            if timestep.numel() != 1:
-                raise ValueError(
-                    f"timestep must hold one value; got shape {tuple(timestep.shape)} "
-                    "(use indices_for_timesteps for a batch)"
-                )
-            t = timestep.reshape(1)
-        elif isinstance(timestep, Real) and not isinstance(timestep, bool):
-            t = torch.tensor([float(timestep)], dtype=torch.float32)
-        else:
-            raise TypeError(f"timestep must be a float or a one-element tensor; got {type(timestep).__name__}")
-        code = int(self._resolve(t, schedule_timesteps)[0])
-        if code < 0:
-            raise ValueError(self._explain(code, t[0], schedule_timesteps))
-        return code
+        it; ``ValueError`` when none does or when several distinct entries do (ambiguous). See
+        ``flowrl.timestep_lookup``."""
+        return timestep_lookup.index_for_timestep(
+            timestep, self.timesteps if schedule_timesteps is None else schedule_timesteps
+        )
 
     def indices_for_timesteps(self, timesteps: torch.Tensor, *, strict: bool = False) -> torch.Tensor:
         """Vectorized lookup for training batches: int64 [B] schedule indices on ``timesteps``' device,
@@ -460,28 +465,16 @@ class FlowMatchEulerDiscreteScheduler:
         -1; ``strict=True`` raises ``ValueError`` for them instead (one sync)."""
         if not isinstance(timesteps, torch.Tensor):
             raise TypeError(f"timesteps must be a 1-D torch.Tensor; got {type(timesteps).__name__}")
-        if timesteps.dim() != 1:
-            raise ValueError(f"timesteps must be 1-D [B]; got shape {tuple(timesteps.shape)}")
-        if timesteps.dtype == torch.bool or timesteps.dtype.is_complex:
-            raise TypeError(f"timesteps must be a real tensor; got {timesteps.dtype}")
-        codes = self._resolve(timesteps, self._timestep_table(timesteps.device))
-        if strict and timesteps.numel() and bool((codes < 0).any()):
-            k = int((codes < 0).nonzero()[0, 0])
-            raise ValueError(f"timesteps[{k}]: " + self._explain(int(codes[k]), timesteps[k], self.timesteps))
-        return codes.clamp(min=-1)
+        return timestep_lookup.indices_for_timesteps(timesteps, self._timestep_table(timesteps.device), strict=strict)
 
     def _timestep_table(self, device: torch.device) -> torch.Tensor:
-        return self._cached("timesteps", self.timesteps, device)
-
-    def _sigma_table(self, device: torch.device) -> torch.Tensor:
-        """``self.sigmas`` as float32 on ``device``, copied once per schedule (not per step)."""
-        return self._cached("sigmas", self.sigmas, device)
-
-    def _cached(self, name: str, table: torch.Tensor, device: torch.device) -> torch.Tensor:
-        key = (name, id(table), table._version, str(device))
+        """``self.timesteps`` on ``device``, copied once per schedule (not per lookup)."""
+        table = self.timesteps
+        key = (id(table), table._version, str(device))
         hit = self._table_cache.get(key)
         if hit is None:
-            self._table_cache = {k: v for k, v in self._table_cache.items() if k[0] != name or k[1] == id(table)}
+            # drop copies of replaced schedules; keep this schedule's copies on other devices
+            self._table_cache = {k: v for k, v in self._table_cache.items() if k[0] == id(table)}
             hit = self._table_cache[key] = table.to(device=device, dtype=torch.float32, copy=True)
         return hit
 
@@ -508,25 +501,14 @@ class FlowMatchEulerDiscreteScheduler:
         return_dict: bool = True,
     ):
         """One Euler step from ``sample`` at ``timestep``, as diffusers (``s_churn``, ``s_tmin``,
-        ``s_tmax``, ``s_noise`` are accepted and unused, as there). Inside ``rollout()`` the step samples
-        with ``flowrl.sde_step`` instead and is recorded. ``return_dict=False`` gives ``(prev_sample,)``."""
-        if isinstance(timestep, (bool, Integral)) or (
-            isinstance(timestep, torch.Tensor) and not timestep.dtype.is_floating_point
-        ):
-            raise ValueError(
-                "timestep must be one of scheduler.timesteps (a float), not an integer index such as one "
-                "from enumerate(timesteps)"
-            )
+        ``s_tmax``, ``s_noise`` are accepted and unused, as there). ``return_dict=False`` gives
+        ``(prev_sample,)``. Inside ``rollout()`` the recorder runs in this method's place."""
+        check_step_timestep(timestep)
         V.check_float_tensor("model_output", model_output)
         V.check_float_tensor("sample", sample)
         if self.step_index is None:
             self._init_step_index(timestep)
-        if self._recorder is not None:
-            out = self._recorder._step(model_output, sample, per_token_timesteps, generator)
-        else:
-            out = FlowMatchEulerDiscreteSchedulerOutput(
-                self._euler_step(model_output, sample, per_token_timesteps, generator)
-            )
+        out = FlowMatchEulerDiscreteSchedulerOutput(self._euler_step(model_output, sample, per_token_timesteps, generator))
         self._step_index += 1
         return out if return_dict else (out.prev_sample,)
 
@@ -570,186 +552,26 @@ class FlowMatchEulerDiscreteScheduler:
         return_step_indices: Optional[Iterable[int]] = None,
         generator: GeneratorArg = None,
         backend: str = "auto",
-    ) -> "RolloutRecorder":
-        """A recorder: inside ``with recorder:``, every ``step`` is a rollout step (see RolloutRecorder)."""
+    ):
+        """A ``flowrl.recorder.RolloutRecorder`` for this scheduler: inside ``with recorder:``, every
+        ``step`` is a rollout step. Same as ``flowrl.recorder.rollout(scheduler, ...)``."""
+        from .recorder import RolloutRecorder
+
         return RolloutRecorder(
             self, mode=mode, noise_level=noise_level, log_prob=log_prob, reduction=reduction,
             sde_steps=sde_steps, return_step_indices=return_step_indices, generator=generator, backend=backend,
         )
 
 
-def _index_set(name: str, values, upper: Optional[int] = None) -> Optional[List[int]]:
-    """None, or sorted unique ints from an iterable of ints / an integer tensor."""
-    if values is None:
-        return None
-    if isinstance(values, torch.Tensor):
-        if values.dtype.is_floating_point or values.dtype == torch.bool or values.dim() > 1:
-            raise TypeError(f"{name} must be a 1-D integer tensor or an iterable of ints; got {values.dtype} {tuple(values.shape)}")
-        values = values.tolist()
-    elif isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise TypeError(f"{name} must be an iterable of ints or None; got {type(values).__name__}")
-    out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, Integral):
-            raise TypeError(f"{name} must hold ints; got {v!r}")
-        if v < 0 or (upper is not None and v > upper):
-            raise ValueError(f"{name} entries must be in [0, {upper}]; got {int(v)}")
-        out.append(int(v))
-    return sorted(set(out))
+def __getattr__(name: str):
+    # re-export without a circular import: flowrl.recorder imports this module
+    if name == "RolloutRecorder":
+        from .recorder import RolloutRecorder
+
+        return RolloutRecorder
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class RolloutRecorder:
-    """Records one denoising loop run through ``scheduler.step`` (use ``scheduler.rollout(...)``).
-
-    While active (``with recorder:``), step ``i`` of the loop samples x' with ``flowrl.sde_step`` from
-    the scheduler's float32 sigma table and index ``i`` (``mode`` on ``sde_steps``, ``ode`` with
-    log-prob 0 elsewhere, drawing no noise), emits x' in the model output's dtype, and stores the step's
-    input latent and log-prob. ``trajectory()`` returns a ``flowrl.RolloutTrajectory``.
-
-    ``generator``: None (global RNG), one generator, or a list of B (sample i's noise comes from
-    generator i only, so it does not depend on the batch); when None, ``step``'s own generator is used.
-    ``sde_steps``: loop steps that are stochastic (None: all). ``return_step_indices``: which latents to
-    keep, index T being the final output (None: all T + 1).
-    """
-
-    def __init__(self, scheduler: FlowMatchEulerDiscreteScheduler, *, mode, noise_level, log_prob, reduction,
-                 sde_steps, return_step_indices, generator, backend):
-        V.check_choice("mode", mode, V.MODES)
-        self.noise_level = V.check_noise_level(noise_level, mode)
-        V.check_choice("log_prob", log_prob, V.LOG_PROB_KINDS)
-        V.check_choice("reduction", reduction, V.REDUCTIONS)
-        V.check_choice("backend", backend, BACKENDS)
-        if generator is not None and not isinstance(generator, (torch.Generator, list, tuple)):
-            raise TypeError(f"generator must be None, a torch.Generator or a list of them; got {type(generator).__name__}")
-        self.scheduler = scheduler
-        self.mode, self.log_prob, self.reduction, self.backend = mode, log_prob, reduction, backend
-        self.generator = list(generator) if isinstance(generator, (list, tuple)) else generator
-        self.sde_steps = _index_set("sde_steps", sde_steps)
-        self.return_step_indices = _index_set("return_step_indices", return_step_indices)
-        self._reset()
-
-    def _reset(self) -> None:
-        self._begin: Optional[int] = None  # schedule index of the loop's first step
-        self._num_steps: Optional[int] = None
-        self._sigmas: Optional[torch.Tensor] = None  # snapshot, float32 on the sample's device
-        self._timesteps: Optional[torch.Tensor] = None
-        self._latents: Dict[int, torch.Tensor] = {}
-        self._log_probs: List[torch.Tensor] = []
-        self._last_prev: Optional[torch.Tensor] = None
-        self._batch: Optional[int] = None
-
-    # context manager
-    def __enter__(self) -> "RolloutRecorder":
-        if self.scheduler._recorder is not None:
-            raise RuntimeError("this scheduler is already recording a rollout; rollouts do not nest")
-        self._reset()
-        self.scheduler._recorder = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.scheduler._recorder = None
-
-    @property
-    def active(self) -> bool:
-        return self.scheduler._recorder is self
-
-    @property
-    def steps_recorded(self) -> int:
-        return len(self._log_probs)
-
-    def _on_set_timesteps(self) -> None:
-        if self._log_probs:
-            raise RuntimeError(
-                "set_timesteps was called after this rollout recorded steps: a rollout records one denoising "
-                "loop; use a new `with scheduler.rollout(...)` block for each pipeline call"
-            )
-
-    def _start(self, sample: torch.Tensor) -> None:
-        sched = self.scheduler
-        if sched.config.invert_sigmas:
-            raise ValueError("rollout needs a decreasing schedule ending at 0; invert_sigmas=True (Mochi) is not supported")
-        self._begin = sched.step_index
-        table = sched._sigma_table(sample.device)
-        # the loop runs schedule steps begin .. T-1 (begin > 0: img2img); loop step i is schedule step begin + i
-        self._sigmas = table[self._begin:].clone()
-        self._num_steps = self._sigmas.numel() - 1
-        if self._num_steps < 1:
-            raise ValueError(f"the loop starts at the schedule's last sigma (step index {self._begin}); nothing to sample")
-        V.check_sigmas(self._sigmas, sample.device)
-        self._timesteps = sched.timesteps[self._begin:].to(sample.device, copy=True)
-        self._batch = sample.shape[0]
-        t = self._num_steps
-        for name, values, upper in (("sde_steps", self.sde_steps, t - 1), ("return_step_indices", self.return_step_indices, t)):
-            if values is not None and values and values[-1] > upper:
-                raise ValueError(f"{name} entries must be in [0, {upper}] for this {t}-step loop; got {values[-1]}")
-        if isinstance(self.generator, list) and len(self.generator) != self._batch:
-            raise ValueError(f"generator must be a list of B = {self._batch} generators; got a list of {len(self.generator)}")
-
-    def _keep(self, loop_step: int) -> bool:
-        return self.return_step_indices is None or loop_step in self.return_step_indices
-
-    def _step(self, model_output, sample, per_token_timesteps, step_generator) -> FlowMatchEulerDiscreteSchedulerOutput:
-        if per_token_timesteps is not None:
-            raise ValueError("per_token_timesteps is not supported inside rollout(): a rollout step has one sigma per sample")
-        if self._sigmas is None:
-            self._start(sample)
-        i = self.steps_recorded
-        if i >= self._num_steps:
-            raise RuntimeError(f"this rollout already recorded all {self._num_steps} steps of its loop")
-        if sample.shape[0] != self._batch:
-            raise ValueError(f"sample has batch size {sample.shape[0]}; this rollout started with B = {self._batch}")
-        if self.scheduler.step_index != self._begin + i:
-            raise RuntimeError(
-                f"the scheduler is at step index {self.scheduler.step_index} but the rollout expects "
-                f"{self._begin + i}: steps were skipped or repeated"
-            )
-        if self._last_prev is not None and sample is not self._last_prev and not torch.equal(sample, self._last_prev):
-            warnings.warn(
-                f"loop step {i}'s input is not step {i - 1}'s output (the pipeline changed the latents between "
-                "steps); the trajectory stores each step's input, so recomputing step "
-                f"{i - 1}'s log-prob from latents[:, {i}] will not reproduce it"
-            )
-        stochastic = self.sde_steps is None or i in self.sde_steps
-        # an ode step draws no noise (sde_step skips the draw), so the generators advance on sde steps only
-        out = sde_step(
-            sample, model_output, self._sigmas, i, mode=self.mode if stochastic else "ode",
-            noise_level=self.noise_level, log_prob=self.log_prob, reduction=self.reduction, backend=self.backend,
-            generator=(self.generator if self.generator is not None else step_generator) if stochastic else None,
-        )
-        if self._keep(i):
-            self._latents[i] = sample.detach()
-        self._log_probs.append(out.log_prob.detach())
-        self._last_prev = out.prev_sample
-        if i + 1 == self._num_steps and self._keep(i + 1):
-            self._latents[i + 1] = out.prev_sample.detach()
-        return FlowMatchEulerDiscreteSchedulerOutput(out.prev_sample, out.log_prob, out.prev_sample_mean, out.std_dev)
-
-    def trajectory(self) -> RolloutTrajectory:
-        """The recorded ``RolloutTrajectory`` (after the loop has run all its steps)."""
-        if self._num_steps is None or self.steps_recorded < self._num_steps:
-            done = self.steps_recorded
-            raise RuntimeError(
-                f"the rollout recorded {done} of {self._num_steps or '?'} steps; run the whole denoising loop "
-                "(the pipeline call) inside `with recorder:` before calling trajectory()"
-            )
-        keys = sorted(self._latents)
-        dtype = self._latents[keys[0]].dtype
-        for k in keys[1:]:
-            dtype = torch.promote_types(dtype, self._latents[k].dtype)  # lossless: a bf16 latent widens exactly
-        latents = torch.stack([self._latents[k].to(dtype) for k in keys], dim=1)
-        device = self._sigmas.device
-        return RolloutTrajectory(
-            latents=latents,
-            log_probs=torch.stack(self._log_probs, dim=1),
-            timesteps=self._timesteps,
-            sigmas=self._sigmas,
-            latent_step_indices=torch.tensor(keys, dtype=torch.int64, device=device),
-            mode=self.mode,
-            noise_level=self.noise_level,
-            log_prob=self.log_prob,
-            reduction=self.reduction,
-            sde_steps=None if self.sde_steps is None else torch.tensor(self.sde_steps, dtype=torch.int64, device=device),
-        )
-
-
-__all__ = ["FlowMatchEulerDiscreteScheduler", "FlowMatchEulerDiscreteSchedulerOutput", "RolloutRecorder", "SchedulerConfig"]
+__all__ = [
+    "FlowMatchEulerDiscreteScheduler", "FlowMatchEulerDiscreteSchedulerOutput", "RolloutRecorder", "SchedulerConfig",
+]

@@ -1,6 +1,9 @@
 """flowrl.FlowMatchEulerDiscreteScheduler: parity with diffusers, timestep lookup, rollout recording."""
 import copy
+import json
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -143,6 +146,98 @@ def test_works_without_diffusers_config():
     assert sched.sigmas.tolist()[-1] == 0 and sched.shift == 3.0
     sched.set_shift(2.0)
     assert sched.shift == 2.0
+
+
+def test_from_pretrained_subfolder_and_save_config(tmp_path):
+    ours = Sched(shift=3.0, use_dynamic_shifting=True, max_shift=1.2)
+    ours.save_pretrained(tmp_path / "scheduler")  # the layout of a saved pipeline
+    loaded = Sched.from_pretrained(tmp_path, subfolder="scheduler")
+    assert type(loaded) is Sched and dict(loaded.config) == dict(ours.config)
+    assert Sched.from_pretrained(tmp_path, subfolder="scheduler", shift=2.0).config.shift == 2.0
+    file = tmp_path / "scheduler" / "scheduler_config.json"
+    assert json.loads(file.read_text()) == dict(ours.config)
+    ours.save_config(tmp_path / "again")  # diffusers' ConfigMixin name: the same file
+    assert (tmp_path / "again" / "scheduler_config.json").read_text() == file.read_text()
+    with pytest.raises(ValueError, match="pretrained_model_name_or_path"):
+        Sched.from_pretrained(tmp_path)  # no subfolder: no config at the top
+    with pytest.raises(ValueError, match="push_to_hub"):
+        ours.save_pretrained(tmp_path / "hub", push_to_hub=True)
+    diffusers = pytest.importorskip("diffusers")
+    theirs = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(tmp_path, subfolder="scheduler")
+    assert {k: theirs.config[k] for k in ours.config} == dict(ours.config)
+
+
+def test_is_diffusers_scheduler_when_diffusers_is_installed():
+    diffusers = pytest.importorskip("diffusers")
+    ours = Sched(shift=3.0)
+    # diffusers saves pipeline components that subclass its scheduler classes; pipelines check isinstance
+    assert isinstance(ours, diffusers.FlowMatchEulerDiscreteScheduler) and isinstance(ours, diffusers.SchedulerMixin)
+    # the instance reports diffusers' module (what a pipeline records); the class and pickles stay flowrl's
+    assert ours.__module__ == diffusers.FlowMatchEulerDiscreteScheduler.__module__
+    assert Sched.__module__ == "flowrl.scheduler" and type(pickle.loads(pickle.dumps(ours))) is Sched
+
+    # every method diffusers defines for the scheduler is flowrl's: the base contributes only the type
+    # (a method a new diffusers adds would run on flowrl's state untested, so this fails then)
+    inherited = [
+        name for name, member in vars(diffusers.FlowMatchEulerDiscreteScheduler).items()
+        if callable(member) or isinstance(member, (property, classmethod, staticmethod))
+        if name not in vars(Sched)
+    ]
+    assert inherited == []
+
+    class Subclass(Sched):
+        pass
+
+    assert Subclass().__module__ == __name__  # diffusers has no class of that name: keep its own
+    with pytest.raises(TypeError, match="frozen"):
+        ours.register_to_config(shift=2.0)
+    assert ours.config.shift == 3.0
+
+
+def test_works_without_diffusers_installed(tmp_path):
+    # a fresh interpreter where `import diffusers` fails, as when it is not installed
+    script = f"""
+import sys
+sys.modules["diffusers"] = None
+import torch, flowrl
+from flowrl.scheduler import FlowMatchEulerDiscreteScheduler as Sched, RolloutRecorder
+assert Sched.__mro__ == (Sched, object) and flowrl.RolloutRecorder is RolloutRecorder
+sched = Sched(shift=3.0)
+sched.set_timesteps(3)
+x = torch.randn(2, 8)
+with sched.rollout(generator=torch.Generator().manual_seed(0)) as rec:
+    for t in sched.timesteps:
+        v = torch.sin(x)
+        out = sched.step(v, t, x)
+        assert torch.equal(flowrl.step_log_prob(x, v, out.prev_sample, sched.sigmas, sched.step_index - 1), out.log_prob)
+        x = out.prev_sample
+assert rec.trajectory().log_probs.shape == (2, 3)
+sched.save_pretrained({str(tmp_path)!r})
+assert dict(Sched.from_pretrained({str(tmp_path)!r}).config) == dict(sched.config)
+assert "diffusers" not in sys.modules or sys.modules["diffusers"] is None
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"
+
+
+def test_reexports_and_lookup_module():
+    import flowrl.recorder
+    import flowrl.scheduler
+    from flowrl import timestep_lookup
+
+    assert flowrl.scheduler.RolloutRecorder is flowrl.recorder.RolloutRecorder is flowrl.RolloutRecorder
+    assert flowrl.FlowMatchEulerDiscreteScheduler is Sched
+    diffusers = pytest.importorskip("diffusers")
+    ref = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    ref.set_timesteps(28)
+    # the lookup works on any scheduler's table, diffusers' own included
+    got = timestep_lookup.indices_for_timesteps(ref.timesteps.to(BF16), ref.timesteps)
+    assert got.tolist() == list(range(28))
+    assert timestep_lookup.index_for_timestep(ref.timesteps[3].to(BF16), ref.timesteps) == 3
+    with pytest.raises(TypeError, match="schedule_timesteps"):
+        timestep_lookup.index_for_timestep(500.0, ref.timesteps.tolist())
 
 
 @pytest.mark.parametrize(
