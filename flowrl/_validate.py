@@ -14,7 +14,7 @@ import math
 import threading
 import weakref
 from numbers import Integral, Real
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Sequence, Union
 
 import torch
 

@@ -315,24 +315,10 @@ class RolloutRecorder:
         )
 
 
-def rollout(
-    scheduler,
-    *,
-    mode: str = "sde",
-    noise_level: float = 0.7,
-    log_prob: str = "gaussian",
-    reduction: str = "mean",
-    sde_steps: Optional[Iterable[int]] = None,
-    return_step_indices: Optional[Iterable[int]] = None,
-    generator: GeneratorArg = None,
-    backend: str = "auto",
-) -> RolloutRecorder:
-    """A ``RolloutRecorder`` for a scheduler instance the pipeline or trainer already has (diffusers'
-    ``FlowMatchEulerDiscreteScheduler``, flowrl's, or a subclass): use it as ``with rollout(sched) as rec:``."""
-    return RolloutRecorder(
-        scheduler, mode=mode, noise_level=noise_level, log_prob=log_prob, reduction=reduction,
-        sde_steps=sde_steps, return_step_indices=return_step_indices, generator=generator, backend=backend,
-    )
+# ``with rollout(pipe.scheduler, mode="sde") as rec:``: a recorder for a scheduler instance the pipeline
+# or trainer already has (diffusers' FlowMatchEulerDiscreteScheduler, flowrl's, or a subclass); the
+# constructor itself, so its options are declared once.
+rollout = RolloutRecorder
 
 
 __all__ = ["RolloutRecorder", "rollout", "check_scheduler"]

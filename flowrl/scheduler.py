@@ -23,7 +23,7 @@ import os
 import warnings
 from dataclasses import dataclass, fields
 from numbers import Integral, Real
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -542,25 +542,14 @@ class FlowMatchEulerDiscreteScheduler(
         return prev_sample
 
     # ----------------------------------------------------------------------------- rollout
-    def rollout(
-        self,
-        mode: str = "sde",
-        noise_level: float = 0.7,
-        log_prob: str = "gaussian",
-        reduction: str = "mean",
-        sde_steps: Optional[Iterable[int]] = None,
-        return_step_indices: Optional[Iterable[int]] = None,
-        generator: GeneratorArg = None,
-        backend: str = "auto",
-    ):
+    def rollout(self, **options):
         """A ``flowrl.recorder.RolloutRecorder`` for this scheduler: inside ``with recorder:``, every
-        ``step`` is a rollout step. Same as ``flowrl.recorder.rollout(scheduler, ...)``."""
+        ``step`` is a rollout step. ``options`` are the recorder's (``mode``, ``noise_level``,
+        ``log_prob``, ``reduction``, ``sde_steps``, ``return_step_indices``, ``generator``,
+        ``backend``); same as ``flowrl.recorder.rollout(scheduler, **options)``."""
         from .recorder import RolloutRecorder
 
-        return RolloutRecorder(
-            self, mode=mode, noise_level=noise_level, log_prob=log_prob, reduction=reduction,
-            sde_steps=sde_steps, return_step_indices=return_step_indices, generator=generator, backend=backend,
-        )
+        return RolloutRecorder(self, **options)
 
 
 def __getattr__(name: str):

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, halving_tree_sum, mode_coefficients,
+    NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_LOG_PROB, OP_ROLLOUT, halving_tree_sum, mode_coefficients,
     philox_key, philox_normal_block, round_to, step_mean, total_grad, value_from_total,
 )
 
