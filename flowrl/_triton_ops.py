@@ -143,12 +143,11 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, need, kind: Optional[
     kind = spec.kind if kind is None else kind
     b, n = _rows_shape(x)
     is_kl = kind is LogProbKind.KL
+    need_x = need_x and not is_kl  # mu - mu_ref = c v - c v_ref does not depend on x: no x grad
     grad_x = torch.empty_like(x) if need_x else None
     grad_v = torch.empty_like(v) if need_v else None
     grad_third = torch.empty_like(third, dtype=third_dtype or third.dtype) if need_third else None
-    if is_kl and need_x:
-        grad_x.zero_()  # mu - mu_ref does not depend on x: a * x cancels exactly
-    kernel_needs = (need_x and not is_kl, need_v, need_third)
+    kernel_needs = (need_x, need_v, need_third)
     if any(kernel_needs):
         dummy = grad.new_empty(1)
         n_chunks = triton.cdiv(n, CHUNK_SIZE)

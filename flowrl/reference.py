@@ -311,6 +311,8 @@ def step_kl(spec, sample: torch.Tensor, model_output: torch.Tensor, ref_model_ou
     """Exact Gaussian KL [B] between the step's transitions under two policies sharing ``std``:
     ``(mu_theta - mu_ref)^2 / (2 std^2)`` per element (docs/contract.md, KL)."""
     dtype = compute_dtype(sample, model_output, ref_model_output)
-    a, c, std = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
-    r = _mean(sample, model_output, a, c) - _mean(sample, ref_model_output, a, c)
+    _, c, std = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
+    # mu - mu_ref = c v - c v_ref: the a * x terms cancel exactly, so the KL does not depend on x (its
+    # gradient is none, not two opposite terms that can overflow a float16 gradient and give NaN)
+    r = (_col(c) * _rows(model_output)).sub_(_col(c) * _rows(ref_model_output))
     return _reduce(spec, r, std)

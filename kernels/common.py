@@ -77,6 +77,13 @@ def step_mean(a, c, x, v):
 
 
 @triton.jit
+def policy_difference(c, v, v_ref):
+    """mu(v) - mu(v_ref) = c v - c v_ref: the a * x terms of the two means cancel exactly, so the KL
+    neither reads x nor carries its rounding (flowrl.reference.step_kl computes the same)."""
+    return c * v - c * v_ref
+
+
+@triton.jit
 def density_std(std):
     """The deterministic-step rule and the std floor (docs/contract.md), for every kernel: returns
     (deterministic, the std the value divides by). std == 0 is deterministic (value 0, gradient 0;

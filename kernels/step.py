@@ -12,7 +12,8 @@ NOISE) take flowrl.contract's enum values, compared against the named constants 
   tensor is read; with NOISE == NOISE_NONE the step is deterministic by its arguments (ode, noise
   level 0): x' = mu and nothing is read for eps.
 - OP_LOG_PROB: third = the stored x'; r = x' - mu.
-- OP_KL:       third = the reference policy's velocity; r = mu(v) - mu(v_ref).
+- OP_KL:       third = the reference policy's velocity; r = mu(v) - mu(v_ref) = c v - c v_ref (x
+  cancels exactly, so it is not read).
 
 Finalize: one program per sample combines its partials (zero-padded to a power of two) by the same
 halving tree, and turns the total into the log-prob / KL (common.value_from_total; the torch backend's
@@ -27,8 +28,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_LOG_PROB, OP_ROLLOUT, halving_tree_sum, mode_coefficients,
-    philox_key, philox_normal_block, round_to, step_mean, total_grad, value_from_total,
+    NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, halving_tree_sum, mode_coefficients,
+    philox_key, philox_normal_block, policy_difference, round_to, step_mean, total_grad, value_from_total,
 )
 
 
@@ -65,13 +66,14 @@ def step_partials_kernel(
     row, chunk, offs, mask = _chunk_offsets(n_per_sample, n_chunks, CHUNK)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if NOISE == NOISE_PHILOX:  # rollout only: the noise never touches memory
         third = _philox_eps(seeds_ptr, row, chunk, stream_stride, elem_offset, CHUNK, PHILOX_ALIGNED)
     elif NOISE == NOISE_TENSOR:
         third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    mu = step_mean(a, c, x, v)
+    if OP != OP_KL:  # the KL's mu - mu_ref = c v - c v_ref does not read x
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mu = step_mean(a, c, x, v)
     if OP == OP_ROLLOUT:
         if NOISE == NOISE_NONE:  # deterministic: std is 0, and mu + 0 * eps is mu
             prev = round_to(mu, prev_out_ptr.dtype.element_ty)
@@ -84,7 +86,7 @@ def step_partials_kernel(
     elif OP == OP_LOG_PROB:
         r = third - mu
     else:  # OP_KL
-        r = mu - step_mean(a, c, x, third)
+        r = policy_difference(c, v, third)
     r = tl.where(mask, r, 0.0)  # the tail of the last chunk adds exact zeros, as the reference's padding
     partial = halving_tree_sum(r * r, CHUNK, LOG2_CHUNK)
     tl.store(partials_ptr + row * n_chunks + chunk, partial)
@@ -119,20 +121,19 @@ def step_backward_kernel(
     """Input grads of step_log_prob (third = x') or step_kl (third = v_ref) from grad [B].
 
     Per sample: coef = d value / d total (common.total_grad); per element d value / d r = 2 * coef * r,
-    then dmu/dx = a, dmu/dv = c, and r = x' - mu or mu - mu_ref. The KL's grad w.r.t. x is exactly 0
-    (a * x cancels) and is not computed here."""
+    then dmu/dx = a, dmu/dv = c, and r = x' - mu or mu - mu_ref = c v - c v_ref. The KL does not
+    depend on x (a * x cancels), so it has no x grad (NEED_X is False for it)."""
     row, chunk, offs, mask = _chunk_offsets(n_per_sample, n_chunks, CHUNK)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
     coef = total_grad(tl.load(grad_ptr + row), std, numel_f, KIND, MEAN)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    mu = step_mean(a, c, x, v)
     if IS_KL:
-        r = mu - step_mean(a, c, x, third)
+        r = policy_difference(c, v, third)
     else:
-        r = third - mu
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        r = third - step_mean(a, c, x, v)
     cr = coef * r
     grad_r = cr + cr  # d(r * r) = 2 r dr, as autograd of r * r sums two equal terms
     if IS_KL:

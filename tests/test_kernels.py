@@ -219,7 +219,10 @@ def test_backward_matches_reference_autograd(device, mode, kind, reduction):
     out_ref, grads_ref = _grads(run("torch"), (x, v, third))
     torch.testing.assert_close(out, out_ref, rtol=2e-5, atol=2e-5)
     for name, g, g_ref in zip(("sample", "model_output", "third"), grads, grads_ref):
-        assert g.dtype == torch.float32 and bool(torch.isfinite(g).all()), name
+        if kind == "kl" and name == "sample":  # mu - mu_ref = c v - c v_ref: no x in the graph
+            assert g is None and g_ref is None
+            continue
+        assert g.dtype == torch.float32, name
         torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-7, msg=f"grad of {name}")
 
 
@@ -256,6 +259,9 @@ def test_deterministic_steps_have_zero_value_and_grad(device, mode, eta, step, k
     assert torch.equal(out, torch.zeros_like(out))
     out.sum().backward()
     for t in (x, v, third):
+        if kind == "kl" and t is x:
+            assert t.grad is None  # the KL does not depend on x
+            continue
         assert torch.equal(t.grad, torch.zeros_like(t.grad))
 
 
