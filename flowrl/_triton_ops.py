@@ -5,11 +5,12 @@ backend's (``flowrl._dispatch`` holds the table). Inputs are made contiguous fir
 usual contiguous latents; a non-contiguous view is copied once). Nothing here reads a device value
 on the host (no ``.item()``, no sync), so the ops are CUDA-graph capturable.
 
-Launch: element kernels take one CHUNK_SIZE chunk per program on a 1-D grid of B * chunks programs
-(any batch size), which keeps every chunk's partial inside one program (no atomics, fixed order);
-num_warps scales with the block so each thread holds 8 float32 values (4 warps at 1024), capped at 8
-warps. The finalize kernel's block is the sample's partial count rounded up to a power of two, with
-the same warp rule.
+Launch: the element kernels run a 1-D grid, one program per (sample, block of ``group`` consecutive
+CHUNK_SIZE chunks) (any batch size), so every chunk's partial is summed inside one program (no
+atomics, fixed order); ``launch_config`` picks (group, num_warps) from the sample's element count.
+Every entry gives the same bits (each chunk's tree is the same; tested). The finalize kernel's block
+is the sample's partial count rounded up to a power of two, num_warps = block / 256 in [1, 8].
+Two launches per op call (partials, finalize); three for a rollout drawing torch noise (the randn).
 
 ``spec.gather`` (sequence parallelism) is called on the local partials in forward only: in backward
 the incoming grad [B] is the same on every rank and the global ``numel`` is used, so each rank's
@@ -67,6 +68,24 @@ def _num_warps(block: int) -> int:
     return max(1, min(8, block // 256))
 
 
+# (largest elements per sample, chunks per program, num_warps), first match wins. Every entry keeps 8
+# values per thread (one 128-bit load of bf16, two of fp32, per tensor): the AOT check measured 16 per
+# thread spilling registers in the Philox rollout (80 registers, 8-16 bytes of local memory on sm_90a
+# and sm_80), 8 per thread 50-58 registers and no spill. Small samples keep one chunk per program so
+# the grid still fills the GPU; larger ones put 2 or 4 chunks in one program (4x fewer barriers per
+# element at 4, the per-sample coefficients computed once per 4 chunks). A starting point to re-measure
+# on a GPU (docs/kernels.md); any entry gives the same bits.
+LAUNCH_TABLE = ((2 * CHUNK_SIZE, 1, 4), (8 * CHUNK_SIZE, 2, 8), (float("inf"), 4, 16))
+
+
+def launch_config(n_per_sample: int):
+    """(chunks per program, num_warps) of the element kernels for samples of ``n_per_sample``."""
+    for largest, group, num_warps in LAUNCH_TABLE:
+        if n_per_sample <= largest:
+            return group, num_warps
+    raise AssertionError("LAUNCH_TABLE ends with an unbounded entry")
+
+
 # No FMA contraction: the kernels do the reference's roundings, and the rollout and recompute
 # kernels cannot be contracted differently (their log-probs must agree bit for bit).
 _LAUNCH = dict(enable_fp_fusion=False)
@@ -93,20 +112,23 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
     it in the kernel from ``spec.noise_seed`` (PHILOX), or has none (NONE: x' = mu)."""
     b, n = _rows_shape(x)
     n_chunks = triton.cdiv(n, CHUNK_SIZE)
+    group, num_warps = launch_config(n)
+    n_blocks = triton.cdiv(n_chunks, group)
     partials = torch.empty((b, n_chunks), dtype=torch.float32, device=x.device)
     write_mean = mean_out is not None
     noise_from = spec.noise_source if spec.op is Op.ROLLOUT else NoiseSource.TENSOR
     philox = noise_from is NoiseSource.PHILOX
     seeds, stream_stride, elem_offset = spec.noise_seed if philox else (ks.step_index, 0, 0)
     _launch(
-        step_partials_kernel, (b * n_chunks,),
+        step_partials_kernel, (b * n_blocks,),
         x, v, x if third is None else third, prev_out if prev_out is not None else partials,
         mean_out if write_mean else partials, partials, ks.sigmas, ks.step_index,
-        seeds, stream_stride, elem_offset, n, n_chunks, *ks.args,
+        seeds, stream_stride, elem_offset, n, n_chunks, n_blocks, *ks.args,
         MODE=int(spec.mode), OP=int(spec.op), WRITE_MEAN=write_mean, CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE,
-        # CHUNK_SIZE is a multiple of 4: every chunk starts on a Philox quad when the offset does
+        GROUP=group,
+        # CHUNK_SIZE is a multiple of 4: every block starts on a Philox quad when the offset does
         NOISE=int(noise_from), PHILOX_ALIGNED=philox and elem_offset % 4 == 0,
-        num_warps=_num_warps(CHUNK_SIZE), **_LAUNCH,
+        num_warps=num_warps, **_LAUNCH,
     )
     return partials
 
@@ -150,15 +172,17 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, need, kind: Optional[
     kernel_needs = (need_x, need_v, need_third)
     if any(kernel_needs):
         dummy = grad.new_empty(1)
-        n_chunks = triton.cdiv(n, CHUNK_SIZE)
+        group, num_warps = launch_config(n)
+        block = group * CHUNK_SIZE
+        n_blocks = triton.cdiv(n, block)
         _launch(
-            step_backward_kernel, (b * n_chunks,),
+            step_backward_kernel, (b * n_blocks,),
             x, v, third, grad.to(torch.float32).contiguous(),
             grad_x if kernel_needs[0] else dummy, grad_v if need_v else dummy,
-            grad_third if need_third else dummy, ks.sigmas, ks.step_index, n, n_chunks, float(spec.numel), *ks.args,
+            grad_third if need_third else dummy, ks.sigmas, ks.step_index, n, n_blocks, float(spec.numel), *ks.args,
             MODE=int(spec.mode), KIND=int(kind), MEAN=spec.reduction is Reduction.MEAN, IS_KL=is_kl,
-            NEED_X=kernel_needs[0], NEED_V=need_v, NEED_THIRD=need_third, CHUNK=CHUNK_SIZE,
-            num_warps=_num_warps(CHUNK_SIZE), **_LAUNCH,
+            NEED_X=kernel_needs[0], NEED_V=need_v, NEED_THIRD=need_third, BLOCK=block,
+            num_warps=num_warps, **_LAUNCH,
         )
     return grad_x, grad_v, grad_third
 

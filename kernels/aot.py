@@ -1,84 +1,144 @@
-"""Ahead-of-time compile of flowrl's kernels for an NVIDIA target, on a machine without a GPU.
+"""Ahead-of-time compile of flowrl's kernels for NVIDIA targets, on a machine without a GPU.
 
 Triton's interpreter runs the kernels as Python and accepts code that real Triton rejects (a module
-global that is not a ``tl.constexpr``, for one), so the tests also compile every kernel to PTX and
-cubin for a GPU target through ``triton.compile(ASTSource(...), target=GPUTarget(...))``; the wheel
-ships ``ptxas``. Run in a process without ``TRITON_INTERPRET`` (under it ``@triton.jit`` makes
-interpreted functions) and with a fresh ``TRITON_CACHE_DIR`` (a cached build can hide an error)::
+global that is not a ``tl.constexpr``, for one), so every kernel specialization the launchers can
+request is also compiled to PTX and cubin for real targets through ``triton.compile(ASTSource(...),
+target=GPUTarget(...))``; the wheel ships ``ptxas``, ``cuobjdump`` and ``nvdisasm``. Run it in a
+process without ``TRITON_INTERPRET`` (under it ``@triton.jit`` makes interpreted functions); it
+compiles into a fresh ``TRITON_CACHE_DIR`` (Triton's cache keys miss some settings, and a cached
+build once hid a compile error)::
 
-    python -m flowrl.kernels.aot [--arch 90] [--json]
+    python -m flowrl.kernels.aot [--arch 90 80] [--quick] [--sass] [--json | --markdown] [--jobs N]
+    python -m flowrl.kernels.aot --update-docs docs/kernels.md     # the table, both triton versions
 
-prints one line per compiled specialization and exits non-zero on any failure.
+It fails (exit 1) on any compile error and on any local-memory use (register spills), and reports
+per specialization: registers per thread, spill bytes, shared memory, how many of its global loads
+and stores are 128-bit (the latents' vectorized accesses), barriers per program, and (``--sass``: disassembling costs ~0.4 s each) SASS
+instructions per element. ``--update-docs`` runs the installed triton and triton 3.6.0 (from
+``.venv/triton-3.6``, or ``FLOWRL_TRITON36``) and rewrites the table between the markers of the file.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+import subprocess
 import sys
 import tempfile
-from typing import Dict, Iterator, NamedTuple
+from concurrent.futures import ProcessPoolExecutor
+from typing import Dict, Iterator, List, NamedTuple, Sequence
 
 from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, LogProbKind, Mode, NoiseSource, Op
+
+STORAGES = ("bf16", "fp16", "fp32")
+ARCHS = (90, 80)
 
 
 class Specialization(NamedTuple):
     """One compile of one kernel: argument types (Triton's signature strings), constexpr values, the
-    pointer arguments that the JIT marks 16-byte aligned, and the launch's warps."""
+    arguments the JIT marks divisible by 16 (pointers 16-byte aligned, integers multiples of 16), the
+    launch's warps, a label, and the elements one program covers (for per-element counts)."""
 
     kernel: str
     signature: Dict[str, str]
     constexprs: Dict[str, object]
     aligned: tuple
     num_warps: int
+    label: str = ""
+    elements: int = CHUNK_SIZE
 
 
-def _pointer(dtype: str) -> str:
-    return "*" + dtype
+def _launch_configs():
+    """The distinct (chunks per program, num_warps) of the launcher's table."""
+    from flowrl._triton_ops import LAUNCH_TABLE
+
+    return sorted({(group, warps) for _, group, warps in LAUNCH_TABLE})
 
 
-def specializations(storage: str = "bf16") -> Iterator[Specialization]:
-    """One representative specialization per kernel, the most demanding switches of each (rollout
-    with in-kernel Philox noise and the mean written; the Gaussian finalize; the backward writing all
-    three grads), for latents stored as ``storage`` (bf16, fp16 or fp32)."""
-    partial_ptrs = ("x_ptr", "v_ptr", "third_ptr", "prev_out_ptr", "mean_out_ptr", "partials_ptr", "sigmas_ptr",
-                    "step_ptr", "seeds_ptr")
-    yield Specialization(
-        "step_partials_kernel",
-        {
-            "x_ptr": _pointer(storage), "v_ptr": _pointer(storage), "third_ptr": _pointer(storage),
-            "prev_out_ptr": _pointer(storage), "mean_out_ptr": "*fp32", "partials_ptr": "*fp32",
-            "sigmas_ptr": "*fp32", "step_ptr": "*i64", "seeds_ptr": "*i64", "stream_stride": "i32",
-            "elem_offset": "i32", "n_per_sample": "i32", "n_chunks": "i32", "sigma_one_tol": "fp32",
-            "eta": "fp32", "sin_half_pi_eta": "fp32",
-        },
-        {"MODE": int(Mode.SDE), "OP": int(Op.ROLLOUT), "WRITE_MEAN": True, "CHUNK": CHUNK_SIZE,
-         "LOG2_CHUNK": LOG2_CHUNK_SIZE, "NOISE": int(NoiseSource.PHILOX), "PHILOX_ALIGNED": True},
-        partial_ptrs, 4,
-    )
-    yield Specialization(
-        "finalize_kernel",
-        {
-            "partials_ptr": "*fp32", "sigmas_ptr": "*fp32", "step_ptr": "*i64", "value_ptr": "*fp32",
-            "std_ptr": "*fp32", "n_partials": "i32", "numel_f": "fp32", "sigma_one_tol": "fp32", "eta": "fp32",
-            "sin_half_pi_eta": "fp32",
-        },
-        {"MODE": int(Mode.CPS), "KIND": int(LogProbKind.GAUSSIAN), "MEAN": True, "WIDTH": 64, "LOG2_WIDTH": 6},
-        ("partials_ptr", "sigmas_ptr", "step_ptr", "value_ptr", "std_ptr"), 1,
-    )
-    yield Specialization(
-        "step_backward_kernel",
-        {
-            "x_ptr": _pointer(storage), "v_ptr": _pointer(storage), "third_ptr": _pointer(storage),
-            "grad_ptr": "*fp32", "grad_x_ptr": _pointer(storage), "grad_v_ptr": _pointer(storage),
-            "grad_third_ptr": _pointer(storage), "sigmas_ptr": "*fp32", "step_ptr": "*i64", "n_per_sample": "i32",
-            "n_chunks": "i32", "numel_f": "fp32", "sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32",
-        },
-        {"MODE": int(Mode.SDE), "KIND": int(LogProbKind.GAUSSIAN), "MEAN": True, "IS_KL": False, "NEED_X": True,
-         "NEED_V": True, "NEED_THIRD": True, "CHUNK": CHUNK_SIZE},
-        ("x_ptr", "v_ptr", "third_ptr", "grad_ptr", "grad_x_ptr", "grad_v_ptr", "grad_third_ptr", "sigmas_ptr",
-         "step_ptr"), 4,
-    )
+def _partials(storage, mode, op, noise, write_mean, philox_aligned, group, warps, aligned=True):
+    sig = {
+        "x_ptr": "*" + storage, "v_ptr": "*" + storage, "third_ptr": "*" + ("fp32" if op is Op.ROLLOUT else storage),
+        "prev_out_ptr": "*" + storage, "mean_out_ptr": "*fp32", "partials_ptr": "*fp32", "sigmas_ptr": "*fp32",
+        "step_ptr": "*i64", "seeds_ptr": "*i64", "stream_stride": "i32", "elem_offset": "i32", "n_per_sample": "i32",
+        "n_chunks": "i32", "n_blocks": "i32", "sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32",
+    }
+    cx = {"MODE": int(mode), "OP": int(op), "WRITE_MEAN": write_mean, "CHUNK": CHUNK_SIZE, "LOG2_CHUNK": LOG2_CHUNK_SIZE,
+          "GROUP": group, "NOISE": int(noise), "PHILOX_ALIGNED": philox_aligned}
+    ptrs = tuple(k for k in sig if k.endswith("_ptr"))
+    label = f"{op.label}" + (f" noise={noise.label}" + (" unaligned" if noise is NoiseSource.PHILOX and not philox_aligned
+                                                        else "") + (" +mean" if write_mean else "")
+                             if op is Op.ROLLOUT else "")
+    return Specialization("step_partials_kernel", sig, cx, (ptrs + ("n_per_sample",)) if aligned else (), warps,
+                          f"{mode.label} {label} g{group}w{warps}" + ("" if aligned else " unaligned-tensors"),
+                          group * CHUNK_SIZE)
+
+
+def _finalize(mode, kind, mean, width):
+    sig = {"partials_ptr": "*fp32", "sigmas_ptr": "*fp32", "step_ptr": "*i64", "value_ptr": "*fp32", "std_ptr": "*fp32",
+           "n_partials": "i32", "numel_f": "fp32", "sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32"}
+    cx = {"MODE": int(mode), "KIND": int(kind), "MEAN": mean, "WIDTH": width, "LOG2_WIDTH": width.bit_length() - 1}
+    warps = max(1, min(8, width // 256))
+    return Specialization("finalize_kernel", sig, cx, ("partials_ptr", "sigmas_ptr", "step_ptr", "value_ptr", "std_ptr"),
+                          warps, f"{mode.label} {kind.label} {'mean' if mean else 'sum'} width={width}", width)
+
+
+def _backward(storage, mode, kind, mean, needs, group, warps):
+    sig = {
+        "x_ptr": "*" + storage, "v_ptr": "*" + storage, "third_ptr": "*" + storage, "grad_ptr": "*fp32",
+        "grad_x_ptr": "*" + storage, "grad_v_ptr": "*" + storage, "grad_third_ptr": "*" + storage,
+        "sigmas_ptr": "*fp32", "step_ptr": "*i64", "n_per_sample": "i32", "n_blocks": "i32", "numel_f": "fp32",
+        "sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32",
+    }
+    need_x, need_v, need_third = needs
+    cx = {"MODE": int(mode), "KIND": int(kind), "MEAN": mean, "IS_KL": kind is LogProbKind.KL, "NEED_X": need_x,
+          "NEED_V": need_v, "NEED_THIRD": need_third, "BLOCK": group * CHUNK_SIZE}
+    ptrs = tuple(k for k in sig if k.endswith("_ptr"))
+    grads = "+".join(n for n, on in zip(("x", "v", "third"), needs) if on)
+    return Specialization("step_backward_kernel", sig, cx, ptrs + ("n_per_sample",), warps,
+                          f"{mode.label} {kind.label} {'mean' if mean else 'sum'} grads={grads} g{group}w{warps}",
+                          group * CHUNK_SIZE)
+
+
+def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Specialization]:
+    """Every specialization the launchers request for latents stored as ``storage``: each mode with
+    every op, noise source (Philox from an aligned and an unaligned offset), mean-writing and
+    log-prob kind x reduction, at the largest launch configuration; every launch configuration for the
+    heaviest variants (the sde rollout with Philox noise and the mean, the sde log-prob and its
+    backward); finalize widths from 2 to 65536; one variant without the JIT's alignment attributes.
+    ``quick``: one specialization per kernel (the heaviest switches), for a fast check."""
+    configs = _launch_configs()
+    largest = configs[-1]
+    rollouts = [(NoiseSource.TENSOR, False, False), (NoiseSource.TENSOR, True, False),
+                (NoiseSource.PHILOX, False, True), (NoiseSource.PHILOX, True, True), (NoiseSource.PHILOX, True, False),
+                (NoiseSource.NONE, False, False), (NoiseSource.NONE, True, False)]
+    if quick:
+        yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *largest)
+        yield _finalize(Mode.CPS, LogProbKind.GAUSSIAN, True, 64)
+        yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (True, True, True), *largest)
+        return
+    for mode in Mode:
+        for noise, write_mean, philox_aligned in rollouts:
+            yield _partials(storage, mode, Op.ROLLOUT, noise, write_mean, philox_aligned, *largest)
+        yield _partials(storage, mode, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *largest)
+        yield _partials(storage, mode, Op.KL, NoiseSource.TENSOR, False, False, *largest)
+        for kind in LogProbKind:
+            for mean in (True, False):
+                needs = (False, True, True) if kind is LogProbKind.KL else (True, True, True)
+                yield _backward(storage, mode, kind, mean, needs, *largest)
+    for config in configs[:-1]:
+        yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *config)
+        yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *config)
+        yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (True, True, True), *config)
+    yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False), *largest)  # training's usual
+    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *largest, aligned=False)
+    if storage == STORAGES[0]:  # the finalize reads float32 partials whatever the latents' dtype
+        for mode in Mode:
+            for kind in LogProbKind:
+                for mean in (True, False):
+                    yield _finalize(mode, kind, mean, 64)
+        for width in (2, 1024, 65536):
+            yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, True, width)
 
 
 def compile_specialization(spec: Specialization, arch: int = 90, kernel=None):
@@ -106,40 +166,177 @@ def compile_specialization(spec: Specialization, arch: int = 90, kernel=None):
     return triton.compile(source, target=target, options=options.__dict__)
 
 
-def check(arch: int = 90, storages=("bf16", "fp16", "fp32")):
-    """Compile every specialization of ``specializations`` for each storage dtype; returns a list of
-    result dicts (kernel, storage, ok, error, shared memory, PTX/cubin sizes)."""
+def _tool(name: str) -> str:
     import triton
 
-    results = []
-    for storage in storages:
-        for spec in specializations(storage):
-            row = {"kernel": spec.kernel, "storage": storage, "arch": f"sm_{arch}", "triton": triton.__version__}
-            try:
-                compiled = compile_specialization(spec, arch)
-            except Exception as exc:  # report every failure, then fail the run
-                row.update(ok=False, error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}")
-            else:
-                row.update(ok=bool(compiled.asm.get("cubin")), shared=compiled.metadata.shared,
-                           ptx_lines=compiled.asm["ptx"].count("\n"), cubin_bytes=len(compiled.asm["cubin"]))
-            results.append(row)
-    return results
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+_GLOBAL_ACCESS = re.compile(r"\b(ld|st)\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
+
+
+def analyze(compiled, spec: Specialization, sass: bool = False) -> Dict[str, object]:
+    """Registers, spills, shared memory (cuobjdump's resource usage of the cubin), the global loads and
+    stores in the PTX and how many are 128-bit (the latents' vectorized accesses; the per-sample
+    scalars are narrower), barriers in the PTX, and with
+    ``sass`` the SASS instructions per element of the program (nvdisasm; static count of
+    straight-line code, times the threads, over the program's elements)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True, text=True,
+                               check=True).stdout
+        listing = subprocess.run([_tool("nvdisasm"), "-c", path], capture_output=True, text=True,
+                                 check=True).stdout if sass else None
+    fields = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage))
+    widths = {"ld": [], "st": []}
+    for kind, vec, bits in _GLOBAL_ACCESS.findall(compiled.asm["ptx"]):
+        widths[kind].append(int(vec or 1) * int(bits))
+    wide = {kind: sum(w == 128 for w in ws) for kind, ws in widths.items()}
+    threads = 32 * spec.num_warps
+    instructions = None if listing is None else len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S", listing))
+    return {
+        "registers": int(fields.get("REG", 0)), "spill_bytes": int(fields.get("LOCAL", 0)) + int(fields.get("STACK", 0)),
+        "shared_bytes": int(compiled.metadata.shared), "loads": len(widths["ld"]), "loads_128": wide["ld"],
+        "stores": len(widths["st"]), "stores_128": wide["st"],
+        "barriers": len(re.findall(r"\b(?:bar|barrier)\.sync\b", compiled.asm["ptx"])),
+        "sass_per_element": None if instructions is None else round(instructions * threads / spec.elements, 2),
+    }
+
+
+def _run_one(job):
+    spec, storage, arch, sass = job
+    import triton
+
+    row = {"kernel": spec.kernel, "storage": storage, "arch": f"sm_{arch}", "triton": triton.__version__,
+           "label": spec.label, "num_warps": spec.num_warps}
+    try:
+        compiled = compile_specialization(spec, arch)
+        row.update(analyze(compiled, spec, sass))
+    except Exception as exc:  # report every failure, then fail the run
+        lines = str(exc).strip().splitlines()
+        row.update(ok=False, error=f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:500])
+        return row
+    row["ok"] = row["spill_bytes"] == 0
+    if not row["ok"]:
+        row["error"] = f"{row['spill_bytes']} bytes of local memory (register spills)"
+    return row
+
+
+def check(archs: Sequence[int] = ARCHS, storages: Sequence[str] = STORAGES, quick: bool = False,
+          jobs: int = 1, sass: bool = False) -> List[Dict[str, object]]:
+    """Compile and analyze every specialization; one result dict per (specialization, storage, arch)."""
+    work = [(spec, storage, arch, sass) for arch in archs for storage in storages
+            for spec in specializations(storage, quick)]
+    if jobs <= 1:
+        return [_run_one(job) for job in work]
+    with ProcessPoolExecutor(jobs) as pool:
+        return list(pool.map(_run_one, work, chunksize=4))
+
+
+def summarize(rows: List[Dict[str, object]]) -> List[Dict[str, object]]:
+    """Per (kernel, arch): specializations, failures, and the range of each measured quantity."""
+    groups: Dict[tuple, List[Dict[str, object]]] = {}
+    for row in rows:
+        groups.setdefault((row["kernel"], row["arch"], row["triton"]), []).append(row)
+    out = []
+    for (kernel, arch, version), members in sorted(groups.items()):
+        good = [r for r in members if "registers" in r]
+
+        def span(key):
+            values = [r[key] for r in good if r[key] is not None]
+            return (min(values), max(values)) if values else (None, None)
+        out.append({"kernel": kernel, "arch": arch, "triton": version, "compiled": len(good),
+                    "failed": sum(not r["ok"] for r in members), "registers": span("registers"),
+                    "spill_bytes": span("spill_bytes"), "shared_bytes": span("shared_bytes"),
+                    "loads_128": span("loads_128"), "loads": span("loads"), "stores_128": span("stores_128"),
+                    "stores": span("stores"),
+                    "barriers": span("barriers"), "sass_per_element": span("sass_per_element")})
+    return out
+
+
+def markdown(rows: List[Dict[str, object]]) -> str:
+    """The per-kernel table of docs/kernels.md."""
+    def fmt(pair):
+        lo, hi = pair
+        return "-" if lo is None else (f"{lo}" if lo == hi else f"{lo}-{hi}")
+    lines = ["| kernel | target | triton | compiled | failed | registers | spill B | shared B | 128-bit loads (of) "
+             "| 128-bit stores (of) | barriers | SASS / element |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for s in summarize(rows):
+        lines.append(f"| `{s['kernel']}` | {s['arch']} | {s['triton']} | {s['compiled']} | {s['failed']} | "
+                     f"{fmt(s['registers'])} | {fmt(s['spill_bytes'])} | {fmt(s['shared_bytes'])} | "
+                     f"{fmt(s['loads_128'])} ({fmt(s['loads'])}) | {fmt(s['stores_128'])} ({fmt(s['stores'])}) | "
+                     f"{fmt(s['barriers'])} | "
+                     f"{fmt(s['sass_per_element'])} |")
+    return "\n".join(lines)
+
+
+TABLE_START, TABLE_END = "<!-- aot-table:start -->", "<!-- aot-table:end -->"
+
+
+def triton36_path() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.environ.get("FLOWRL_TRITON36", os.path.join(root, ".venv", "triton-3.6"))
+
+
+def update_docs(path: str, archs: Sequence[int], jobs: int) -> int:
+    """Rows for the installed triton (here) and triton 3.6.0 (a subprocess with its wheel first on
+    PYTHONPATH), with SASS counts; the summary replaces the text between the markers in ``path``."""
+    rows = check(archs, jobs=jobs, sass=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (triton36_path(), os.environ.get("PYTHONPATH")) if p),
+               TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="flowrl-aot-"))
+    res = subprocess.run([sys.executable, "-m", "flowrl.kernels.aot", "--json", "--sass", "--jobs", str(jobs),
+                          "--arch", *map(str, archs)], env=env, capture_output=True, text=True)
+    if not res.stdout.strip():
+        print(res.stderr[-3000:], file=sys.stderr)
+        return 1
+    rows += json.loads(res.stdout.strip().splitlines()[-1])
+    with open(path) as f:
+        text = f.read()
+    if TABLE_START not in text or TABLE_END not in text:
+        raise ValueError(f"{path} has no {TABLE_START} ... {TABLE_END} markers")
+    head, rest = text.split(TABLE_START, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    with open(path, "w") as f:
+        f.write(f"{head}{TABLE_START}\n{markdown(rows)}\n{TABLE_END}{tail}")
+    failed = [row for row in rows if not row["ok"]]
+    print(f"{len(rows)} specializations, {len(failed)} failed; table written to {path}")
+    return 1 if failed else 0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flowrl.kernels.aot", description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", type=int, default=90, help="SM version to compile for (default 90: H100/H200)")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS), help="SM versions (default: 90 80)")
+    parser.add_argument("--quick", action="store_true", help="one specialization per kernel and storage dtype")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes (default: all cores)")
+    parser.add_argument("--sass", action="store_true", help="also count SASS instructions per element")
+    parser.add_argument("--json", action="store_true", help="print every result as one JSON line")
+    parser.add_argument("--markdown", action="store_true", help="print the per-kernel summary table")
+    parser.add_argument("--update-docs", metavar="PATH", help="rewrite the table in PATH (both triton versions)")
     args = parser.parse_args(argv)
-    os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="flowrl-aot-"))
-    results = check(args.arch)
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="flowrl-aot-")  # fresh: no cached build hides an error
+    if args.update_docs:
+        return update_docs(args.update_docs, args.arch, args.jobs)
+    rows = check(args.arch, quick=args.quick, jobs=args.jobs, sass=args.sass)
     if args.json:
-        print(json.dumps(results))
+        print(json.dumps(rows))
+    elif args.markdown:
+        print(markdown(rows))
     else:
-        for row in results:
+        for row in rows:
             status = "ok" if row["ok"] else f"FAILED {row['error']}"
-            print(f"{row['kernel']:22s} {row['storage']:5s} {row['arch']} triton {row['triton']}: {status}")
-    return 0 if all(row["ok"] for row in results) else 1
+            details = "" if "registers" not in row else (
+                f" regs {row['registers']} spill {row['spill_bytes']} smem {row['shared_bytes']} "
+                f"ld128 {row['loads_128']}/{row['loads']} st128 {row['stores_128']}/{row['stores']} bar {row['barriers']} "
+                f"sass/elem {row['sass_per_element']}")
+            print(f"{row['kernel']:21s} {row['storage']:4s} {row['arch']} {row['label']:45s} {status}{details}")
+        print(markdown(rows), file=sys.stderr)
+    failed = [row for row in rows if not row["ok"]]
+    if failed:
+        print(f"{len(failed)} of {len(rows)} specializations failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -134,14 +134,16 @@ def total_grad(grad, std, numel_f, KIND: tl.constexpr, MEAN: tl.constexpr):
 
 
 @triton.jit
-def halving_tree_sum(t, WIDTH: tl.constexpr, LOG2_WIDTH: tl.constexpr):
-    """Sum of a 1-D float32 block of WIDTH = 2**LOG2_WIDTH values by the fixed halving tree
-    ``t[:h] + t[h:]`` repeated (flowrl.reference._pairwise_sum). Each level sums an axis of length
-    2, i.e. one IEEE add per output, so the bits do not depend on the compiler's register layout,
-    the kernel it is inlined in, or the launch settings."""
+def halving_tree_rows(t, ROWS: tl.constexpr, WIDTH: tl.constexpr, LOG2_WIDTH: tl.constexpr):
+    """The sums [ROWS] of the rows of a 1-D float32 block of ROWS * WIDTH values (row-major, WIDTH =
+    2**LOG2_WIDTH), each by the fixed halving tree ``t[:h] + t[h:]`` repeated
+    (flowrl.reference._pairwise_sum). Each level sums an axis of length 2, i.e. one IEEE add per
+    output, so the bits do not depend on the compiler's register layout, the kernel it is inlined
+    in, how many rows a program holds, or the launch settings."""
+    t = tl.reshape(t, (ROWS, WIDTH))
     for level in tl.static_range(LOG2_WIDTH):
-        t = tl.sum(tl.reshape(t, (2, WIDTH >> (level + 1))), axis=0)
-    return tl.sum(t, axis=0)
+        t = tl.sum(tl.reshape(t, (ROWS, 2, WIDTH >> (level + 1))), axis=1)
+    return tl.sum(t, axis=1)
 
 
 @triton.jit

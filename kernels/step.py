@@ -1,9 +1,11 @@
 """Fused forward, finalize and backward kernels of flowrl's three ops (launchers and autograd
 Functions live in flowrl/_triton_ops.py).
 
-Forward: one program per (sample, chunk); it reads its chunk of x, v and a third input once and
-writes one float32 partial = sum of squared residuals over the chunk. The switches (MODE, OP, KIND,
-NOISE) take flowrl.contract's enum values, compared against the named constants of kernels/common.py.
+Forward: one program per (sample, group of GROUP consecutive chunks); it reads its elements of x, v
+and a third input once and writes one float32 partial per chunk = sum of squared residuals over the
+chunk (how many chunks a program holds changes no bit: each chunk's tree is the same). The switches
+(MODE, OP, KIND, NOISE) take flowrl.contract's enum values, compared against the named constants of
+kernels/common.py.
 
 - OP_ROLLOUT:  third = noise eps; writes x' = mu + std * eps rounded to out_dtype, the residual is
   r = float32(rounded x') - mu (log-prob of the EMITTED sample), optionally writes mu. With
@@ -22,53 +24,55 @@ flowrl.reference.value_from_total).
 Backward: same grid as forward; from the per-sample incoming grad it writes the input grads
 directly (autograd of the reference, reproduced operation for operation).
 
-No atomics anywhere: every sum is a fixed tree of IEEE adds (see common.halving_tree_sum).
+No atomics anywhere: every sum is a fixed tree of IEEE adds (see common.halving_tree_rows).
 """
 import triton
 import triton.language as tl
 
 from .common import (
-    NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, halving_tree_sum, mode_coefficients,
+    NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, halving_tree_rows, mode_coefficients,
     philox_key, philox_normal_block, policy_difference, round_to, step_mean, total_grad, value_from_total,
 )
 
 
 @triton.jit
-def _chunk_offsets(n_per_sample, n_chunks, CHUNK: tl.constexpr):
-    """This program's (sample, chunk), its int64 element offsets and mask. The grid is 1-D, one
-    program per (sample, chunk), sample-major: any batch size fits (a 2-D grid's second axis stops at
-    65535), and offsets are int64 (batches of video latents exceed 2**31 elements)."""
+def _block_offsets(n_per_sample, n_blocks, BLOCK: tl.constexpr):
+    """This program's sample, its block's first in-sample element, the block's int64 element offsets
+    and mask. The grid is 1-D, one program per (sample, block of BLOCK elements), sample-major: any
+    batch size fits (a 2-D grid's second axis stops at 65535), and offsets are int64 (batches of video
+    latents exceed 2**31 elements)."""
     pid = tl.program_id(0).to(tl.int64)
-    row = pid // n_chunks
-    chunk = pid - row * n_chunks
-    in_row = chunk * CHUNK + tl.arange(0, CHUNK)
+    row = pid // n_blocks
+    first = (pid - row * n_blocks) * BLOCK
+    in_row = first + tl.arange(0, BLOCK)
     mask = in_row < n_per_sample
-    return row, chunk, row * n_per_sample + in_row, mask
+    return row, first, row * n_per_sample + in_row, mask
 
 
 @triton.jit
-def _philox_eps(seeds_ptr, row, chunk, stream_stride, elem_offset, CHUNK: tl.constexpr, ALIGNED: tl.constexpr):
-    """This chunk's float32 noise: elements elem_offset + chunk * CHUNK + arange(CHUNK) of the
-    sample's Philox stream (elem_offset: where a sequence-parallel shard starts)."""
+def _philox_eps(seeds_ptr, row, first, stream_stride, elem_offset, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """This block's float32 noise: elements elem_offset + first + arange(BLOCK) of the sample's Philox
+    stream (elem_offset: where a sequence-parallel shard starts)."""
     k0, k1 = philox_key(tl.load(seeds_ptr + row))
     stream = (row * stream_stride).to(tl.uint32)
-    return philox_normal_block(k0, k1, stream, elem_offset + chunk * CHUNK, CHUNK, ALIGNED)
+    return philox_normal_block(k0, k1, stream, elem_offset + first, BLOCK, ALIGNED)
 
 
 @triton.jit
 def step_partials_kernel(
     x_ptr, v_ptr, third_ptr, prev_out_ptr, mean_out_ptr, partials_ptr, sigmas_ptr, step_ptr,
     seeds_ptr, stream_stride, elem_offset,
-    n_per_sample, n_chunks, sigma_one_tol, eta, sin_half_pi_eta,
-    MODE: tl.constexpr, OP: tl.constexpr, WRITE_MEAN: tl.constexpr,
-    CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, NOISE: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
+    n_per_sample, n_chunks, n_blocks, sigma_one_tol, eta, sin_half_pi_eta,
+    MODE: tl.constexpr, OP: tl.constexpr, WRITE_MEAN: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+    GROUP: tl.constexpr, NOISE: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
 ):
-    row, chunk, offs, mask = _chunk_offsets(n_per_sample, n_chunks, CHUNK)
+    """Chunk partials [B, n_chunks] of r * r; each program covers GROUP consecutive chunks."""
+    row, first, offs, mask = _block_offsets(n_per_sample, n_blocks, GROUP * CHUNK)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if NOISE == NOISE_PHILOX:  # rollout only: the noise never touches memory
-        third = _philox_eps(seeds_ptr, row, chunk, stream_stride, elem_offset, CHUNK, PHILOX_ALIGNED)
+        third = _philox_eps(seeds_ptr, row, first, stream_stride, elem_offset, GROUP * CHUNK, PHILOX_ALIGNED)
     elif NOISE == NOISE_TENSOR:
         third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if OP != OP_KL:  # the KL's mu - mu_ref = c v - c v_ref does not read x
@@ -88,8 +92,9 @@ def step_partials_kernel(
     else:  # OP_KL
         r = policy_difference(c, v, third)
     r = tl.where(mask, r, 0.0)  # the tail of the last chunk adds exact zeros, as the reference's padding
-    partial = halving_tree_sum(r * r, CHUNK, LOG2_CHUNK)
-    tl.store(partials_ptr + row * n_chunks + chunk, partial)
+    partial = halving_tree_rows(r * r, GROUP, CHUNK, LOG2_CHUNK)  # one partial per chunk
+    chunk = first // CHUNK + tl.arange(0, GROUP)
+    tl.store(partials_ptr + row * n_chunks + chunk, partial, mask=chunk < n_chunks)
 
 
 @triton.jit
@@ -106,7 +111,7 @@ def finalize_kernel(
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
     offs = tl.arange(0, WIDTH)
     partials = tl.load(partials_ptr + row * n_partials + offs, mask=offs < n_partials, other=0.0)
-    total = halving_tree_sum(partials, WIDTH, LOG2_WIDTH)
+    total = tl.sum(halving_tree_rows(partials, 1, WIDTH, LOG2_WIDTH), axis=0)
     tl.store(value_ptr + row, value_from_total(total, std, numel_f, KIND, MEAN))
     tl.store(std_ptr + row, std)
 
@@ -114,16 +119,16 @@ def finalize_kernel(
 @triton.jit
 def step_backward_kernel(
     x_ptr, v_ptr, third_ptr, grad_ptr, grad_x_ptr, grad_v_ptr, grad_third_ptr, sigmas_ptr, step_ptr,
-    n_per_sample, n_chunks, numel_f, sigma_one_tol, eta, sin_half_pi_eta,
+    n_per_sample, n_blocks, numel_f, sigma_one_tol, eta, sin_half_pi_eta,
     MODE: tl.constexpr, KIND: tl.constexpr, MEAN: tl.constexpr, IS_KL: tl.constexpr,
-    NEED_X: tl.constexpr, NEED_V: tl.constexpr, NEED_THIRD: tl.constexpr, CHUNK: tl.constexpr,
+    NEED_X: tl.constexpr, NEED_V: tl.constexpr, NEED_THIRD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Input grads of step_log_prob (third = x') or step_kl (third = v_ref) from grad [B].
 
     Per sample: coef = d value / d total (common.total_grad); per element d value / d r = 2 * coef * r,
     then dmu/dx = a, dmu/dv = c, and r = x' - mu or mu - mu_ref = c v - c v_ref. The KL does not
     depend on x (a * x cancels), so it has no x grad (NEED_X is False for it)."""
-    row, chunk, offs, mask = _chunk_offsets(n_per_sample, n_chunks, CHUNK)
+    row, first, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
     coef = total_grad(tl.load(grad_ptr + row), std, numel_f, KIND, MEAN)

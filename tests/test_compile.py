@@ -35,31 +35,49 @@ def _env(tmp_path, pythonpath=None):
 
 
 def _aot(tmp_path, pythonpath=None):
-    res = subprocess.run([sys.executable, "-m", "flowrl.kernels.aot", "--arch", "90", "--json"], cwd=tmp_path,
-                         env=_env(tmp_path, pythonpath), capture_output=True, text=True, timeout=900)
+    res = subprocess.run([sys.executable, "-m", "flowrl.kernels.aot", "--json", "--jobs", str(os.cpu_count() or 1)],
+                         cwd=tmp_path, env=_env(tmp_path, pythonpath), capture_output=True, text=True, timeout=1800)
     assert res.stdout.strip(), res.stderr[-3000:]
     rows = json.loads(res.stdout.strip().splitlines()[-1])
     return res.returncode, rows
 
 
+def _expected_count():
+    from flowrl.kernels import aot
+
+    return sum(len(list(aot.specializations(storage))) for storage in aot.STORAGES) * len(aot.ARCHS)
+
+
 def _check_rows(rows, version):
-    assert {r["kernel"] for r in rows} == {"step_partials_kernel", "finalize_kernel", "step_backward_kernel"}
-    assert {r["storage"] for r in rows} == {"bf16", "fp16", "fp32"}
+    """Every specialization for sm_90a and sm_80 compiled, with no register spill, and the element
+    kernels' latents loaded (and the rollout's x' stored) 128 bits at a time where the JIT's
+    alignment attributes hold, one unaligned variant excepted."""
     failed = [r for r in rows if not r["ok"]]
-    assert not failed, failed
+    assert not failed, failed[:5]
+    assert len(rows) == _expected_count()
+    assert {r["kernel"] for r in rows} == {"step_partials_kernel", "finalize_kernel", "step_backward_kernel"}
+    assert {(r["storage"], r["arch"]) for r in rows} == {(s, a) for s in ("bf16", "fp16", "fp32") for a in ("sm_90", "sm_80")}
     for r in rows:
-        assert r["triton"] == version and r["arch"] == "sm_90" and r["cubin_bytes"] > 0, r
+        assert r["triton"] == version and r["spill_bytes"] == 0 and r["registers"] > 0, r
+        if r["kernel"] == "finalize_kernel":
+            continue
+        if "unaligned-tensors" in r["label"]:
+            assert r["loads_128"] == 0, r
+        else:
+            assert r["loads_128"] >= 2, r
+        if "rollout" in r["label"]:
+            assert r["stores_128"] >= 1, r
 
 
 @needs_linux_x86
-def test_every_kernel_compiles_for_sm90_with_the_installed_triton(tmp_path):
+def test_every_kernel_specialization_compiles_with_the_installed_triton(tmp_path):
     rc, rows = _aot(tmp_path)
     _check_rows(rows, triton.__version__)
     assert rc == 0
 
 
 @needs_linux_x86
-def test_every_kernel_compiles_for_sm90_with_triton_3_6(tmp_path):
+def test_every_kernel_specialization_compiles_with_triton_3_6(tmp_path):
     if not (TRITON36 / "triton").is_dir():
         if os.environ.get("CI"):
             pytest.fail(f"triton 3.6.0 is missing from {TRITON36}: ./run's set-up installs it")
@@ -67,6 +85,30 @@ def test_every_kernel_compiles_for_sm90_with_triton_3_6(tmp_path):
     rc, rows = _aot(tmp_path, pythonpath=TRITON36)
     _check_rows(rows, "3.6.0")
     assert rc == 0
+
+
+def test_the_specializations_cover_every_switch_the_launchers_use():
+    from flowrl import _triton_ops
+    from flowrl.contract import LogProbKind, Mode, NoiseSource, Op
+    from flowrl.kernels import aot
+
+    specs = [s for storage in aot.STORAGES for s in aot.specializations(storage)]
+    partials = [s.constexprs for s in specs if s.kernel == "step_partials_kernel"]
+    backward = [s.constexprs for s in specs if s.kernel == "step_backward_kernel"]
+    finalize = [s.constexprs for s in specs if s.kernel == "finalize_kernel"]
+    assert {(c["MODE"], c["OP"], c["NOISE"], c["WRITE_MEAN"], c["PHILOX_ALIGNED"]) for c in partials} >= {
+        (int(m), int(Op.ROLLOUT), int(n), w, a) for m in Mode for n in NoiseSource for w in (False, True)
+        for a in ((True, False) if n is NoiseSource.PHILOX else (False,))
+        if not (n is NoiseSource.PHILOX and not a and not w)} | {
+        (int(m), int(op), int(NoiseSource.TENSOR), False, False) for m in Mode for op in (Op.LOG_PROB, Op.KL)}
+    assert {(c["MODE"], c["KIND"], c["MEAN"]) for c in backward} == {
+        (int(m), int(k), mean) for m in Mode for k in LogProbKind for mean in (True, False)}
+    assert {(c["MODE"], c["KIND"], c["MEAN"]) for c in finalize} == {
+        (int(m), int(k), mean) for m in Mode for k in LogProbKind for mean in (True, False)}
+    assert {c["WIDTH"] for c in finalize} >= {2, 64, 1024, _triton_ops.MAX_FINALIZE_WIDTH}
+    configs = {(g, w) for _, g, w in _triton_ops.LAUNCH_TABLE}
+    assert {(s.constexprs["GROUP"], s.num_warps) for s in specs if s.kernel == "step_partials_kernel"} == configs
+    assert {(s.constexprs["BLOCK"] // 1024, s.num_warps) for s in specs if s.kernel == "step_backward_kernel"} == configs
 
 
 @needs_linux_x86

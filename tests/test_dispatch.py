@@ -152,8 +152,8 @@ def test_a_kernel_that_fails_to_build_raises_naming_it(monkeypatch, backend):
 
 
 @needs_interpreter
-def test_the_grid_is_one_program_per_sample_and_chunk(monkeypatch):
-    """The element kernels launch a 1-D grid of B * chunks programs: a batch above 65,535 (the limit
+def test_the_grid_is_one_program_per_sample_and_block_of_chunks(monkeypatch):
+    """The element kernels launch a 1-D grid of B * blocks programs: a batch above 65,535 (the limit
     of a CUDA grid's second axis) is one launch, not an error (tests/test_gpu.py runs one on CUDA)."""
     from flowrl import _triton_ops
 
@@ -167,9 +167,10 @@ def test_the_grid_is_one_program_per_sample_and_chunk(monkeypatch):
         return real_launch(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(_triton_ops, "_launch", record)
-    x, v, prev = data((3, 2500))
+    x, v, prev = data((3, 9 * 1024 + 5))  # 10 chunks per sample
+    group, _ = _triton_ops.launch_config(9 * 1024 + 5)
     flowrl.step_log_prob(x, v, prev, schedule(), 2, backend="triton")
-    assert [g for _, g in grids] == [(3 * 3,), (3,)]
+    assert [g for _, g in grids] == [(3 * -(-10 // group),), (3,)]  # partials, finalize: two launches
     grids.clear()
     big = torch.zeros(70_000, 3)
     flowrl.step_log_prob(big, big, big, schedule(), 2, backend="triton")

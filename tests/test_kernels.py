@@ -354,6 +354,47 @@ def test_gather_identity_and_sharded_partials(device):
     assert torch.equal(torch.cat([vs[0].grad, vs[1].grad], dim=1), v_full.grad)
 
 
+@pytest.mark.parametrize("group,num_warps", [(1, 1), (1, 4), (2, 2), (2, 8), (4, 4), (4, 16), (8, 8)])
+def test_every_launch_config_gives_the_same_bits(device, monkeypatch, group, num_warps):
+    """How many chunks a program covers and how many warps it has change no bit: rollout (torch noise,
+    Philox aligned and not), recompute, KL and every backward grad, against the default table."""
+    sigmas = schedule(device)
+    n = 5 * flowrl.CHUNK_SIZE + 37  # 6 chunks: a partial last block for every group size
+    x, v, noise = inputs((3, n), torch.bfloat16, device, 21, third="noise")
+    _, _, v_ref = inputs((3, n), torch.bfloat16, device, 22, third="noise")
+    step = steps_for(3, device)
+
+    def run():
+        outs = []
+        out = flowrl.sde_step(x, v, sigmas, step, noise=noise, backend="triton")
+        outs += [out.prev_sample, out.log_prob, out.prev_sample_mean]
+        out = flowrl.sde_step(x, v, sigmas, step, noise_seed=7, backend="triton")
+        outs += [out.prev_sample, out.log_prob]
+        shard = ShardContext(numel=n + 2, offset=2, gather=lambda p: p)  # Philox from an unaligned offset
+        outs.append(flowrl.sde_step(x, v, sigmas, step, noise_seed=7, backend="triton", shard=shard).prev_sample)
+        leaves = [t.clone().requires_grad_(True) for t in (x, v, out.prev_sample)]
+        lp = flowrl.step_log_prob(*leaves, sigmas, step, backend="triton")
+        lp.sum().backward()
+        outs += [lp, *(t.grad for t in leaves)]
+        vk = v.clone().requires_grad_(True)
+        kl = flowrl.step_kl(x, vk, v_ref, sigmas, step, backend="triton")
+        kl.sum().backward()
+        return outs + [kl, vk.grad]
+
+    want = run()
+    monkeypatch.setattr(_triton_ops, "launch_config", lambda n_per_sample: (group, num_warps))
+    got = run()
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), k
+
+
+def test_launch_table_covers_every_size():
+    assert _triton_ops.launch_config(1) == _triton_ops.LAUNCH_TABLE[0][1:]
+    assert _triton_ops.launch_config(2**40)[0] >= 1
+    sizes = [1, 1024, 2048, 2049, 8192, 8193, 10**9]
+    assert all(g & (g - 1) == 0 and 1 <= w <= 32 for g, w in map(_triton_ops.launch_config, sizes))
+
+
 # -------------------------------------------------------------------------------------- dispatch
 
 
