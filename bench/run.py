@@ -17,10 +17,13 @@ dtype and B == 1 / B > 1 rather than one per shape; elementwise work and bytes a
 Every implementation's outputs are checked against the eager baseline (loose tolerance) before it is
 timed. Time: median after warm-up (GPU: ``triton.testing.do_bench``; CPU: wall clock). GB/s counts
 the minimal bytes (each input read once, each output written once, see ``min_bytes``), also shown as
-a percentage of a large device-to-device copy measured in the same run. Peak memory of
+a percentage of a large device-to-device copy measured in the same run; for ``flowrl-triton`` also
+over the bytes its kernels move by their launch design (``kernel_bytes``, "model" columns), which
+says how close they run to the bandwidth limit. Both byte counts are shown per element. Peak memory of
 ``recompute_fwd_bwd`` is what the op allocates beyond its inputs (GPU: ``max_memory_allocated``;
 CPU: the allocator's running total as recorded by ``torch.profiler`` with ``profile_memory=True``).
-Results: a markdown table on stdout and a CSV (plus the table as .md) under bench/results/.
+Results: a markdown table on stdout and a CSV (plus the table as .md) under bench/results/;
+``--table-from CSV`` prints an earlier CSV's table with the byte columns recomputed from its times.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ import baseline  # noqa: E402  (bench/baseline.py, next to this file)
 
 import flowrl  # noqa: E402
 from flowrl import _dispatch  # noqa: E402
+from flowrl.contract import CHUNK_SIZE  # noqa: E402
 
 OPS = ("rollout", "recompute_fwd", "recompute_fwd_bwd", "kl_fwd_bwd")
 MODES = baseline.MODES
@@ -72,19 +76,88 @@ def make_sigmas(num_steps: int = NUM_STEPS, shift: float = SHIFT) -> torch.Tenso
     return torch.cat([s, torch.zeros(1, dtype=torch.float64)]).float()
 
 
-def min_bytes(op: str, numel: int, batch: int, itemsize: int) -> int:
-    """Bytes an ideal kernel moves: each input read once, each output written once.
+NOISE_SOURCES = ("tensor", "philox", "none")  # a rollout's eps: float32 tensor, in-kernel Philox, none (ode)
+MODELLED_IMPLS = ("flowrl-triton",)  # the implementations whose traffic kernel_bytes models
 
-    rollout: reads x, v (storage dtype) and float32 noise, writes x' and the log-prob [B];
-    recompute_fwd: reads x, v, x', writes [B]; the fwd+bwd ops read x, v and x' (or v_ref) and the
-    grad_output [B], write the value [B] and grad_v (storage dtype)."""
+
+def _check_variant(op: str, noise: str, write_mean: bool) -> None:
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}")
+    if noise not in NOISE_SOURCES:
+        raise ValueError(f"noise must be one of {NOISE_SOURCES}; got {noise!r}")
+    if op != "rollout" and (noise != "tensor" or write_mean):
+        raise ValueError(f"noise= and write_mean= are rollout options; got them for {op!r}")
+
+
+def min_bytes(op: str, numel: int, batch: int, itemsize: int, noise: str = "tensor", write_mean: bool = False) -> int:
+    """Bytes an ideal kernel moves: each input read once, each output written once (N = numel
+    elements of ``itemsize`` = s bytes, B = batch samples).
+
+    rollout: reads x, v (2Ns) and, with noise="tensor", the float32 noise (4N; Philox noise and a
+    noiseless step read none), writes x' (Ns), the log-prob [B] and, with write_mean, the float32 mean
+    (4N). recompute_fwd: reads x, v, x' (3Ns), writes [B]. recompute_fwd_bwd: reads x, v, x' and the
+    grad_output [B], writes the value [B] and grad_v (4Ns + 8B). kl_fwd_bwd: reads v and v_ref, which
+    is all the KL depends on (mu - mu_ref = c v - c v_ref: x cancels), and the grad_output [B], writes
+    the value [B] and grad_v (3Ns + 8B). The table recorded on 2026-11-29 (bench/results/) counted x for the
+    KL too (4Ns + 8B)."""
+    _check_variant(op, noise, write_mean)
     if op == "rollout":
-        return numel * (3 * itemsize + 4) + 4 * batch
+        return numel * (3 * itemsize + (4 if noise == "tensor" else 0) + (4 if write_mean else 0)) + 4 * batch
     if op == "recompute_fwd":
         return numel * 3 * itemsize + 4 * batch
-    if op in ("recompute_fwd_bwd", "kl_fwd_bwd"):
+    if op == "recompute_fwd_bwd":
         return numel * 4 * itemsize + 8 * batch
-    raise ValueError(f"unknown op {op!r}")
+    return numel * 3 * itemsize + 8 * batch  # kl_fwd_bwd
+
+
+def kernel_bytes(op: str, numel: int, batch: int, itemsize: int, noise: str = "tensor",
+                 write_mean: bool = False) -> int:
+    """Bytes flowrl's Triton kernels move for ``op`` by their launch design (flowrl/_triton_ops.py,
+    kernels/step.py), the traffic model set beside ``min_bytes``: GB/s over these bytes, against the
+    copy bandwidth, says how close the kernels run to the bandwidth limit; GB/s over ``min_bytes``
+    says how close their design plus that speed come to an ideal kernel. Update it here when the
+    launch design changes.
+
+    N = numel elements of s = itemsize bytes, B = batch samples, P = ceil(N / B / CHUNK_SIZE) chunk
+    partials per sample (CHUNK_SIZE = 1024). The element kernels read and write each tensor once per
+    CHUNK_SIZE-element chunk of one sample; whether a program covers one chunk or several, each chunk
+    keeps its own float32 partial, so the bytes are the same.
+
+    - forward, step_partials_kernel (every op): reads v (Ns) and
+      rollout: x (Ns) and the float32 noise (4N) with noise="tensor"; nothing for the noise with
+      "philox" (drawn in registers) or "none" (no eps); writes x' (Ns) and, with write_mean, the
+      float32 mean (4N);
+      recompute (log-prob): x and the stored x' (2Ns);
+      kl: v_ref (Ns) only (mu - mu_ref = c v - c v_ref: x is not read);
+      and writes one float32 partial per chunk (4BP).
+    - finalize_kernel, one program per sample: reads its P partials (4BP; the lanes padding them to
+      a power of two are masked, no traffic), writes the value and the std (8B).
+    - backward, step_backward_kernel (the *_fwd_bwd ops, grad w.r.t. model_output only): reads the
+      incoming grad [B] (4B), re-reads the forward's element inputs (x, v, x': 3Ns; kl: v, v_ref:
+      2Ns), writes grad_v (Ns) and no grad that was not asked for.
+
+    So every op moves its minimum plus 8BP (the partials, written and read back) plus 4B (the std
+    that finalize also writes), and the fwd+bwd ops also the backward's second read of the inputs
+    (3Ns, kl 2Ns): nothing is saved between forward and backward, which is what keeps their peak
+    memory at the inputs plus one gradient.
+
+    Not counted, as in ``min_bytes``: the sigma table, the step indices and Philox seeds (a few bytes
+    per sample, read from cache after the first program), and, above MAX_FINALIZE_WIDTH (65536)
+    partials per sample (64M elements), the torch adds that pre-combine them (under 1% of the
+    element traffic)."""
+    _check_variant(op, noise, write_mean)
+    s, n, b = itemsize, numel, batch
+    chunks = b * -(-(n // b) // CHUNK_SIZE)  # B * P, P = ceil(N / B / CHUNK_SIZE)
+    partials = 4 * chunks + 4 * chunks  # written by the element kernel, read by finalize
+    finalize = 8 * b  # value and std, float32 [B]
+    if op == "rollout":
+        forward = n * (2 * s + (4 if noise == "tensor" else 0) + s + (4 if write_mean else 0))
+        return forward + partials + finalize
+    forward = n * (2 * s if op == "kl_fwd_bwd" else 3 * s)
+    if op == "recompute_fwd":
+        return forward + partials + finalize
+    backward = 4 * b + forward + n * s  # grad [B] in, the forward's inputs again, grad_v out
+    return forward + partials + finalize + backward
 
 
 @dataclass
@@ -352,8 +425,12 @@ class Row:
     shape: str
     impl: str
     time_ms: float = math.nan
-    gbps: float = math.nan
+    gbps: float = math.nan  # over min_bytes
     pct_copy: float = math.nan
+    min_b_elem: float = math.nan  # min_bytes / N
+    model_b_elem: float = math.nan  # kernel_bytes / N (MODELLED_IMPLS only)
+    gbps_model: float = math.nan  # over kernel_bytes
+    pct_copy_model: float = math.nan
     x_eager: float = math.nan
     x_compile: float = math.nan
     peak_extra_mib: float = math.nan
@@ -361,6 +438,23 @@ class Row:
     grad_mib: float = math.nan
     check_err: float = math.nan
     note: str = ""
+
+
+def set_bytes(row: Row, numel: int, batch: int, itemsize: int) -> None:
+    """The row's bytes per element: the minimum, and the traffic model for the implementations it
+    models (the others' traffic is not designed, so they get none)."""
+    row.min_b_elem = min_bytes(row.op, numel, batch, itemsize) / numel
+    modelled = row.impl in MODELLED_IMPLS
+    row.model_b_elem = kernel_bytes(row.op, numel, batch, itemsize) / numel if modelled else math.nan
+
+
+def set_rates(row: Row, ms: float, numel: int, copy: float) -> None:
+    """GB/s over the minimal and the modelled bytes, and each as a percentage of the copy bandwidth."""
+    row.time_ms = ms
+    row.gbps = row.min_b_elem * numel / (ms * 1e-3) / 1e9
+    row.pct_copy = 100 * row.gbps / copy
+    row.gbps_model = row.model_b_elem * numel / (ms * 1e-3) / 1e9
+    row.pct_copy_model = 100 * row.gbps_model / copy
 
 
 def machine_name(device: torch.device) -> str:
@@ -432,6 +526,8 @@ def run_sweep(
             eager = build("eager", case, op)
             expected = eager()
             op_rows = {impl: Row(op, mode, dname, shape_s, impl) for impl in impls}
+            for row in op_rows.values():
+                set_bytes(row, numel, batch, itemsize)
             rows.extend(op_rows.values())
             fns: Dict[str, Callable] = {}
             for impl, row in op_rows.items():
@@ -445,9 +541,7 @@ def run_sweep(
                     row.note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
             for impl, ms in time_all(fns, device, budget_s=timing_budget_s).items():
                 row = op_rows[impl]
-                row.time_ms = ms
-                row.gbps = min_bytes(op, numel, batch, itemsize) / (ms * 1e-3) / 1e9
-                row.pct_copy = 100 * row.gbps / copy
+                set_rates(row, ms, numel, copy)
                 if op == PEAK_OP:
                     peak = peak_extra_bytes(fns[impl], device)
                     row.peak_extra_mib = math.nan if peak is None else peak / 2**20
@@ -472,18 +566,42 @@ def _fmt(value: float, digits: int = 3) -> str:
 
 
 def markdown_table(rows: Sequence[Row]) -> str:
-    head = ("| op | mode | dtype | shape | impl | time ms | GB/s | % copy | x eager | x compile "
-            "| peak MiB (x eager) | note |")
+    head = ("| op | mode | dtype | shape | impl | time ms | min B/elem | GB/s | % copy | model B/elem "
+            "| GB/s (model) | % copy (model) | x eager | x compile | peak MiB (x eager) | note |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         peak = "-" if math.isnan(r.peak_extra_mib) else (
             f"{_fmt(r.peak_extra_mib)} ({_fmt(r.peak_x_eager, 2)})" if not math.isnan(r.peak_x_eager)
             else _fmt(r.peak_extra_mib))
         lines.append(
-            f"| {r.op} | {r.mode} | {r.dtype} | {r.shape} | {r.impl} | {_fmt(r.time_ms)} | {_fmt(r.gbps)} "
-            f"| {_fmt(r.pct_copy, 2)} | {_fmt(r.x_eager, 2)} | {_fmt(r.x_compile, 2)} | {peak} | {r.note} |"
+            f"| {r.op} | {r.mode} | {r.dtype} | {r.shape} | {r.impl} | {_fmt(r.time_ms)} | {_fmt(r.min_b_elem, 4)} "
+            f"| {_fmt(r.gbps)} | {_fmt(r.pct_copy, 2)} | {_fmt(r.model_b_elem, 4)} | {_fmt(r.gbps_model)} "
+            f"| {_fmt(r.pct_copy_model, 2)} | {_fmt(r.x_eager, 2)} | {_fmt(r.x_compile, 2)} | {peak} | {r.note} |"
         )
     return "\n".join(lines)
+
+
+def retabulate(csv_path: str) -> Tuple[List[Row], Dict[str, str]]:
+    """The rows of a results CSV, their byte columns recomputed from the recorded times with the
+    current ``min_bytes`` and ``kernel_bytes`` (the copy bandwidth is the one recorded with them), so
+    a table taken under an older byte count reads the same as a new one. Returns (rows, header)."""
+    row_fields = {f.name for f in fields(Row)}
+    rows: List[Row] = []
+    header: Dict[str, str] = {}
+    with open(csv_path, newline="") as f:
+        for rec in csv.DictReader(f):
+            header = {k: v for k, v in rec.items() if k not in row_fields}
+            row = Row(**{k: (v if k in ("op", "mode", "dtype", "shape", "impl", "note") else float(v or "nan"))
+                         for k, v in rec.items() if k in row_fields})
+            shape = [int(d) for d in row.shape.split("x")]
+            numel = math.prod(shape)
+            set_bytes(row, numel, shape[0], torch.empty((), dtype=DTYPES[row.dtype]).element_size())
+            if not math.isnan(row.time_ms):
+                # the unrounded copy bandwidth of that run, from its own GB/s and % copy
+                copy = 100 * float(rec["gbps"]) / float(rec["pct_copy"])
+                set_rates(row, row.time_ms, numel, copy)
+            rows.append(row)
+    return rows, header
 
 
 def _slug(text: str) -> str:
@@ -541,9 +659,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="stop starting new configurations after this many seconds (the table says so)")
     p.add_argument("--timing-budget", type=float, default=None,
                    help="CPU: seconds of repeated runs per timing (default 0.5, 0.2 with --quick)")
+    p.add_argument("--table-from", metavar="CSV",
+                   help="print the table of an earlier results CSV, its byte columns recomputed (no run)")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"),
                    help="directory for the CSV and .md (default: $OUT, else bench/results)")
     args = p.parse_args(argv)
+    if args.table_from:
+        rows, header = retabulate(args.table_from)
+        print("# " + ", ".join(f"{k}={v}" for k, v in header.items()))
+        print(markdown_table(rows))
+        return 0
 
     device = torch.device(args.device)
     if args.threads is not None:
