@@ -51,8 +51,9 @@ _skip = threading.local()
 @contextlib.contextmanager
 def no_value_checks():
     """Inside, the checks that read device values (the schedule's values, the range of tensor step
-    indices) are skipped: no host sync, for eager loops on CUDA that must not wait on the device.
-    Every other check still runs. Out-of-range indices are then the caller's responsibility."""
+    indices, the rollout recorder's check that a step's input is the previous step's output) are
+    skipped: no host sync, for eager loops on CUDA that must not wait on the device. Every other
+    check still runs. Out-of-range indices are then the caller's responsibility."""
     previous = getattr(_skip, "active", False)
     _skip.active = True
     try:

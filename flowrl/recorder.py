@@ -266,7 +266,10 @@ class RolloutRecorder:
                 f"the scheduler is at step index {self.scheduler.step_index} but the rollout expects "
                 f"{self._begin + i}: steps were skipped or repeated"
             )
-        if self._last_prev is not None and sample is not self._last_prev and not torch.equal(sample, self._last_prev):
+        # torch.equal reads a device value (a sync, refused while capturing a CUDA graph): like the value
+        # checks, skipped while capturing and inside flowrl.no_value_checks(); the warning is all it gives
+        if (self._last_prev is not None and sample is not self._last_prev and not V._skip_value_reads()
+                and not torch.equal(sample, self._last_prev)):
             warnings.warn(
                 f"loop step {i}'s input is not step {i - 1}'s output (the pipeline changed the latents between "
                 "steps); the trajectory stores each step's input, so recomputing step "
