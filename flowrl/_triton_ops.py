@@ -9,7 +9,7 @@ Launch: the element kernels run a 1-D grid, one program per (sample, block of ``
 CHUNK_SIZE chunks) (any batch size), so every chunk's partial is summed inside one program (no
 atomics, fixed order); ``launch_config`` picks (group, num_warps) from the sample's element count.
 Every entry gives the same bits (each chunk's tree is the same; tested). The finalize kernel's block
-is the sample's partial count rounded up to a power of two, num_warps = block / 256 in [1, 8].
+is the sample's partial count rounded up to a power of two, num_warps = block / 256 in [1, 16].
 Two launches per op call (partials, finalize); three for a rollout drawing torch noise (the randn).
 
 ``spec.gather`` (sequence parallelism) is called on the local partials in forward only: in backward
@@ -35,10 +35,11 @@ from flowrl.kernels.step import finalize_kernel, step_backward_kernel, step_part
 from . import reference
 from .contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, SIGMA_ONE_TOL, LogProbKind, NoiseSource, Op, Reduction
 
-# Largest partial count combined by the finalize kernel in one program (64M elements per sample at
-# CHUNK_SIZE 1024); above it the first levels of the same halving tree run as elementwise torch adds
-# (exact IEEE adds, the same bits) until the width fits.
-MAX_FINALIZE_WIDTH = 1 << 16
+# Largest partial count combined by the finalize kernel in one program (16M elements per sample at
+# CHUNK_SIZE 1024; 16 warps, 32 values per thread: at 65536 triton 3.6 spilled 40 bytes on sm_90a);
+# above it the first levels of the same halving tree run as elementwise torch adds (exact IEEE adds,
+# the same bits) until the width fits.
+MAX_FINALIZE_WIDTH = 1 << 14
 
 # Errors that mean "this kernel cannot be built or launched here" (compile errors, ptxas errors,
 # shared memory or registers out of resources); the interpreter's runtime errors are not among them.
@@ -64,8 +65,9 @@ def _launch(kernel, grid, *args, **kwargs):
         ) from exc
 
 
-def _num_warps(block: int) -> int:
-    return max(1, min(8, block // 256))
+def finalize_warps(width: int) -> int:
+    """The finalize kernel's warps for ``width`` partials: 8 values per thread, 1 to 16 warps."""
+    return max(1, min(16, width // 256))
 
 
 # (largest elements per sample, chunks per program, num_warps), first match wins. Every entry keeps 8
@@ -153,7 +155,7 @@ def _finalize(spec, ks: _KernelScalars, partials: torch.Tensor):
         finalize_kernel, (b,),
         partials, ks.sigmas, ks.step_index, value, std, p, float(spec.numel), *ks.args,
         MODE=int(spec.mode), KIND=int(spec.kind), MEAN=spec.reduction is Reduction.MEAN, WIDTH=width,
-        LOG2_WIDTH=width.bit_length() - 1, num_warps=_num_warps(width), **_LAUNCH,
+        LOG2_WIDTH=width.bit_length() - 1, num_warps=finalize_warps(width), **_LAUNCH,
     )
     return value, std
 

@@ -102,6 +102,23 @@ SIGMA_ONE_TOL = SIGMA_ONE_ATOL + SIGMA_ONE_RTOL
 # any |r| < 2.4e7 (docs/contract.md, Deterministic steps and tiny noise).
 STD_FLOOR = 2.0**-40
 
+# Box-Muller's sin(pi u), cos(pi u) (in-kernel Philox noise): Taylor coefficients of sin and cos on
+# |s| <= pi / 4 (truncation error below 1e-11), rounded to float32 once here so that both backends
+# multiply by the same values. A polynomial rather than the platform's sinf / cosf: those are different
+# functions on each backend, and triton 3.6's cosf carries a large-argument path in local memory.
+PI_F32 = 3.1415927410125732
+SINPI_S3 = -0.1666666716337204
+SINPI_S5 = 0.008333333767950535
+SINPI_S7 = -0.00019841270113829523
+SINPI_S9 = 2.7557318844628753e-06
+SINPI_S11 = -2.5052107943679403e-08
+COSPI_C2 = -0.5
+COSPI_C4 = 0.0416666679084301
+COSPI_C6 = -0.0013888889225199819
+COSPI_C8 = 2.4801587642286904e-05
+COSPI_C10 = -2.755731998149713e-07
+COSPI_C12 = 2.0876755879584152e-09
+
 __all__ = [
     "Mode", "LogProbKind", "LOG_PROB_KINDS", "Reduction", "Op", "NoiseSource", "CHUNK_SIZE",
     "LOG2_CHUNK_SIZE", "HALF_LOG_2PI", "SIGMA_ONE_RTOL", "SIGMA_ONE_ATOL", "SIGMA_ONE_TOL", "STD_FLOOR",

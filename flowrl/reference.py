@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import contract as C
 from ._validate import NoiseSeed
 from .contract import CHUNK_SIZE, HALF_LOG_2PI, SIGMA_ONE_TOL, STD_FLOOR, LogProbKind, Mode, NoiseSource, Reduction
 
@@ -184,7 +185,6 @@ def finalize(
 PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57  # round multipliers
 PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85  # key bumps (Weyl sequence)
 _MASK32 = 0xFFFFFFFF
-PI_F32 = float(torch.tensor(math.pi, dtype=torch.float32))  # pi rounded to float32, as the kernels use it
 
 
 def _mulhilo32(m: int, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -221,15 +221,31 @@ def philox_quads(seed: NoiseSeed, first_quad: int, n_quads: int):
     return philox4x32_10(quad & _MASK32, quad >> 32, stream, torch.zeros_like(quad), k0, k1)
 
 
+def sincospi(u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(sin(pi u), cos(pi u)) of float32 ``u`` in [-1, 1], the same float32 operations as the kernels'
+    ``sincospi``: q = the nearest integer to 2u, s = pi (u - q / 2) with |s| <= pi / 4, the Taylor
+    polynomials of sin(s) and cos(s) (flowrl.contract's float32 coefficients), then the quadrant."""
+    q = torch.floor(u * 2.0 + 0.5)
+    s = (u - q * 0.5) * C.PI_F32
+    s2 = s * s
+    sin_r = s + s * s2 * (C.SINPI_S3 + s2 * (C.SINPI_S5 + s2 * (C.SINPI_S7 + s2 * (C.SINPI_S9 + s2 * C.SINPI_S11))))
+    cos_r = 1.0 + s2 * (C.COSPI_C2 + s2 * (C.COSPI_C4 + s2 * (C.COSPI_C6 + s2 * (C.COSPI_C8 + s2 * (
+        C.COSPI_C10 + s2 * C.COSPI_C12)))))
+    quadrant = q.to(torch.int32) & 3  # sin(s + q pi / 2), cos(s + q pi / 2) by q mod 4
+    sin_u = torch.where(quadrant == 0, sin_r, torch.where(quadrant == 1, cos_r, torch.where(quadrant == 2, -sin_r, -cos_r)))
+    cos_u = torch.where(quadrant == 0, cos_r, torch.where(quadrant == 1, -sin_r, torch.where(quadrant == 2, -cos_r, sin_r)))
+    return sin_u, cos_u
+
+
 def box_muller(x_radius: torch.Tensor, x_angle: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Two float32 standard normals (r cos(theta), r sin(theta)) from uint32 words: u = (x_radius +
     1/2) / 2**32 in (0, 1] (never 0: a log follows), r = sqrt(-2 ln u), theta = pi * int32(x_angle) /
-    2**31 in [-pi, pi)."""
+    2**31 in [-pi, pi), its sine and cosine by ``sincospi``."""
     u = (x_radius.to(torch.float32) + 0.5) * 2.0**-32
     r = torch.sqrt(-2.0 * torch.log(u))
     signed = torch.where(x_angle >= 2**31, x_angle - 2**32, x_angle)  # the word as an int32
-    theta = (signed.to(torch.float32) * 2.0**-31) * PI_F32
-    return r * torch.cos(theta), r * torch.sin(theta)
+    sin_t, cos_t = sincospi(signed.to(torch.float32) * 2.0**-31)
+    return r * cos_t, r * sin_t
 
 
 def philox_normal(seed: NoiseSeed, numel: int) -> torch.Tensor:

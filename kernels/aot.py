@@ -78,7 +78,9 @@ def _finalize(mode, kind, mean, width):
     sig = {"partials_ptr": "*fp32", "sigmas_ptr": "*fp32", "step_ptr": "*i64", "value_ptr": "*fp32", "std_ptr": "*fp32",
            "n_partials": "i32", "numel_f": "fp32", "sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32"}
     cx = {"MODE": int(mode), "KIND": int(kind), "MEAN": mean, "WIDTH": width, "LOG2_WIDTH": width.bit_length() - 1}
-    warps = max(1, min(8, width // 256))
+    from flowrl._triton_ops import finalize_warps
+
+    warps = finalize_warps(width)
     return Specialization("finalize_kernel", sig, cx, ("partials_ptr", "sigmas_ptr", "step_ptr", "value_ptr", "std_ptr"),
                           warps, f"{mode.label} {kind.label} {'mean' if mean else 'sum'} width={width}", width)
 
@@ -105,7 +107,7 @@ def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Spec
     every op, noise source (Philox from an aligned and an unaligned offset), mean-writing and
     log-prob kind x reduction, at the largest launch configuration; every launch configuration for the
     heaviest variants (the sde rollout with Philox noise and the mean, the sde log-prob and its
-    backward); finalize widths from 2 to 65536; one variant without the JIT's alignment attributes.
+    backward); finalize widths from 2 to MAX_FINALIZE_WIDTH; one variant without the JIT's alignment attributes.
     ``quick``: one specialization per kernel (the heaviest switches), for a fast check."""
     configs = _launch_configs()
     largest = configs[-1]
@@ -137,7 +139,9 @@ def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Spec
             for kind in LogProbKind:
                 for mean in (True, False):
                     yield _finalize(mode, kind, mean, 64)
-        for width in (2, 1024, 65536):
+        from flowrl._triton_ops import MAX_FINALIZE_WIDTH
+
+        for width in (2, 1024, MAX_FINALIZE_WIDTH):
             yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, True, width)
 
 
@@ -277,7 +281,9 @@ TABLE_START, TABLE_END = "<!-- aot-table:start -->", "<!-- aot-table:end -->"
 
 
 def triton36_path() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    """Where ./run installs triton 3.6.0: <checkout>/.venv/triton-3.6 (this file is <checkout>/kernels/aot.py
+    in the editable install), or FLOWRL_TRITON36."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return os.environ.get("FLOWRL_TRITON36", os.path.join(root, ".venv", "triton-3.6"))
 
 
@@ -292,7 +298,10 @@ def update_docs(path: str, archs: Sequence[int], jobs: int) -> int:
     if not res.stdout.strip():
         print(res.stderr[-3000:], file=sys.stderr)
         return 1
-    rows += json.loads(res.stdout.strip().splitlines()[-1])
+    old_rows = json.loads(res.stdout.strip().splitlines()[-1])
+    if {row["triton"] for row in old_rows} != {"3.6.0"}:
+        raise RuntimeError(f"expected triton 3.6.0 from {triton36_path()}; got {sorted({r['triton'] for r in old_rows})}")
+    rows += old_rows
     with open(path) as f:
         text = f.read()
     if TABLE_START not in text or TABLE_END not in text:

@@ -11,6 +11,7 @@ arithmetic is then the reference's, operation for operation.
 import triton
 import triton.language as tl
 
+from flowrl import contract as _contract
 from flowrl.contract import HALF_LOG_2PI as _HALF_LOG_2PI
 from flowrl.contract import STD_FLOOR as _STD_FLOOR
 from flowrl.contract import LogProbKind, Mode, NoiseSource, Op
@@ -174,7 +175,18 @@ PHILOX_W1 = tl.constexpr(0xBB67AE85)
 # exact float32 constants: 2**-32, 2**-31, and pi rounded to float32 (as the reference rounds it)
 TWO_POW_M32 = tl.constexpr(2.3283064365386963e-10)
 TWO_POW_M31 = tl.constexpr(4.656612873077393e-10)
-PI_F32 = tl.constexpr(3.1415927410125732)
+PI_F32 = tl.constexpr(_contract.PI_F32)
+SINPI_S3 = tl.constexpr(_contract.SINPI_S3)
+SINPI_S5 = tl.constexpr(_contract.SINPI_S5)
+SINPI_S7 = tl.constexpr(_contract.SINPI_S7)
+SINPI_S9 = tl.constexpr(_contract.SINPI_S9)
+SINPI_S11 = tl.constexpr(_contract.SINPI_S11)
+COSPI_C2 = tl.constexpr(_contract.COSPI_C2)
+COSPI_C4 = tl.constexpr(_contract.COSPI_C4)
+COSPI_C6 = tl.constexpr(_contract.COSPI_C6)
+COSPI_C8 = tl.constexpr(_contract.COSPI_C8)
+COSPI_C10 = tl.constexpr(_contract.COSPI_C10)
+COSPI_C12 = tl.constexpr(_contract.COSPI_C12)
 
 
 @triton.jit
@@ -201,14 +213,30 @@ def philox_key(seed):
 
 
 @triton.jit
+def sincospi(u):
+    """(sin(pi u), cos(pi u)) in float32 for u in [-1, 1], as flowrl.reference.sincospi computes it:
+    q = the nearest integer to 2u, r = u - q / 2 in [-1/4, 1/4] (exact), s = pi r; the Taylor
+    polynomials of sin(s) and cos(s) (flowrl.contract's coefficients), then the quadrant q mod 4."""
+    q = tl.floor(u * 2.0 + 0.5)
+    s = (u - q * 0.5) * PI_F32
+    s2 = s * s
+    sin_r = s + s * s2 * (SINPI_S3 + s2 * (SINPI_S5 + s2 * (SINPI_S7 + s2 * (SINPI_S9 + s2 * SINPI_S11))))
+    cos_r = 1.0 + s2 * (COSPI_C2 + s2 * (COSPI_C4 + s2 * (COSPI_C6 + s2 * (COSPI_C8 + s2 * (COSPI_C10 + s2 * COSPI_C12)))))
+    quadrant = q.to(tl.int32) & 3  # sin(s + q pi / 2), cos(s + q pi / 2) by q mod 4
+    sin_u = tl.where(quadrant == 0, sin_r, tl.where(quadrant == 1, cos_r, tl.where(quadrant == 2, -sin_r, -cos_r)))
+    cos_u = tl.where(quadrant == 0, cos_r, tl.where(quadrant == 1, -sin_r, tl.where(quadrant == 2, -cos_r, sin_r)))
+    return sin_u, cos_u
+
+
+@triton.jit
 def box_muller(x_radius, x_angle):
     """Two standard normals (r cos(theta), r sin(theta)) in float32 from two uint32 words:
     u = (x_radius + 1/2) / 2**32 in (0, 1] (never 0: a log follows), r = sqrt(-2 ln u), and
-    theta = pi * int32(x_angle) / 2**31 in [-pi, pi) (the range where GPU sin/cos are most accurate)."""
+    theta = pi * int32(x_angle) / 2**31 in [-pi, pi), its sine and cosine by ``sincospi``."""
     u = (x_radius.to(tl.float32) + 0.5) * TWO_POW_M32
     r = tl.sqrt_rn(-2.0 * tl.log(u))
-    theta = (x_angle.to(tl.int32, bitcast=True).to(tl.float32) * TWO_POW_M31) * PI_F32
-    return r * tl.cos(theta), r * tl.sin(theta)
+    sin_t, cos_t = sincospi(x_angle.to(tl.int32, bitcast=True).to(tl.float32) * TWO_POW_M31)
+    return r * cos_t, r * sin_t
 
 
 @triton.jit
