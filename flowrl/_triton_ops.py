@@ -80,8 +80,15 @@ def finalize_warps(width: int) -> int:
 LAUNCH_TABLE = ((2 * CHUNK_SIZE, 1, 4), (8 * CHUNK_SIZE, 2, 8), (float("inf"), 4, 16))
 
 
-def launch_config(n_per_sample: int):
+# Philox from an offset that is not a multiple of 4 (a sequence-parallel shard cut mid-quad) makes one
+# Philox call per element: at 16 warps triton 3.6 spilled 8 bytes on sm_80, at (1, 4) it does not.
+UNALIGNED_PHILOX_CONFIG = LAUNCH_TABLE[0][1:]
+
+
+def launch_config(n_per_sample: int, unaligned_philox: bool = False):
     """(chunks per program, num_warps) of the element kernels for samples of ``n_per_sample``."""
+    if unaligned_philox:
+        return UNALIGNED_PHILOX_CONFIG
     for largest, group, num_warps in LAUNCH_TABLE:
         if n_per_sample <= largest:
             return group, num_warps
@@ -114,13 +121,13 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
     it in the kernel from ``spec.noise_seed`` (PHILOX), or has none (NONE: x' = mu)."""
     b, n = _rows_shape(x)
     n_chunks = triton.cdiv(n, CHUNK_SIZE)
-    group, num_warps = launch_config(n)
-    n_blocks = triton.cdiv(n_chunks, group)
-    partials = torch.empty((b, n_chunks), dtype=torch.float32, device=x.device)
     write_mean = mean_out is not None
     noise_from = spec.noise_source if spec.op is Op.ROLLOUT else NoiseSource.TENSOR
     philox = noise_from is NoiseSource.PHILOX
     seeds, stream_stride, elem_offset = spec.noise_seed if philox else (ks.step_index, 0, 0)
+    group, num_warps = launch_config(n, unaligned_philox=philox and elem_offset % 4 != 0)
+    n_blocks = triton.cdiv(n_chunks, group)
+    partials = torch.empty((b, n_chunks), dtype=torch.float32, device=x.device)
     _launch(
         step_partials_kernel, (b * n_blocks,),
         x, v, x if third is None else third, prev_out if prev_out is not None else partials,

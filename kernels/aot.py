@@ -56,6 +56,12 @@ def _launch_configs():
     return sorted({(group, warps) for _, group, warps in LAUNCH_TABLE})
 
 
+def _unaligned_philox_config():
+    from flowrl._triton_ops import UNALIGNED_PHILOX_CONFIG
+
+    return UNALIGNED_PHILOX_CONFIG
+
+
 def _partials(storage, mode, op, noise, write_mean, philox_aligned, group, warps, aligned=True):
     sig = {
         "x_ptr": "*" + storage, "v_ptr": "*" + storage, "third_ptr": "*" + ("fp32" if op is Op.ROLLOUT else storage),
@@ -121,7 +127,9 @@ def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Spec
         return
     for mode in Mode:
         for noise, write_mean, philox_aligned in rollouts:
-            yield _partials(storage, mode, Op.ROLLOUT, noise, write_mean, philox_aligned, *largest)
+            unaligned = noise is NoiseSource.PHILOX and not philox_aligned
+            config = _unaligned_philox_config() if unaligned else largest
+            yield _partials(storage, mode, Op.ROLLOUT, noise, write_mean, philox_aligned, *config)
         yield _partials(storage, mode, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *largest)
         yield _partials(storage, mode, Op.KL, NoiseSource.TENSOR, False, False, *largest)
         for kind in LogProbKind:
