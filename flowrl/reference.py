@@ -41,6 +41,15 @@ def sin_half_pi(noise_level: float, dtype: torch.dtype) -> float:
     return float(torch.sin(torch.tensor(noise_level, dtype=dtype) * (math.pi / 2)))
 
 
+def sde_noise_scale(table: torch.Tensor, sigma: torch.Tensor, noise_level: float) -> torch.Tensor:
+    """sde's per-unit-time noise scale ``s = eta * sqrt(sigma / (1 - sigma_t))`` (the step's std is
+    ``s * sqrt(D)``; Flow-GRPO returns ``s`` as ``std_dev_t``), in ``table``'s dtype."""
+    # sigma == 1 would divide by zero: use the schedule's second value (Flow-GRPO, SGLang)
+    at_one = (sigma - 1).abs() <= SIGMA_ONE_TOL
+    sigma_t = torch.where(at_one, table[1].expand_as(sigma), sigma)
+    return noise_level * torch.sqrt(sigma / (1 - sigma_t))
+
+
 def mode_coefficients(
     sigmas: torch.Tensor, step_index: torch.Tensor, mode: Mode, noise_level: float, dtype: torch.dtype
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -56,10 +65,7 @@ def mode_coefficients(
         return torch.ones_like(sigma), -d, torch.zeros_like(sigma)
     if mode in (Mode.SDE, Mode.DANCE):
         if mode is Mode.SDE:
-            # sigma == 1 would divide by zero: use the schedule's second value (Flow-GRPO, SGLang)
-            at_one = (sigma - 1).abs() <= SIGMA_ONE_TOL
-            sigma_t = torch.where(at_one, table[1].expand_as(sigma), sigma)
-            s = noise_level * torch.sqrt(sigma / (1 - sigma_t))
+            s = sde_noise_scale(table, sigma, noise_level)
         else:
             s = torch.full_like(sigma, noise_level)
         s2 = s * s

@@ -15,8 +15,8 @@ import torch
 
 from .. import _validate as V
 from .. import timestep_lookup
-from ..contract import SIGMA_ONE_TOL
 from ..functional import draw_noise, sde_step
+from .. import reference
 from ..reference import sin_half_pi
 
 _DEVICE_COPIES: dict = {}  # (id(src), version, device) -> (weakref to src, copy on device)
@@ -169,10 +169,7 @@ def sde_per_unit_time_std(sigmas: torch.Tensor, idx: torch.Tensor, eta: float) -
     """Flow-GRPO's ``std_dev_t`` of the ``sde`` mode, float32 [n]: ``s = eta * sqrt(sigma / (1 - sigma_t))``
     (per unit time; the step's std is ``s * sqrt(D)``), with the contract's ``sigma_t`` rule."""
     table = sigmas.to(torch.float32)
-    sigma = table[idx]
-    at_one = (sigma - 1).abs() <= SIGMA_ONE_TOL
-    sigma_t = torch.where(at_one, table[1].expand_as(sigma), sigma)
-    return eta * torch.sqrt(sigma / (1 - sigma_t))
+    return reference.sde_noise_scale(table, table[idx], eta)
 
 
 def cps_std(sigma_next: torch.Tensor, eta: float) -> torch.Tensor:
