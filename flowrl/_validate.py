@@ -98,27 +98,30 @@ def check_batch_tensor(name: str, t, like: torch.Tensor, like_name: str = "sampl
     return t
 
 
-def check_sample(sample) -> torch.Tensor:
-    check_float_tensor("sample", sample)
+def check_sample(sample, name: str = "sample") -> torch.Tensor:
+    """A float tensor [B, ...] with B >= 1 and at least one element per sample (``name``: the caller's
+    name for it, e.g. an adapter's ``latents``)."""
+    check_float_tensor(name, sample)
     if sample.dim() < 1:
-        raise ValueError("sample must have a batch dimension (shape [B, ...]); got a 0-d tensor")
+        raise ValueError(f"{name} must have a batch dimension (shape [B, ...]); got a 0-d tensor")
     if sample.shape[0] == 0:
-        raise ValueError("sample must have a batch size of at least 1; got B = 0")
+        raise ValueError(f"{name} must have a batch size of at least 1; got B = 0")
     if sample.numel() == 0:
-        raise ValueError(f"sample must have at least one element per sample; got shape {tuple(sample.shape)}")
+        raise ValueError(f"{name} must have at least one element per sample; got shape {tuple(sample.shape)}")
     return sample
 
 
-def check_noise_level(noise_level, mode: str) -> float:
+def check_noise_level(noise_level, mode: str, name: str = "noise_level") -> float:
+    """A finite real >= 0 (<= 1 for cps), as a float."""
     if isinstance(noise_level, bool) or not isinstance(noise_level, Real):
-        raise TypeError(f"noise_level must be a real number; got {type(noise_level).__name__}")
+        raise TypeError(f"{name} must be a real number; got {type(noise_level).__name__}")
     eta = float(noise_level)
     if not math.isfinite(eta):
-        raise ValueError(f"noise_level must be finite; got {eta}")
+        raise ValueError(f"{name} must be finite; got {eta}")
     if eta < 0:
-        raise ValueError(f"noise_level must be >= 0; got {eta}")
+        raise ValueError(f"{name} must be >= 0; got {eta}")
     if mode == "cps" and eta > 1:
-        raise ValueError(f"noise_level must be in [0, 1] for mode='cps'; got {eta}")
+        raise ValueError(f"{name} must be in [0, 1] for mode='cps'; got {eta}")
     return eta
 
 
@@ -159,29 +162,30 @@ def check_sigmas(sigmas, device: torch.device) -> torch.Tensor:
     return sigmas
 
 
-def check_step_index(step_index, num_steps: int, batch: int, device: torch.device) -> torch.Tensor:
-    """An int (whole batch) or an integer tensor [B]; returns an int64 tensor [B] on ``device``."""
+def check_step_index(step_index, num_steps: int, batch: int, device: torch.device,
+                     name: str = "step_index") -> torch.Tensor:
+    """An int (whole batch) or an integer tensor, 0-d or [B]; returns an int64 tensor [B] on ``device``."""
     if isinstance(step_index, bool):
-        raise TypeError("step_index must be an int or an integer tensor of shape [B]; got a bool")
+        raise TypeError(f"{name} must be an int or an integer tensor of shape [B]; got a bool")
     if isinstance(step_index, Integral):
         i = int(step_index)
         if not 0 <= i < num_steps:
-            raise ValueError(f"step_index must be in [0, {num_steps - 1}] (the schedule has T = {num_steps} steps); got {i}")
+            raise ValueError(f"{name} must be in [0, {num_steps - 1}] (the schedule has T = {num_steps} steps); got {i}")
         return torch.full((batch,), i, dtype=torch.int64, device=device)
     if not isinstance(step_index, torch.Tensor):
-        raise TypeError(f"step_index must be an int or an integer tensor of shape [B]; got {type(step_index).__name__}")
+        raise TypeError(f"{name} must be an int or an integer tensor of shape [B]; got {type(step_index).__name__}")
     if step_index.dtype.is_floating_point or step_index.dtype.is_complex or step_index.dtype == torch.bool:
-        raise TypeError(f"step_index must be an integer tensor; got {step_index.dtype}")
+        raise TypeError(f"{name} must be an integer tensor; got {step_index.dtype}")
     if step_index.dim() == 0:
         step_index = step_index.reshape(1).expand(batch)
     if step_index.dim() != 1 or step_index.shape[0] != batch:
-        raise ValueError(f"step_index must be an int or a tensor of shape [B] = [{batch}]; got shape {tuple(step_index.shape)}")
+        raise ValueError(f"{name} must be an int or a tensor of shape [B] = [{batch}]; got shape {tuple(step_index.shape)}")
     checked = _checked_step_indices.setdefault(num_steps, _CheckedValues())
     if step_index not in checked and not _skip_value_reads():
         lo, hi = torch.stack(torch.aminmax(step_index)).tolist()  # one device-to-host copy for both bounds
         if lo < 0 or hi >= num_steps:
             raise ValueError(
-                f"step_index must be in [0, {num_steps - 1}] (the schedule has T = {num_steps} steps); "
+                f"{name} must be in [0, {num_steps - 1}] (the schedule has T = {num_steps} steps); "
                 f"got values in [{lo}, {hi}]"
             )
         checked.add(step_index)

@@ -41,6 +41,11 @@ def sin_half_pi(noise_level: float, dtype: torch.dtype) -> float:
     return float(torch.sin(torch.tensor(noise_level, dtype=dtype) * (math.pi / 2)))
 
 
+def cps_std(sigma_next: torch.Tensor, noise_level: float, dtype: torch.dtype) -> torch.Tensor:
+    """cps' step std ``sigma' * sin(eta pi / 2)``, the sine computed once per eta on the host."""
+    return sigma_next * sin_half_pi(noise_level, dtype)
+
+
 def sde_noise_scale(table: torch.Tensor, sigma: torch.Tensor, noise_level: float) -> torch.Tensor:
     """sde's per-unit-time noise scale ``s = eta * sqrt(sigma / (1 - sigma_t))`` (the step's std is
     ``s * sqrt(D)``; Flow-GRPO returns ``s`` as ``std_dev_t``), in ``table``'s dtype."""
@@ -73,7 +78,7 @@ def mode_coefficients(
         c = -(1 + s2 * (1 - sigma) / (2 * sigma)) * d
         return a, c, s * torch.sqrt(d)
     if mode is Mode.CPS:
-        std = sigma_next * sin_half_pi(noise_level, dtype)
+        std = cps_std(sigma_next, noise_level, dtype)
         # clamp: at eta = 1, sigma'^2 - std^2 is 0 up to rounding and may come out a hair negative
         k = torch.sqrt(torch.clamp(sigma_next * sigma_next - std * std, min=0))
         a = (1 - sigma_next) + k

@@ -6,9 +6,8 @@ they check their arguments here, under those names, before handing the tensors t
 """
 from __future__ import annotations
 
-import math
 import weakref
-from numbers import Integral, Real
+from numbers import Real
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -17,7 +16,6 @@ from .. import _validate as V
 from .. import timestep_lookup
 from ..functional import draw_noise, sde_step
 from .. import reference
-from ..reference import sin_half_pi
 
 _DEVICE_COPIES: dict = {}  # (id(src), version, device) -> (weakref to src, copy on device)
 
@@ -29,32 +27,21 @@ def check_bool(name: str, value) -> bool:
 
 
 def check_tensor(name: str, t, like: Optional[torch.Tensor] = None, like_name: str = "") -> torch.Tensor:
-    """A float tensor; with ``like``: of ``like``'s shape and device. ``like`` itself must hold a batch."""
+    """A float tensor [B, ...]; with ``like``: of ``like``'s shape and device (flowrl's checks, under
+    the peer's names)."""
     if like is None:
-        V.check_float_tensor(name, t)
-        if t.dim() < 1 or t.shape[0] == 0 or t.numel() == 0:
-            raise ValueError(f"{name} must be [B, ...] with B >= 1 and at least one element per sample; "
-                             f"got shape {tuple(t.shape)}")
-        return t
+        return V.check_sample(t, name)
     return V.check_batch_tensor(name, t, like, like_name)
 
 
 def check_noise_level(name: str, value, *, at_most_one: bool = False) -> float:
     """A finite real >= 0 (<= 1 when ``at_most_one``: cps), as a float."""
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a real number; got {type(value).__name__}")
-    eta = float(value)
-    if not math.isfinite(eta) or eta < 0:
-        raise ValueError(f"{name} must be a finite number >= 0; got {eta}")
-    if at_most_one and eta > 1:
-        raise ValueError(f"{name} must be in [0, 1] for CPS sampling; got {eta}")
-    return eta
+    return V.check_noise_level(value, "cps" if at_most_one else "sde", name=name)
 
 
 def check_out_dtype(out_dtype) -> Optional[torch.dtype]:
-    if out_dtype is not None and (not isinstance(out_dtype, torch.dtype) or out_dtype not in V.FLOAT_DTYPES):
-        raise TypeError(f"out_dtype must be None or one of float32, bfloat16, float16, float64; got {out_dtype!r}")
-    return out_dtype
+    """None (the adapter's default) or a float dtype."""
+    return V.check_out_dtype(out_dtype, None)
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -128,22 +115,11 @@ def resolve_timesteps(name: str, timestep, schedule: torch.Tensor, batch: int, d
 
 
 def check_index(name: str, index, num_steps: int, batch: int, device) -> torch.Tensor:
-    """An int, or an integer tensor (0-d or [B]), in [0, num_steps - 1] -> int64 [B] on ``device``."""
-    if isinstance(index, bool) or not isinstance(index, (Integral, torch.Tensor)):
-        raise TypeError(f"{name} must be an int or an integer tensor; got {type(index).__name__}")
-    if isinstance(index, torch.Tensor):
-        if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
-            raise TypeError(f"{name} must be an integer tensor; got {index.dtype}")
-        if index.dim() > 1 or (index.dim() == 1 and index.shape[0] not in (1, batch)):
-            raise ValueError(f"{name} must be an int or a tensor of 1 or B = {batch} indices; got shape {tuple(index.shape)}")
-        values = index.reshape(-1)
-    else:
-        values = torch.tensor([int(index)])
-    lo, hi = int(values.min()), int(values.max())
-    if lo < 0 or hi >= num_steps:
-        raise ValueError(f"{name} must be in [0, {num_steps - 1}] (the schedule has {num_steps} steps); got {lo if lo < 0 else hi}")
-    values = values.to(device=device, dtype=torch.int64)
-    return values.expand(batch).contiguous() if values.numel() == 1 else values
+    """An int, or an integer tensor (0-d, [1] or [B]), in [0, num_steps - 1] -> int64 [B] on ``device``
+    (flowrl's step-index check, under the peer's name)."""
+    if isinstance(index, torch.Tensor) and index.dim() == 1 and index.shape[0] == 1:
+        index = index.reshape(())
+    return V.check_step_index(index, num_steps, batch, device, name=name)
 
 
 def generator_arg(generator, batch: int):
@@ -173,8 +149,8 @@ def sde_per_unit_time_std(sigmas: torch.Tensor, idx: torch.Tensor, eta: float) -
 
 
 def cps_std(sigma_next: torch.Tensor, eta: float) -> torch.Tensor:
-    """cps' step std ``sigma' * sin(eta pi / 2)`` (float32), with the sine flowrl's backends use."""
-    return sigma_next.to(torch.float32) * sin_half_pi(eta, torch.float32)
+    """cps' step std (float32), as flowrl's backends compute it."""
+    return reference.cps_std(sigma_next.to(torch.float32), eta, torch.float32)
 
 
 def step_mean(sample, model_output, sigmas, idx, mode: str, eta: float, backend: str) -> torch.Tensor:

@@ -54,7 +54,6 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from ..functional import step_log_prob
-from ..reference import sin_half_pi
 from ..scheduler import FlowMatchEulerDiscreteScheduler, _DEFAULTS
 from . import _common as C
 
@@ -264,7 +263,7 @@ def step(
     elif mode == "dance":
         std_dev_t = eta_t
     elif mode == "cps":
-        std_dev_t = sigma_next * torch.tensor([sin_half_pi(e, torch.float32) for e in etas], device=device)
+        std_dev_t = torch.cat([C.cps_std(sigma_next[k:k + 1], e) for k, e in enumerate(etas)])
     else:
         std_dev_t = torch.zeros_like(sigma)
     result = {
