@@ -16,6 +16,7 @@ import weakref
 from numbers import Integral, Real
 from typing import NamedTuple, Sequence, Union
 
+import numpy as np
 import torch
 
 from .contract import LOG_PROB_KINDS, SIGMA_ONE_TOL, Mode, Reduction
@@ -74,6 +75,13 @@ def check_choice(name: str, value, choices: Sequence[str]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
     return value
+
+
+def check_bool(name: str, value) -> bool:
+    """A bool (numpy's too: configs read from JSON or arrays), as a Python bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool; got {value!r}")
+    return bool(value)
 
 
 def check_float_tensor(name: str, t, *, allow_float64: bool = True) -> torch.Tensor:
@@ -255,7 +263,7 @@ def check_noise_seed(noise_seed, sample: torch.Tensor) -> NoiseSeed:
 Scalar = Union[int, float]
 StepIndex = Union[int, torch.Tensor]
 __all__ = [
-    "MODES", "LOG_PROB_KINDS", "REDUCTIONS", "check_choice", "check_float_tensor", "check_batch_tensor",
+    "MODES", "LOG_PROB_KINDS", "REDUCTIONS", "check_bool", "check_choice", "check_float_tensor", "check_batch_tensor",
     "check_sample", "check_noise_level", "check_sigmas", "check_step_index", "check_out_dtype",
     "check_generator", "check_noise_seed", "NoiseSeed", "capturing", "no_value_checks",
 ]

@@ -110,11 +110,6 @@ def _check_real(name: str, value, *, allow_none: bool = False) -> None:
         raise TypeError(f"{name} must be a finite real number{' or None' if allow_none else ''}; got {value!r}")
 
 
-def _check_bool(name: str, value) -> None:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool; got {value!r}")
-
-
 def _check_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
         raise ValueError(f"{name} must be a positive int; got {value!r}")
@@ -179,7 +174,7 @@ class FlowMatchEulerDiscreteScheduler(
             ("use_karras_sigmas", use_karras_sigmas), ("use_exponential_sigmas", use_exponential_sigmas),
             ("use_beta_sigmas", use_beta_sigmas), ("stochastic_sampling", stochastic_sampling),
         ):
-            _check_bool(name, flag)
+            V.check_bool(name, flag)
         if use_beta_sigmas + use_exponential_sigmas + use_karras_sigmas > 1:
             raise ValueError("only one of use_beta_sigmas, use_exponential_sigmas, use_karras_sigmas can be True")
         V.check_choice("time_shift_type", time_shift_type, ("exponential", "linear"))

@@ -82,21 +82,23 @@ def index_for_timestep(timestep, schedule_timesteps: torch.Tensor) -> int:
     return code
 
 
-def indices_for_timesteps(timesteps: torch.Tensor, schedule_timesteps: torch.Tensor, *, strict: bool = False) -> torch.Tensor:
+def indices_for_timesteps(timesteps: torch.Tensor, schedule_timesteps: torch.Tensor, *, strict: bool = False,
+                          name: str = "timesteps") -> torch.Tensor:
     """Vectorized lookup for training batches: int64 [B] indices into ``schedule_timesteps``, on
     ``timesteps``' device, with no host sync. Entries that match no schedule entry, or several distinct
-    ones, come back as -1; ``strict=True`` raises ``ValueError`` for them instead (one sync)."""
+    ones, come back as -1; ``strict=True`` raises ``ValueError`` for them instead (one sync). ``name``:
+    the caller's name for ``timesteps`` in the errors."""
     if not isinstance(timesteps, torch.Tensor):
-        raise TypeError(f"timesteps must be a 1-D torch.Tensor; got {type(timesteps).__name__}")
+        raise TypeError(f"{name} must be a 1-D torch.Tensor; got {type(timesteps).__name__}")
     if timesteps.dim() != 1:
-        raise ValueError(f"timesteps must be 1-D [B]; got shape {tuple(timesteps.shape)}")
+        raise ValueError(f"{name} must be 1-D [B]; got shape {tuple(timesteps.shape)}")
     if timesteps.dtype == torch.bool or timesteps.dtype.is_complex:
-        raise TypeError(f"timesteps must be a real tensor; got {timesteps.dtype}")
+        raise TypeError(f"{name} must be a real tensor; got {timesteps.dtype}")
     _check_schedule(schedule_timesteps)
     codes = resolve(timesteps, schedule_timesteps)
     if strict and timesteps.numel() and bool((codes < 0).any()):
         k = int((codes < 0).nonzero()[0, 0])
-        raise ValueError(f"timesteps[{k}]: " + explain(int(codes[k]), timesteps[k], schedule_timesteps))
+        raise ValueError(f"{name}[{k}]: " + explain(int(codes[k]), timesteps[k], schedule_timesteps))
     return codes.clamp(min=NO_MATCH)
 
 

@@ -20,12 +20,6 @@ from .. import reference
 _DEVICE_COPIES: dict = {}  # (id(src), version, device) -> (weakref to src, copy on device)
 
 
-def check_bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool; got {value!r}")
-    return value
-
-
 def check_tensor(name: str, t, like: Optional[torch.Tensor] = None, like_name: str = "") -> torch.Tensor:
     """A float tensor [B, ...]; with ``like``: of ``like``'s shape and device (flowrl's checks, under
     the peer's names)."""
@@ -104,11 +98,7 @@ def resolve_timesteps(name: str, timestep, schedule: torch.Tensor, batch: int, d
     t = timestep_tensor(name, timestep)
     if t.numel() not in (1, batch):
         raise ValueError(f"{name} must hold 1 or B = {batch} timesteps; got {t.numel()}")
-    codes = timestep_lookup.resolve(t, schedule)
-    bad = codes < 0
-    if bool(bad.any()):
-        k = int(bad.nonzero()[0, 0])
-        raise ValueError(f"{name}[{k}]: " + timestep_lookup.explain(int(codes[k]), t[k], schedule))
+    codes = timestep_lookup.indices_for_timesteps(t, schedule, strict=True, name=name)
     n = t.numel()
     idx = codes.to(device)
     return (idx.expand(batch).contiguous() if n == 1 and batch > 1 else idx), n

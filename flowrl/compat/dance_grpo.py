@@ -71,9 +71,9 @@ def flux_step(
     if prev_sample is not None:
         C.check_tensor("prev_sample", prev_sample, latents, "latents")
     eta = C.check_noise_level("eta", eta)
-    C.check_bool("grpo", grpo)
-    C.check_bool("sde_solver", sde_solver)
-    C.check_bool("peer_compatible", peer_compatible)
+    V.check_bool("grpo", grpo)
+    V.check_bool("sde_solver", sde_solver)
+    V.check_bool("peer_compatible", peer_compatible)
     out_dtype = C.check_out_dtype(out_dtype)
     if grpo and not sde_solver:
         raise ValueError(

@@ -55,6 +55,7 @@ import torch
 
 from ..functional import step_log_prob
 from ..scheduler import FlowMatchEulerDiscreteScheduler, _DEFAULTS
+from .. import _validate as V
 from . import _common as C
 
 DYNAMICS = {"Flow-SDE": ("sde", "gaussian"), "Dance-SDE": ("dance", "gaussian"), "CPS": ("cps", "sq_err"),
@@ -206,8 +207,8 @@ def step(
     dynamics = dynamics_type or getattr(self, "dynamics_type", None) or "Flow-SDE"
     if dynamics not in DYNAMICS:
         raise ValueError(f"dynamics_type must be one of {', '.join(map(repr, DYNAMICS))}; got {dynamics!r}")
-    C.check_bool("compute_log_prob", compute_log_prob)
-    C.check_bool("return_dict", return_dict)
+    V.check_bool("compute_log_prob", compute_log_prob)
+    V.check_bool("return_dict", return_dict)
     if isinstance(return_kwargs, str) or not all(isinstance(k, str) for k in return_kwargs):
         raise TypeError(f"return_kwargs must be a list of field names; got {return_kwargs!r}")
     unknown = [k for k in return_kwargs if k not in RETURN_KWARGS]
@@ -354,7 +355,7 @@ class FlowMatchEulerDiscreteSDEScheduler(FlowMatchEulerDiscreteScheduler):
 
     def train(self, mode: bool = True) -> None:
         """Stochastic sampling on the SDE steps (``mode=False``: as ``eval()``)."""
-        self._is_eval = not C.check_bool("mode", mode)
+        self._is_eval = not V.check_bool("mode", mode)
 
     def rollout(self, mode: bool = True) -> None:  # Flow-Factory's meaning (an alias of train)
         self.train(mode=mode)

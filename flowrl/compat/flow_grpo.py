@@ -47,6 +47,7 @@ from typing import Optional, Union
 import torch
 
 from ..functional import step_log_prob
+from .. import _validate as V
 from . import _common as C
 
 SDE_TYPES = {"sde": ("sde", "gaussian"), "cps": ("cps", "sq_err")}
@@ -83,8 +84,8 @@ def sde_step_with_logprob(
         raise ValueError(f"sde_type must be one of {', '.join(map(repr, SDE_TYPES))}; got {sde_type!r}")
     mode, kind = SDE_TYPES[sde_type]
     eta = C.check_noise_level("noise_level", noise_level, at_most_one=mode == "cps")
-    C.check_bool("return_sqrt_dt", return_sqrt_dt)
-    C.check_bool("peer_compatible", peer_compatible)
+    V.check_bool("return_sqrt_dt", return_sqrt_dt)
+    V.check_bool("peer_compatible", peer_compatible)
     out_dtype = C.check_out_dtype(out_dtype)
     batch = sample.shape[0]
     idx, given = C.resolve_timesteps("timestep", timestep, timesteps, batch, sample.device)
