@@ -142,8 +142,8 @@ def kernel_bytes(op: str, numel: int, batch: int, itemsize: int, noise: str = "t
     memory at the inputs plus one gradient.
 
     Not counted, as in ``min_bytes``: the sigma table, the step indices and Philox seeds (a few bytes
-    per sample, read from cache after the first program), and, above MAX_FINALIZE_WIDTH (65536)
-    partials per sample (64M elements), the torch adds that pre-combine them (under 1% of the
+    per sample, read from cache after the first program), and, above MAX_FINALIZE_WIDTH (16384)
+    partials per sample (16M elements), the torch adds that pre-combine them (under 1% of the
     element traffic)."""
     _check_variant(op, noise, write_mean)
     s, n, b = itemsize, numel, batch

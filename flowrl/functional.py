@@ -90,11 +90,13 @@ def sde_step(
     spec = StepSpec(Op.ROLLOUT, sigmas, idx, mode, eta, kind, reduction, elements_per_sample(sample, shard),
                     out_dtype=out_dtype, noise_source=source, noise_seed=seed,
                     return_mean=bool(return_prev_sample_mean), shard=shard)
-    if noise is None and source is NoiseSource.TENSOR:
-        noise = (draw_noise if shard is None else shard.draw_noise)(sample.shape, generator, sample.device)
+    # the backend is chosen (and a bad one refused) before any noise is drawn: a drawn noise is float32,
+    # so only a given noise tensor enters the choice
     ops = _dispatch.select(backend, *((sample, model_output) if noise is None else (sample, model_output, noise)))
     if ops.name == "triton" and spec.out_dtype == torch.float64:
         raise TypeError("out_dtype=float64 runs on backend='torch' only")
+    if noise is None and source is NoiseSource.TENSOR:
+        noise = (draw_noise if shard is None else shard.draw_noise)(sample.shape, generator, sample.device)
     return SDEStepOutput(*ops.sde_step(spec, sample, model_output, noise))
 
 

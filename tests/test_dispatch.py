@@ -231,3 +231,13 @@ def test_sin_half_pi_is_cached_per_noise_level(monkeypatch):
         flowrl.sde_step(x, v, schedule(), 2, mode="cps", noise_level=0.3, noise=noise, backend="torch")
     info = reference.sin_half_pi.cache_info()
     assert info.misses == 1 and info.hits == 2
+
+
+def test_a_refused_backend_draws_no_noise():
+    """Arguments are refused before the generator advances: a bad backend leaves its state as it was."""
+    x, v, _ = data()
+    gen = torch.Generator().manual_seed(3)
+    state = gen.get_state()
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'torch', 'triton'; got 'cuda'"):
+        flowrl.sde_step(x, v, schedule(), 1, generator=gen, backend="cuda")
+    assert torch.equal(gen.get_state(), state)
