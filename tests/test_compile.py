@@ -67,6 +67,12 @@ def _check_rows(rows, version):
             assert r["loads_128"] >= 2, r
         if "rollout" in r["label"]:
             assert r["stores_128"] >= 1, r
+    # docs/kernels.md: grouping 4 chunks in a program at least halves the barriers per element
+    for storage in ("bf16", "fp16", "fp32"):
+        for arch in ("sm_90", "sm_80"):
+            by_label = {r["label"]: r for r in rows if r["storage"] == storage and r["arch"] == arch}
+            one, four = by_label["sde log_prob g1w4"], by_label["sde log_prob g4w16"]
+            assert four["barriers"] / 4096 <= one["barriers"] / 1024 / 2, (one, four)
 
 
 @needs_linux_x86
