@@ -1,0 +1,554 @@
+"""Fused training losses of diffusion RL (docs/losses.md): one call replaces a trainer's loss block.
+
+- ``grpo_loss``: the PPO/GRPO clipped surrogate with its log-prob recompute (bit for bit
+  ``flowrl.step_log_prob``'s, so the first ratio is exactly 1) and ``kl_coef`` x the exact KL to a
+  reference policy; symmetric or asymmetric clip ranges; the stats trainers log.
+- ``grpo_guard_loss`` (GRPO-Guard) and ``flow_dppo_loss`` (Flow-DPPO): trust-region variants that need
+  the rollout's mean mu_old, given (``old_prev_sample_mean``) or replayed from the stored x' and the
+  rollout's in-kernel noise (``noise_seed``): mu_old = x' - std * eps.
+- ``teacher_kl_loss`` (Diffusion-OPD): the batch mean of the exact KL to a teacher's transition.
+- ``nft_loss`` (DiffusionNFT) and ``awm_loss`` / ``awm_log_prob`` (Advantage Weighted Matching):
+  forward-process losses that use no SDE log-prob.
+
+Each has a torch backend (flowrl.reference's math, the oracle) and a Triton backend (kernels/loss.py:
+one element pass forward, one backward that writes d loss / d model_output). Per-sample values are
+reduced in the contract's fixed chunked halving-tree order: deterministic and batch-invariant; only
+the final batch mean depends on the batch. The per-sample [B] arithmetic after the reductions
+(ratio, clip, masks, weights) is written once, here, for both backends.
+
+Gradients flow to ``model_output`` only: ``sample``, ``prev_sample``, the reference / old / teacher
+outputs and the stored means are data, and a tensor among them that requires grad is refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from numbers import Real
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .. import _dispatch, reference
+from .. import _validate as V
+from ..contract import LogProbKind, Mode, Op, Reduction
+from ..functional import step_kl
+from ..step_spec import StepSpec, log_prob_kind, schedule_and_steps
+
+ClipRange = Union[float, Tuple[float, float]]
+
+
+class TrustSource(enum.IntEnum):
+    """Where mu_old comes from (kernels/loss.py's TRUST_* switches)."""
+
+    NONE = 0
+    GIVEN = 1
+    REPLAY = 2
+
+
+class FlowLoss(enum.IntEnum):
+    """Which forward-process loss (kernels/loss.py's LOSS_* switches)."""
+
+    NFT = 0
+    AWM = 1
+
+
+class _Variant(enum.IntEnum):
+    GRPO = 0
+    GUARD = 1
+    DPPO = 2
+
+
+class GRPOLossOutput(NamedTuple):
+    """What a GRPO-family loss returns. ``loss`` is differentiable (to model_output); the rest are
+    detached: per-sample [B] values and 0-d batch statistics (no host sync: ``.item()`` them when
+    logging). Fields a variant does not compute are None.
+
+    loss: policy_loss + kl_coef * mean(kl).
+    policy_loss: the batch mean of the per-sample surrogate (GRPO-Guard: each divided by its step's D).
+    log_prob: [B] the recomputed log-prob, bit for bit ``flowrl.step_log_prob``'s on the same backend.
+    ratio: [B] the importance ratio (GRPO-Guard: its corrected ratio).
+    kl: [B] exact KL to the reference policy (when ``ref_model_output`` is given).
+    trust_divergence: [B] D_s = mean ||mu_theta - mu_old||^2 / (2 std^2) (trust-region variants).
+    clip_fraction, clip_fraction_low, clip_fraction_high: fraction of samples whose ratio is outside
+        [1 - eps_low, 1 + eps_high] (both sides, below, above).
+    masked_fraction: Flow-DPPO's fraction of masked samples.
+    approx_kl: 0.5 * mean((log_prob - old_log_prob)^2) (Flow-GRPO's ``approx_kl``).
+    ratio_mean, ratio_min, ratio_max: of ``ratio``.
+    """
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    log_prob: torch.Tensor
+    ratio: torch.Tensor
+    kl: Optional[torch.Tensor]
+    trust_divergence: Optional[torch.Tensor]
+    clip_fraction: Optional[torch.Tensor]
+    clip_fraction_low: Optional[torch.Tensor]
+    clip_fraction_high: Optional[torch.Tensor]
+    masked_fraction: Optional[torch.Tensor]
+    approx_kl: torch.Tensor
+    ratio_mean: torch.Tensor
+    ratio_min: torch.Tensor
+    ratio_max: torch.Tensor
+
+
+class NFTLossOutput(NamedTuple):
+    """DiffusionNFT's loss and its per-sample terms (detached, [B]): ``per_sample_loss`` is
+    [r mse+/w+ + (1 - r) mse-/w-] / beta (before the adv_clip_max scale and the batch mean),
+    ``positive_loss`` = mse+/w+, ``negative_loss`` = mse-/w-, ``kl`` = mean (v - v_ref)^2 or None."""
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    per_sample_loss: torch.Tensor
+    positive_loss: torch.Tensor
+    negative_loss: torch.Tensor
+    kl: Optional[torch.Tensor]
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def _check_no_grad(**tensors):
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            raise ValueError(f"{name} requires grad, but flowrl.losses differentiates model_output only; pass "
+                             f"{name}.detach() (it is rollout data or a frozen policy's output)")
+
+
+def _check_per_sample(name: str, t, batch: int, device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a float tensor of shape [B] = [{batch}]; got {type(t).__name__}")
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a float tensor; got {t.dtype}")
+    if t.shape != (batch,):
+        raise ValueError(f"{name} must have shape [B] = [{batch}]; got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but sample is on {device}")
+    return t
+
+
+def _check_scalar(name: str, value, *, minimum: float = 0.0, strict: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
+        raise TypeError(f"{name} must be a finite real number; got {value!r}")
+    value = float(value)
+    if value < minimum or (strict and value == minimum):
+        raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum}; got {value}")
+    return value
+
+
+def check_clip_range(clip_range) -> Tuple[float, float]:
+    """``clip_range``: eps (ratio clipped to [1 - eps, 1 + eps]) or a pair (eps_low, eps_high) (ratio
+    clipped to [1 - eps_low, 1 + eps_high]); each finite and >= 0."""
+    if isinstance(clip_range, (tuple, list)):
+        if len(clip_range) != 2:
+            raise ValueError(f"clip_range must be a float or a pair (eps_low, eps_high); got {clip_range!r}")
+        return (_check_scalar("clip_range[0] (eps_low)", clip_range[0]),
+                _check_scalar("clip_range[1] (eps_high)", clip_range[1]))
+    eps = _check_scalar("clip_range", clip_range)
+    return eps, eps
+
+
+def _step_sample_tensor(name, t, sample):
+    if t is not None:
+        V.check_batch_tensor(name, t, sample)
+    return t
+
+
+# ------------------------------------------------------------------- per-sample values (backends)
+
+
+def _torch_grpo_values(spec, x, v, prev, ref, old_mean, trust, seed):
+    """The torch backend's (log_prob, kl, trust_divergence) [B]: flowrl.reference's ops and math."""
+    lp = reference.step_log_prob(spec, x, v, prev)
+    zeros = torch.zeros_like(lp)
+    kl = reference.step_kl(dataclasses.replace(spec, kind=LogProbKind.KL), x, v, ref) if ref is not None else zeros
+    tr = zeros
+    if trust is not TrustSource.NONE:
+        dtype = reference.compute_dtype(x, v, prev)
+        a, c, std = reference.mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
+        mu = reference._mean(x, v, a, c)
+        if trust is TrustSource.GIVEN:
+            old = reference._rows(old_mean).to(dtype)
+        else:  # mu_old = x' - std * eps, eps the rollout's Philox noise
+            eps = reference.philox_normal(seed, mu.shape[1]).to(dtype)
+            old = reference._rows(prev).to(dtype) - reference._col(std) * eps
+        tr_spec = StepSpec(Op.KL, spec.sigmas, spec.step_index, spec.mode, spec.noise_level, LogProbKind.KL,
+                           Reduction.MEAN, spec.numel)
+        tr = reference._reduce(tr_spec, mu - old, std)
+    return lp, kl, tr
+
+
+def _grpo_values(backend, spec, x, v, prev, ref, old_mean, trust, seed):
+    if backend.name == "triton":
+        from . import _triton
+
+        return _triton.grpo_values(spec, x, v, prev, ref, old_mean, trust, seed)
+    return _torch_grpo_values(spec, x, v, prev, ref, old_mean, trust, seed)
+
+
+# --------------------------------------------------------------------- the GRPO family's loss block
+
+
+def _policy_loss(variant, lp, kl, tr, old_lp, adv, clip, kl_coef, std, d_step, kl_threshold) -> GRPOLossOutput:
+    """The per-sample [B] arithmetic after the reductions, shared by both backends."""
+    log_ratio = lp - old_lp
+    if variant is _Variant.GUARD:  # GRPO-Guard: rho = exp((dlogp + D_s) * std)
+        ratio = torch.exp((log_ratio + tr) * std)
+    else:
+        ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clip_fraction = clip_low = clip_high = masked_fraction = None
+    if variant is _Variant.DPPO:  # mask a sample past the divergence bound moving further in A's direction
+        beyond = tr.detach() >= kl_threshold
+        masked = beyond & (((ratio > 1.0) & (adv > 0)) | ((ratio < 1.0) & (adv < 0)))
+        per_sample = torch.where(masked.detach(), torch.zeros_like(unclipped), unclipped)
+        masked_fraction = masked.float().mean().detach()
+    else:
+        lo, hi = clip
+        clipped = -adv * torch.clamp(ratio, 1.0 - lo, 1.0 + hi)
+        per_sample = torch.maximum(unclipped, clipped)
+        if variant is _Variant.GUARD:  # the loss scaled by 1/D (verl-omni: / sqrt_dt ** 2)
+            per_sample = per_sample / d_step
+        with torch.no_grad():
+            low, high = ratio < 1.0 - lo, ratio > 1.0 + hi
+            clip_low, clip_high = low.float().mean(), high.float().mean()
+            clip_fraction = (low | high).float().mean()
+    policy_loss = per_sample.mean()
+    loss = policy_loss + kl_coef * kl.mean() if kl is not None and kl_coef != 0 else policy_loss
+    with torch.no_grad():
+        r = ratio.detach()
+        return GRPOLossOutput(
+            loss, policy_loss.detach(), lp.detach(), r, None if kl is None else kl.detach(),
+            None if tr is None else tr.detach(), clip_fraction, clip_low, clip_high, masked_fraction,
+            0.5 * (log_ratio.detach() ** 2).mean(), r.mean(), r.min(), r.max())
+
+
+def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, *,
+                 clip_range, mode, noise_level, log_prob, reduction, kl_coef, ref_model_output,
+                 old_prev_sample_mean, noise_seed, kl_threshold, backend) -> GRPOLossOutput:
+    sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
+    V.check_batch_tensor("prev_sample", prev_sample, sample)
+    _step_sample_tensor("ref_model_output", ref_model_output, sample)
+    batch = sample.shape[0]
+    old_log_prob = _check_per_sample("old_log_prob", old_log_prob, batch, sample.device)
+    advantages = _check_per_sample("advantages", advantages, batch, sample.device)
+    clip = check_clip_range(clip_range) if variant is not _Variant.DPPO else None
+    kl_coef = _check_scalar("kl_coef", kl_coef)
+    if kl_coef != 0 and ref_model_output is None:
+        raise ValueError("kl_coef is nonzero but ref_model_output is None: pass the reference policy's model_output")
+    _check_no_grad(sample=sample, prev_sample=prev_sample, ref_model_output=ref_model_output,
+                   old_prev_sample_mean=old_prev_sample_mean, old_log_prob=old_log_prob, advantages=advantages)
+    trust, seed = TrustSource.NONE, None
+    if variant is not _Variant.GRPO:
+        if (old_prev_sample_mean is None) == (noise_seed is None):
+            raise ValueError("pass exactly one of old_prev_sample_mean (the rollout's mean mu_old) and noise_seed "
+                             "(the rollout's noise_seed, to replay mu_old = prev_sample - std * eps)")
+        if old_prev_sample_mean is not None:
+            V.check_batch_tensor("old_prev_sample_mean", old_prev_sample_mean, sample)
+            trust = TrustSource.GIVEN
+        else:
+            seed, trust = V.check_noise_seed(noise_seed, sample), TrustSource.REPLAY
+    spec = StepSpec(Op.LOG_PROB, sigmas, idx, mode, eta, log_prob_kind(log_prob), Reduction.parse("reduction", reduction),
+                    sample.numel() // batch)
+    tensors = [t for t in (sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean) if t is not None]
+    ops = _dispatch.select(backend, *tensors)
+    lp, kl, tr = _grpo_values(ops, spec, sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean,
+                              trust, seed)
+    dtype = lp.dtype
+    _, _, std = reference.mode_coefficients(sigmas, idx, mode, eta, dtype)
+    table = sigmas.to(dtype)
+    d_step = table[idx] - table[idx + 1]
+    return _policy_loss(variant, lp, kl if ref_model_output is not None else None,
+                        tr if trust is not TrustSource.NONE else None, old_log_prob.to(dtype), advantages.to(dtype),
+                        clip, kl_coef, std, d_step, kl_threshold)
+
+
+def grpo_loss(
+    sample: torch.Tensor,
+    model_output: torch.Tensor,
+    prev_sample: torch.Tensor,
+    sigmas: torch.Tensor,
+    step_index: Union[int, torch.Tensor],
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_range: ClipRange,
+    mode: str = "sde",
+    noise_level: float = 0.7,
+    log_prob: str = "gaussian",
+    reduction: str = "mean",
+    kl_coef: float = 0.0,
+    ref_model_output: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> GRPOLossOutput:
+    """Flow-GRPO's training loss block for one SDE step, in one call.
+
+    log_prob = step_log_prob(sample, model_output, prev_sample, ...) (bit for bit), rho = exp(log_prob -
+    old_log_prob), per sample -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), batch mean, plus
+    ``kl_coef`` x the batch mean of the exact KL to ``ref_model_output``'s transition (docs/contract.md,
+    KL). ``clip_range``: eps or (eps_low, eps_high). ``advantages`` are used as given (clamp them as
+    your trainer does). On the Triton backend: one pass over x, v, x' (and v_ref) forward, one backward
+    writing d loss / d model_output.
+    """
+    return _grpo_family(_Variant.GRPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
+                        advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob,
+                        reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
+                        old_prev_sample_mean=None, noise_seed=None, kl_threshold=None, backend=backend)
+
+
+def grpo_guard_loss(
+    sample: torch.Tensor,
+    model_output: torch.Tensor,
+    prev_sample: torch.Tensor,
+    sigmas: torch.Tensor,
+    step_index: Union[int, torch.Tensor],
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_range: ClipRange,
+    old_prev_sample_mean: Optional[torch.Tensor] = None,
+    noise_seed: Union[None, int, torch.Tensor] = None,
+    mode: str = "sde",
+    noise_level: float = 0.7,
+    log_prob: str = "gaussian",
+    reduction: str = "mean",
+    kl_coef: float = 0.0,
+    ref_model_output: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> GRPOLossOutput:
+    """GRPO-Guard (arXiv 2510.22319; verl-omni ``GRPOGuardLoss``, Flow-Factory ``GRPOGuardTrainer``).
+
+    Per sample D_s = mean ||mu_theta - mu_old||^2 / (2 std^2), rho = exp((log_prob - old_log_prob +
+    D_s) * std), the clipped surrogate divided by the step's D = sigma - sigma', batch mean. std and D
+    are each sample's own (the peers use the batch's shared step). mu_old: ``old_prev_sample_mean``
+    (the rollout's ``prev_sample_mean``), or replayed from ``prev_sample`` and the rollout's
+    ``noise_seed`` (docs/losses.md, Replaying mu_old)."""
+    return _grpo_family(_Variant.GUARD, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
+                        advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob,
+                        reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
+                        old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=None,
+                        backend=backend)
+
+
+def flow_dppo_loss(
+    sample: torch.Tensor,
+    model_output: torch.Tensor,
+    prev_sample: torch.Tensor,
+    sigmas: torch.Tensor,
+    step_index: Union[int, torch.Tensor],
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    kl_threshold: float,
+    old_prev_sample_mean: Optional[torch.Tensor] = None,
+    noise_seed: Union[None, int, torch.Tensor] = None,
+    mode: str = "sde",
+    noise_level: float = 0.7,
+    log_prob: str = "gaussian",
+    reduction: str = "mean",
+    kl_coef: float = 0.0,
+    ref_model_output: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> GRPOLossOutput:
+    """Flow-DPPO (verl-omni ``FlowDPPOLoss``): per sample -rho A, masked (0) when D_s = mean ||mu_theta -
+    mu_old||^2 / (2 std^2) >= ``kl_threshold`` and the ratio moves in the advantage's direction (rho > 1
+    with A > 0, or rho < 1 with A < 0); no ratio clipping; batch mean. mu_old as in
+    ``grpo_guard_loss``."""
+    kl_threshold = _check_scalar("kl_threshold", kl_threshold)
+    return _grpo_family(_Variant.DPPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
+                        advantages, clip_range=None, mode=mode, noise_level=noise_level, log_prob=log_prob,
+                        reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
+                        old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=kl_threshold,
+                        backend=backend)
+
+
+def teacher_kl_loss(
+    sample: torch.Tensor,
+    model_output: torch.Tensor,
+    teacher_model_output: torch.Tensor,
+    sigmas: torch.Tensor,
+    step_index: Union[int, torch.Tensor],
+    *,
+    mode: str = "sde",
+    noise_level: float = 0.7,
+    reduction: str = "mean",
+    backend: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Diffusion-OPD's teacher KL: the batch mean of ||mu_theta - mu_teacher||^2 / (2 std^2) reduced per
+    sample (the exact Gaussian KL of docs/contract.md, ``flowrl.step_kl`` with the teacher as the
+    reference, whose fused backward writes d / d model_output). Returns (loss, per-sample KL [B])."""
+    _check_no_grad(sample=sample, teacher_model_output=teacher_model_output)
+    kl = step_kl(sample, model_output, teacher_model_output, sigmas, step_index, mode=mode, noise_level=noise_level,
+                 reduction=reduction, backend=backend)
+    return kl.mean(), kl.detach()
+
+
+# ----------------------------------------------------------------------------- forward-process losses
+
+
+def _flow_t(name, t, batch, like) -> torch.Tensor:
+    if isinstance(t, Real) and not isinstance(t, bool):
+        return torch.full((batch,), float(t), dtype=torch.float32, device=like.device)
+    return _check_per_sample(name, t, batch, like.device)
+
+
+def _torch_flow_sums(kind, xt, v, other, x0, ref, t, coefs):
+    """The torch backend's [K, B] sums (kernels/loss.py's flow_partials_kernel, same operations)."""
+    dtype = reference.compute_dtype(xt, v, other, x0, ref)
+    rows = [reference._rows(u).to(dtype) if u is not None else None for u in (xt, v, other, x0, ref)]
+    xt, v, other, x0, ref = rows
+    if kind is FlowLoss.NFT:
+        beta, one_minus, one_plus = coefs
+        tc = reference._col(t.to(dtype))
+        e_pos = (xt - tc * (beta * v + one_minus * other)) - x0
+        e_neg = (xt - tc * (one_plus * other - beta * v)) - x0
+        terms = [e_pos.abs(), e_pos * e_pos, e_neg.abs(), e_neg * e_neg]
+        if ref is not None:
+            d = v - ref
+            terms.append(d * d)
+    else:
+        e = v - (other - x0)
+        terms = [e * e]
+    stacked = torch.stack(terms)  # [K, B, N]
+    k, b, n = stacked.shape
+    return reference.combine_partials(reference.chunk_partials(stacked.reshape(k * b, n))).reshape(k, b)
+
+
+def _flow_sums(backend_arg, kind, count, xt, v, other, x0, ref, t, coefs):
+    tensors = [u for u in (xt, v, other, x0, ref) if u is not None]
+    ops = _dispatch.select(backend_arg, *tensors)
+    if ops.name == "triton":
+        from . import _triton
+
+        return _triton.flow_sums(kind, count, xt, v, other, x0, ref, t, coefs)
+    return _torch_flow_sums(kind, xt, v, other, x0, ref, t, coefs)
+
+
+def nft_loss(
+    noised_sample: torch.Tensor,
+    model_output: torch.Tensor,
+    old_model_output: torch.Tensor,
+    clean_sample: torch.Tensor,
+    sigma: Union[float, torch.Tensor],
+    advantages: torch.Tensor,
+    *,
+    beta: float,
+    adv_clip_max: float,
+    kl_coef: float = 0.0,
+    ref_model_output: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> NFTLossOutput:
+    """DiffusionNFT's loss (NVlabs/DiffusionNFT scripts/train_nft_sd3.py), one element pass.
+
+    r = clip((clip(A, -A_max, A_max) / A_max) / 2 + 1/2, 0, 1); v+ = beta v + (1 - beta) v_old;
+    v- = (1 + beta) v_old - beta v; e+- = (x_t - t v+-) - x0; w+- = stop-grad max(mean |e+-|, 1e-5);
+    per sample L = r mse+ / w+ / beta + (1 - r) mse- / w- / beta; loss = mean(L * A_max) + kl_coef *
+    mean(mean (v - v_ref)^2). ``sigma`` is t (a float or [B]); x_t = ``noised_sample``."""
+    V.check_sample(noised_sample, "noised_sample")
+    batch = noised_sample.shape[0]
+    for name, u in (("model_output", model_output), ("old_model_output", old_model_output),
+                    ("clean_sample", clean_sample)):
+        V.check_batch_tensor(name, u, noised_sample, "noised_sample")
+    if ref_model_output is not None:
+        V.check_batch_tensor("ref_model_output", ref_model_output, noised_sample, "noised_sample")
+    t = _flow_t("sigma", sigma, batch, noised_sample)
+    advantages = _check_per_sample("advantages", advantages, batch, noised_sample.device)
+    beta = _check_scalar("beta", beta, strict=True)
+    adv_clip_max = _check_scalar("adv_clip_max", adv_clip_max, strict=True)
+    kl_coef = _check_scalar("kl_coef", kl_coef)
+    if kl_coef != 0 and ref_model_output is None:
+        raise ValueError("kl_coef is nonzero but ref_model_output is None: pass the reference policy's model_output")
+    _check_no_grad(noised_sample=noised_sample, old_model_output=old_model_output, clean_sample=clean_sample,
+                   ref_model_output=ref_model_output, advantages=advantages, sigma=t)
+    has_ref = ref_model_output is not None
+    sums = _flow_sums(backend, FlowLoss.NFT, 5 if has_ref else 4, noised_sample, model_output, old_model_output,
+                      clean_sample, ref_model_output, t, (beta, 1.0 - beta, 1.0 + beta))
+    numel = noised_sample.numel() // batch
+    abs_pos, sq_pos, abs_neg, sq_neg = sums[0], sums[1], sums[2], sums[3]
+    w_pos = (abs_pos.detach() / numel).clamp(min=1e-5)
+    w_neg = (abs_neg.detach() / numel).clamp(min=1e-5)
+    positive = (sq_pos / numel) / w_pos
+    negative = (sq_neg / numel) / w_neg
+    adv = advantages.to(sums.dtype).clamp(-adv_clip_max, adv_clip_max)
+    r = torch.clamp((adv / adv_clip_max) / 2.0 + 0.5, 0, 1)
+    per_sample = r * positive / beta + (1.0 - r) * negative / beta
+    policy_loss = (per_sample * adv_clip_max).mean()
+    kl = sums[4] / numel if has_ref else None
+    loss = policy_loss + kl_coef * kl.mean() if has_ref and kl_coef != 0 else policy_loss
+    return NFTLossOutput(loss, policy_loss.detach(), per_sample.detach(), positive.detach(), negative.detach(),
+                         None if kl is None else kl.detach())
+
+
+AWM_WEIGHTINGS = ("uniform", "t", "t**2", "huber", "ghuber")
+AWM_EPS = 1e-10  # AWM's huber / ghuber offset
+
+
+def awm_log_prob(
+    model_output: torch.Tensor,
+    noise: torch.Tensor,
+    clean_sample: torch.Tensor,
+    sigma: Union[float, torch.Tensor],
+    *,
+    weighting: str = "uniform",
+    ghuber_power: float = 0.25,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """AWM's per-sample matching "log-prob" [B] (Flow-Factory trainers/awm.py
+    ``compute_weighted_log_prob``): l = -mean (v - (eps - x0))^2, then weighted by ``weighting``:
+    "uniform" l, "t" l t, "t**2" l t^2, "huber" -(sqrt(-l + 1e-10) - 1e-5) t, "ghuber"
+    -((-l + 1e-10)^p - 1e-10^p) t / p with p = ``ghuber_power``; t = ``sigma``. The reference reduces in
+    float64; this reduces float32 squares by the contract's chunked halving tree, within a few float32
+    ulps of the float64 result (tested)."""
+    V.check_sample(model_output, "model_output")
+    batch = model_output.shape[0]
+    V.check_batch_tensor("noise", noise, model_output, "model_output")
+    V.check_batch_tensor("clean_sample", clean_sample, model_output, "model_output")
+    V.check_choice("weighting", weighting, AWM_WEIGHTINGS)
+    p = _check_scalar("ghuber_power", ghuber_power, strict=True)
+    t = _flow_t("sigma", sigma, batch, model_output)
+    _check_no_grad(noise=noise, clean_sample=clean_sample, sigma=t)
+    sums = _flow_sums(backend, FlowLoss.AWM, 1, None, model_output, noise, clean_sample, None, t, (0.0, 0.0, 0.0))
+    lp = -(sums[0] / (model_output.numel() // batch))
+    t = t.to(lp.dtype)
+    if weighting == "t":
+        lp = lp * t
+    elif weighting == "t**2":
+        lp = lp * t ** 2
+    elif weighting == "huber":
+        lp = -(torch.sqrt(-lp + AWM_EPS) - 1e-5) * t
+    elif weighting == "ghuber":
+        lp = -(torch.pow(-lp + AWM_EPS, p) - AWM_EPS ** p) * t / p
+    return lp
+
+
+def awm_loss(
+    model_output: torch.Tensor,
+    noise: torch.Tensor,
+    clean_sample: torch.Tensor,
+    sigma: Union[float, torch.Tensor],
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_range: ClipRange,
+    weighting: str = "uniform",
+    ghuber_power: float = 0.25,
+    backend: str = "auto",
+) -> GRPOLossOutput:
+    """Advantage Weighted Matching (Flow-Factory trainers/awm.py): ``awm_log_prob`` under the current
+    policy, rho = exp(l - old_log_prob), the clipped surrogate of ``grpo_loss``, batch mean."""
+    batch = model_output.shape[0]
+    old_log_prob = _check_per_sample("old_log_prob", old_log_prob, batch, model_output.device)
+    advantages = _check_per_sample("advantages", advantages, batch, model_output.device)
+    _check_no_grad(old_log_prob=old_log_prob, advantages=advantages)
+    clip = check_clip_range(clip_range)
+    lp = awm_log_prob(model_output, noise, clean_sample, sigma, weighting=weighting, ghuber_power=ghuber_power,
+                      backend=backend)
+    return _policy_loss(_Variant.GRPO, lp, None, None, old_log_prob.to(lp.dtype), advantages.to(lp.dtype), clip,
+                        0.0, None, None, None)
+
+
+__all__ = [
+    "grpo_loss", "grpo_guard_loss", "flow_dppo_loss", "teacher_kl_loss", "nft_loss", "awm_log_prob", "awm_loss",
+    "GRPOLossOutput", "NFTLossOutput", "check_clip_range", "TrustSource", "FlowLoss", "AWM_WEIGHTINGS",
+]

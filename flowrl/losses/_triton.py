@@ -1,0 +1,157 @@
+"""Triton launchers and autograd Functions of flowrl.losses (kernels in flowrl/kernels/loss.py).
+
+The element passes use the step kernels' launch design (``flowrl._triton_ops.launch_config``: the
+same chunks per program and warps, every choice the same bits), the log-prob and KL partials are
+finalized by the step ops' own finalize kernel (``flowrl._triton_ops._finalize``: the log-prob is
+``step_log_prob``'s bit for bit), and the forward-process sums are combined by the contract's
+halving tree (``flowrl.reference.combine_partials``). Only ``model_output`` gets a gradient; each
+backward is one element pass that writes it directly.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+from flowrl import _triton_ops
+from flowrl._triton_ops import _KernelScalars, _finalize, _launch, _LAUNCH, launch_config
+from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, LogProbKind, Reduction
+from flowrl.kernels.loss import flow_backward_kernel, flow_partials_kernel, grpo_backward_kernel, grpo_partials_kernel
+
+from .. import reference
+
+
+def _grpo_launch_args(spec, ks, trust, seed, x):
+    seeds, stream_stride, elem_offset = seed if seed is not None else (ks.step_index, 0, 0)
+    philox = trust == 2  # TrustSource.REPLAY
+    aligned = philox and elem_offset % 4 == 0
+    return (seeds, stream_stride, elem_offset), philox, aligned
+
+
+def _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed):
+    b, n = x.shape[0], x.numel() // x.shape[0]
+    n_chunks = triton.cdiv(n, CHUNK_SIZE)
+    (seeds, stride, offset), philox, aligned = _grpo_launch_args(spec, ks, trust, seed, x)
+    group, num_warps = launch_config(n, unaligned_philox=philox and not aligned)
+    n_blocks = triton.cdiv(n_chunks, group)
+    lp_p = torch.empty((b, n_chunks), dtype=torch.float32, device=x.device)
+    kl_p = torch.empty_like(lp_p) if ref is not None else lp_p
+    tr_p = torch.empty_like(lp_p) if trust else lp_p
+    _launch(
+        grpo_partials_kernel, (b * n_blocks,),
+        x, v, prev, ref if ref is not None else v, old_mean if old_mean is not None else v, lp_p, kl_p, tr_p,
+        ks.sigmas, ks.step_index, seeds, stride, offset, n, n_chunks, n_blocks, *ks.args,
+        MODE=int(spec.mode), HAS_REF=ref is not None, TRUST=int(trust), CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE,
+        GROUP=group, PHILOX_ALIGNED=aligned, num_warps=num_warps, **_LAUNCH,
+    )
+    lp, _ = _finalize(spec, ks, lp_p)
+    zeros = torch.zeros(b, dtype=torch.float32, device=x.device)
+    kl = _finalize(dataclasses.replace(spec, kind=LogProbKind.KL), ks, kl_p)[0] if ref is not None else zeros
+    tr = (_finalize(dataclasses.replace(spec, kind=LogProbKind.KL, reduction=Reduction.MEAN), ks, tr_p)[0]
+          if trust else zeros)
+    return lp, kl, tr
+
+
+class _GRPOValues(torch.autograd.Function):
+    """(log-prob, KL to the reference, trust-region divergence) [B] each, from one element pass;
+    backward: one element pass writing d / d model_output from the three incoming grads."""
+
+    @staticmethod
+    def forward(ctx, v, x, prev, ref, old_mean, spec, ks, trust, seed):
+        ctx.save_for_backward(x, v, prev, ref, old_mean)
+        ctx.spec, ctx.ks, ctx.trust, ctx.seed = spec, ks, trust, seed
+        return _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed)
+
+    @staticmethod
+    def backward(ctx, g_lp, g_kl, g_tr):
+        x, v, prev, ref, old_mean = ctx.saved_tensors
+        spec, ks, trust = ctx.spec, ctx.ks, ctx.trust
+        b, n = x.shape[0], x.numel() // x.shape[0]
+        zeros = torch.zeros(b, dtype=torch.float32, device=x.device)
+        g_lp, g_kl, g_tr = (zeros if g is None else g.to(torch.float32).contiguous() for g in (g_lp, g_kl, g_tr))
+        (seeds, stride, offset), philox, aligned = _grpo_launch_args(spec, ks, trust, ctx.seed, x)
+        group, num_warps = launch_config(n, unaligned_philox=philox and not aligned)
+        block = group * CHUNK_SIZE
+        n_blocks = triton.cdiv(n, block)
+        grad_v = torch.empty_like(v)
+        _launch(
+            grpo_backward_kernel, (b * n_blocks,),
+            x, v, prev, ref if ref is not None else v, old_mean if old_mean is not None else v, g_lp, g_kl, g_tr,
+            grad_v, ks.sigmas, ks.step_index, seeds, stride, offset, n, n_blocks, float(spec.numel), *ks.args,
+            MODE=int(spec.mode), KIND=int(spec.kind), MEAN=spec.reduction is Reduction.MEAN, HAS_REF=ref is not None,
+            TRUST=int(trust), BLOCK=block, PHILOX_ALIGNED=aligned, num_warps=num_warps, **_LAUNCH,
+        )
+        return grad_v, None, None, None, None, None, None, None, None
+
+
+def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed):
+    """(log_prob, kl, trust_divergence) [B] float32; kl / trust_divergence are zeros when absent."""
+    ks = _KernelScalars(spec)
+    x, v, prev = x.contiguous(), v.contiguous(), prev.contiguous()
+    ref = ref.contiguous() if ref is not None else None
+    old_mean = old_mean.contiguous() if old_mean is not None else None
+    if torch.is_grad_enabled() and v.requires_grad:
+        return _GRPOValues.apply(v, x, prev, ref, old_mean, spec, ks, int(trust), seed)
+    return _grpo_forward(spec, ks, x, v, prev, ref, old_mean, int(trust), seed)
+
+
+# ------------------------------------------------------------------------- forward-process losses
+
+
+def _flow_forward(kind, count, xt, v, other, x0, ref, t, coefs):
+    b, n = v.shape[0], v.numel() // v.shape[0]
+    n_chunks = triton.cdiv(n, CHUNK_SIZE)
+    group, num_warps = launch_config(n)
+    n_blocks = triton.cdiv(n_chunks, group)
+    partials = torch.empty((count, b, n_chunks), dtype=torch.float32, device=v.device)
+    _launch(
+        flow_partials_kernel, (b * n_blocks,),
+        xt if xt is not None else v, v, other, x0, ref if ref is not None else v, t, partials,
+        n, n_chunks, n_blocks, b, *coefs,
+        LOSS=int(kind), HAS_REF=ref is not None, CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE, GROUP=group,
+        num_warps=num_warps, **_LAUNCH,
+    )
+    # [count, B]: the contract's halving tree over each sample's partials
+    return reference.combine_partials(partials.reshape(count * b, n_chunks)).reshape(count, b)
+
+
+class _FlowSums(torch.autograd.Function):
+    """The forward-process losses' per-sample sums [K, B] from one element pass; backward: one element
+    pass writing d / d model_output from the grads of the squared sums."""
+
+    @staticmethod
+    def forward(ctx, v, kind, count, xt, other, x0, ref, t, coefs):
+        ctx.save_for_backward(xt, v, other, x0, ref, t)
+        ctx.kind, ctx.coefs = kind, coefs
+        return _flow_forward(kind, count, xt, v, other, x0, ref, t, coefs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xt, v, other, x0, ref, t = ctx.saved_tensors
+        b, n = v.shape[0], v.numel() // v.shape[0]
+        group, num_warps = launch_config(n)
+        block = group * CHUNK_SIZE
+        n_blocks = triton.cdiv(n, block)
+        grad_v = torch.empty_like(v)
+        _launch(
+            flow_backward_kernel, (b * n_blocks,),
+            xt if xt is not None else v, v, other, x0, ref if ref is not None else v, t,
+            grad.to(torch.float32).contiguous(), grad_v, n, n_blocks, b, *ctx.coefs,
+            LOSS=int(ctx.kind), HAS_REF=ref is not None, BLOCK=block, num_warps=num_warps, **_LAUNCH,
+        )
+        return grad_v, None, None, None, None, None, None, None, None
+
+
+def flow_sums(kind, count, xt, v, other, x0, ref, t, coefs):
+    """[count, B] float32 per-sample sums of the forward-process loss ``kind`` (see the kernel)."""
+    xt = xt.contiguous() if xt is not None else None
+    v, other, x0 = v.contiguous(), other.contiguous(), x0.contiguous()
+    ref = ref.contiguous() if ref is not None else None
+    t = t.to(torch.float32).contiguous()
+    if torch.is_grad_enabled() and v.requires_grad:
+        return _FlowSums.apply(v, int(kind), count, xt, other, x0, ref, t, coefs)
+    return _flow_forward(int(kind), count, xt, v, other, x0, ref, t, coefs)
+
+
+__all__ = ["grpo_values", "flow_sums", "_triton_ops"]

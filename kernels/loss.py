@@ -1,0 +1,192 @@
+"""Fused training-loss kernels (launchers and autograd Functions live in flowrl/losses/_triton.py).
+
+Two element passes, each with its backward, on the step kernels' 1-D grid (one program per sample
+and group of CHUNK-element chunks, kernels/step.py's ``_block_offsets``) and their fixed halving-tree
+chunk partials (common.halving_tree_rows), so every per-sample sum is deterministic and
+batch-invariant:
+
+- ``grpo_partials_kernel``: one pass over x, v, x' (and v_ref, and mu_old or its Philox replay)
+  writes the chunk partials of the log-prob residual r = x' - mu (the same operations as
+  step_partials_kernel's OP_LOG_PROB, so the combined log-prob is step_log_prob's bit for bit), of the
+  KL residual c v - c v_ref (common.policy_difference), and of the trust-region residual
+  mu - mu_old, mu_old given or replayed as x' - std * eps from the rollout's in-kernel noise.
+  ``grpo_backward_kernel`` writes d loss / d model_output from the three per-sample incoming grads.
+- ``flow_partials_kernel``: the forward-process losses (no SDE log-prob). LOSS_NFT: DiffusionNFT's
+  x0 errors e+- = (x_t - t v+-) - x0 with v+ = beta v + (1 - beta) v_old, v- = (1 + beta) v_old - beta v,
+  partials of |e+|, e+^2, |e-|, e-^2 (and (v - v_ref)^2); LOSS_AWM: AWM's e = v - (eps - x0), partials
+  of e^2. ``flow_backward_kernel``: d loss / d v from the per-sample grads of the squared sums.
+
+Every mode's formula is common.mode_coefficients / step_mean; nothing here re-derives it.
+"""
+import triton
+import triton.language as tl
+
+from .common import halving_tree_rows, mode_coefficients, policy_difference, round_to, step_mean, total_grad
+from .common import KIND_KL
+from .step import _block_offsets, _philox_eps
+
+# where mu_old (the trust-region variants' rollout mean) comes from: none, a stored float32 tensor,
+# or replayed from x' and the rollout's Philox noise (flowrl.losses.TrustSource)
+TRUST_NONE = tl.constexpr(0)
+TRUST_GIVEN = tl.constexpr(1)
+TRUST_REPLAY = tl.constexpr(2)
+# which forward-process loss (flowrl.losses.FlowLoss)
+LOSS_NFT = tl.constexpr(0)
+LOSS_AWM = tl.constexpr(1)
+
+
+@triton.jit
+def _store_partials(t, mask, partials_ptr, row, first, n_chunks, GROUP: tl.constexpr, CHUNK: tl.constexpr,
+                    LOG2_CHUNK: tl.constexpr):
+    """One float32 partial per chunk of ``t`` (masked tail = exact zeros, as the reference's padding)."""
+    t = tl.where(mask, t, 0.0)
+    partial = halving_tree_rows(t, GROUP, CHUNK, LOG2_CHUNK)
+    chunk = first // CHUNK + tl.arange(0, GROUP)
+    tl.store(partials_ptr + row * n_chunks + chunk, partial, mask=chunk < n_chunks)
+
+
+@triton.jit
+def _old_mean(old_mean_ptr, prev, std, offs, mask, seeds_ptr, row, first, stream_stride, elem_offset,
+              TRUST: tl.constexpr, BLOCK: tl.constexpr, PHILOX_ALIGNED: tl.constexpr):
+    """mu_old: loaded (TRUST_GIVEN), or x' - std * eps with the rollout's Philox eps (TRUST_REPLAY)."""
+    if TRUST == TRUST_GIVEN:
+        old = tl.load(old_mean_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        eps = _philox_eps(seeds_ptr, row, first, stream_stride, elem_offset, BLOCK, PHILOX_ALIGNED)
+        old = prev - std * eps
+    return old
+
+
+@triton.jit
+def grpo_partials_kernel(
+    x_ptr, v_ptr, prev_ptr, ref_ptr, old_mean_ptr, lp_partials_ptr, kl_partials_ptr, tr_partials_ptr,
+    sigmas_ptr, step_ptr, seeds_ptr, stream_stride, elem_offset,
+    n_per_sample, n_chunks, n_blocks, sigma_one_tol, eta, sin_half_pi_eta,
+    MODE: tl.constexpr, HAS_REF: tl.constexpr, TRUST: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+    GROUP: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
+):
+    """Chunk partials [B, n_chunks] of (x' - mu)^2, (c v - c v_ref)^2 (HAS_REF) and (mu - mu_old)^2
+    (TRUST != TRUST_NONE), from one read of each input."""
+    row, first, offs, mask = _block_offsets(n_per_sample, n_blocks, GROUP * CHUNK)
+    step = tl.load(step_ptr + row)
+    a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    prev = tl.load(prev_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    mu = step_mean(a, c, x, v)
+    r = prev - mu  # step_partials_kernel's OP_LOG_PROB residual, the same operations
+    _store_partials(r * r, mask, lp_partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
+    if HAS_REF:
+        v_ref = tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rk = policy_difference(c, v, v_ref)
+        _store_partials(rk * rk, mask, kl_partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
+    if TRUST != TRUST_NONE:
+        old = _old_mean(old_mean_ptr, prev, std, offs, mask, seeds_ptr, row, first, stream_stride, elem_offset,
+                        TRUST, GROUP * CHUNK, PHILOX_ALIGNED)
+        rt = mu - old
+        _store_partials(rt * rt, mask, tr_partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
+
+
+@triton.jit
+def grpo_backward_kernel(
+    x_ptr, v_ptr, prev_ptr, ref_ptr, old_mean_ptr, grad_lp_ptr, grad_kl_ptr, grad_tr_ptr, grad_v_ptr,
+    sigmas_ptr, step_ptr, seeds_ptr, stream_stride, elem_offset,
+    n_per_sample, n_blocks, numel_f, sigma_one_tol, eta, sin_half_pi_eta,
+    MODE: tl.constexpr, KIND: tl.constexpr, MEAN: tl.constexpr, HAS_REF: tl.constexpr, TRUST: tl.constexpr,
+    BLOCK: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
+):
+    """d loss / d v from the per-sample grads of the log-prob, the KL and the trust-region divergence
+    (always a mean): per element d value / d r = 2 coef r (common.total_grad), dmu/dv = c."""
+    row, first, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
+    step = tl.load(step_ptr + row)
+    a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    prev = tl.load(prev_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    mu = step_mean(a, c, x, v)
+    coef_lp = total_grad(tl.load(grad_lp_ptr + row), std, numel_f, KIND, MEAN)
+    cr = coef_lp * (prev - mu)
+    grad_mu = -(cr + cr)
+    if TRUST != TRUST_NONE:
+        old = _old_mean(old_mean_ptr, prev, std, offs, mask, seeds_ptr, row, first, stream_stride, elem_offset,
+                        TRUST, BLOCK, PHILOX_ALIGNED)
+        coef_tr = total_grad(tl.load(grad_tr_ptr + row), std, numel_f, KIND_KL, True)
+        ct = coef_tr * (mu - old)
+        grad_mu = grad_mu + (ct + ct)
+    grad_v = grad_mu * c
+    if HAS_REF:
+        v_ref = tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        coef_kl = total_grad(tl.load(grad_kl_ptr + row), std, numel_f, KIND_KL, MEAN)
+        ck = coef_kl * policy_difference(c, v, v_ref)
+        grad_v = grad_v + (ck + ck) * c
+    tl.store(grad_v_ptr + offs, round_to(grad_v, grad_v_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _nft_errors(xt, v, v_old, x0, t, beta, one_minus_beta, one_plus_beta):
+    """DiffusionNFT's x0 errors (x_t - t v+) - x0 and (x_t - t v-) - x0, in its operation order."""
+    v_pos = beta * v + one_minus_beta * v_old
+    v_neg = one_plus_beta * v_old - beta * v
+    return (xt - t * v_pos) - x0, (xt - t * v_neg) - x0
+
+
+@triton.jit
+def flow_partials_kernel(
+    xt_ptr, v_ptr, other_ptr, x0_ptr, ref_ptr, t_ptr, partials_ptr,
+    n_per_sample, n_chunks, n_blocks, n_rows, beta, one_minus_beta, one_plus_beta,
+    LOSS: tl.constexpr, HAS_REF: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, GROUP: tl.constexpr,
+):
+    """Chunk partials [K, B, n_chunks] (K stacked sums, each [B, n_chunks]). LOSS_NFT (other = v_old):
+    |e+|, e+^2, |e-|, e-^2 and, with HAS_REF, (v - v_ref)^2. LOSS_AWM (other = eps; xt unused): e^2."""
+    row, first, offs, mask = _block_offsets(n_per_sample, n_blocks, GROUP * CHUNK)
+    stride = n_rows * n_chunks
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    other = tl.load(other_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x0 = tl.load(x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if LOSS == LOSS_NFT:
+        xt = tl.load(xt_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        t = tl.load(t_ptr + row)
+        e_pos, e_neg = _nft_errors(xt, v, other, x0, t, beta, one_minus_beta, one_plus_beta)
+        _store_partials(tl.abs(e_pos), mask, partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
+        _store_partials(e_pos * e_pos, mask, partials_ptr + stride, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
+        _store_partials(tl.abs(e_neg), mask, partials_ptr + 2 * stride, row, first, n_chunks, GROUP, CHUNK,
+                        LOG2_CHUNK)
+        _store_partials(e_neg * e_neg, mask, partials_ptr + 3 * stride, row, first, n_chunks, GROUP, CHUNK,
+                        LOG2_CHUNK)
+        if HAS_REF:
+            d = v - tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            _store_partials(d * d, mask, partials_ptr + 4 * stride, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
+    else:  # LOSS_AWM: v - (eps - x0), the target formed first as AWM does
+        e = v - (other - x0)
+        _store_partials(e * e, mask, partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
+
+
+@triton.jit
+def flow_backward_kernel(
+    xt_ptr, v_ptr, other_ptr, x0_ptr, ref_ptr, t_ptr, grad_ptr, grad_v_ptr,
+    n_per_sample, n_blocks, n_rows, beta, one_minus_beta, one_plus_beta,
+    LOSS: tl.constexpr, HAS_REF: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """d loss / d v from grad [K, B], the per-sample grads of the squared sums (NFT: rows 1 and 3 for
+    e+^2 and e-^2, row 4 for (v - v_ref)^2; AWM: row 0). d(e^2) = 2 e de; de+/dv = -t beta,
+    de-/dv = t beta, de/dv = 1 (AWM)."""
+    row, first, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    other = tl.load(other_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x0 = tl.load(x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if LOSS == LOSS_NFT:
+        xt = tl.load(xt_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        t = tl.load(t_ptr + row)
+        e_pos, e_neg = _nft_errors(xt, v, other, x0, t, beta, one_minus_beta, one_plus_beta)
+        g_pos = tl.load(grad_ptr + n_rows + row)
+        g_neg = tl.load(grad_ptr + 3 * n_rows + row)
+        tb = t * beta
+        grad_v = (g_pos * (e_pos + e_pos)) * (-tb) + (g_neg * (e_neg + e_neg)) * tb
+        if HAS_REF:
+            d = v - tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            g_ref = tl.load(grad_ptr + 4 * n_rows + row)
+            grad_v = grad_v + g_ref * (d + d)
+    else:
+        e = v - (other - x0)
+        grad_v = tl.load(grad_ptr + row) * (e + e)
+    tl.store(grad_v_ptr + offs, round_to(grad_v, grad_v_ptr.dtype.element_ty), mask=mask)
