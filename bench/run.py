@@ -443,9 +443,13 @@ class Row:
 def set_bytes(row: Row, numel: int, batch: int, itemsize: int) -> None:
     """The row's bytes per element: the minimum, and the traffic model for the implementations it
     models (the others' traffic is not designed, so they get none)."""
-    row.min_b_elem = min_bytes(row.op, numel, batch, itemsize) / numel
+    if row.op in LOSS_OPS:  # the losses suite (below)
+        minimum, model = loss_min_bytes, loss_kernel_bytes
+    else:
+        minimum, model = min_bytes, kernel_bytes
+    row.min_b_elem = minimum(row.op, numel, batch, itemsize) / numel
     modelled = row.impl in MODELLED_IMPLS
-    row.model_b_elem = kernel_bytes(row.op, numel, batch, itemsize) / numel if modelled else math.nan
+    row.model_b_elem = model(row.op, numel, batch, itemsize) / numel if modelled else math.nan
 
 
 def set_rates(row: Row, ms: float, numel: int, copy: float) -> None:
@@ -559,6 +563,220 @@ def run_sweep(
     return rows, copy, notes
 
 
+# =================================================================================================
+# ---- Training losses (flowrl.losses, docs/losses.md) beside the peers' eager loss code ----------
+# =================================================================================================
+# A separate suite (``--suite losses``): each op is forward + backward, d loss / d model_output, at
+# one step (STEP_INDEX, mode sde, Gaussian log-prob). Implementations: flowrl-triton (CUDA only),
+# flowrl-torch, and ``eager``, the peer's code as it runs in its trainer (the same formulas as
+# tests/test_losses_peers.py's transcriptions, which are the tests' oracle):
+#
+# - grpo_loss: Flow-GRPO's recompute (baseline.flow_grpo_step) of the log-prob and mean, the reference
+#   policy's mean without grad, its loss block (ratio, clip, KL with the exact variance, approx_kl,
+#   clipfrac); flowrl: losses.grpo_loss with ref_model_output.
+# - grpo_guard: verl-omni GRPOGuardLoss with the stored float32 old_prev_sample_mean; flowrl:
+#   losses.grpo_guard_loss replaying mu_old from the rollout's noise_seed (no mean stored or read).
+# - nft_loss: DiffusionNFT's train_nft_sd3.py policy loss and KL; flowrl: losses.nft_loss.
+# - awm_loss: Flow-Factory's AWM weighted log-prob (float64) and clipped loss; flowrl: losses.awm_loss.
+
+LOSS_OPS = ("grpo_loss", "grpo_guard", "nft_loss", "awm_loss")
+LOSS_IMPLS = ("flowrl-triton", "flowrl-torch", "eager")
+LOSS_SEED, LOSS_CLIP, LOSS_KL_COEF, NFT_BETA, NFT_ADV_MAX = 1234, 0.2, 0.04, 0.1, 5.0
+# element tensors each op reads (the inputs the loss depends on), besides writing grad_v
+LOSS_INPUTS = {"grpo_loss": 4, "grpo_guard": 3, "nft_loss": 5, "awm_loss": 3}  # x,v,x',v_ref | x,v,x' | xt,v,v_old,x0,v_ref | v,eps,x0
+LOSS_SUMS = {"grpo_loss": 2, "grpo_guard": 2, "nft_loss": 5, "awm_loss": 1}  # per-sample sums (partial sets)
+
+
+def loss_min_bytes(op: str, numel: int, batch: int, itemsize: int) -> int:
+    """An ideal fused loss with its backward: each element input read once (LOSS_INPUTS), grad_v
+    written once, plus the per-sample inputs (old log-prob, advantages: 8B). The eager grpo_guard also
+    reads the stored float32 mean (4N), which the replaying flowrl op does not need."""
+    if op not in LOSS_OPS:
+        raise ValueError(f"unknown loss op {op!r}")
+    return numel * (LOSS_INPUTS[op] + 1) * itemsize + 8 * batch
+
+
+def loss_kernel_bytes(op: str, numel: int, batch: int, itemsize: int) -> int:
+    """Bytes flowrl's loss kernels move (kernels/loss.py, flowrl/losses/_triton.py): the forward
+    element pass reads the LOSS_INPUTS tensors (Ns each) and writes LOSS_SUMS float32 partial sets
+    (4BP each), read back by the finalize (8BP each with the write); the backward re-reads the inputs
+    and writes grad_v (Ns), reading the per-sample grads (4B per sum). Per-sample [B] scalars besides
+    are not counted (tens of bytes per sample)."""
+    s, n, b = itemsize, numel, batch
+    chunks = b * -(-(n // b) // CHUNK_SIZE)
+    sums = LOSS_SUMS[op]
+    forward = n * LOSS_INPUTS[op] * s + 8 * chunks * sums
+    backward = n * LOSS_INPUTS[op] * s + n * s + 4 * b * sums
+    return forward + backward + 8 * batch
+
+
+@dataclass
+class LossCase:
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    sigmas: torch.Tensor
+    step_index: torch.Tensor
+    sigma_max: float
+    x: torch.Tensor
+    v: torch.Tensor  # the current policy's output (a leaf copy is made per call)
+    v_ref: torch.Tensor
+    prev: torch.Tensor
+    old_mean: torch.Tensor  # float32: what verl-omni / Flow-Factory store per step
+    old_lp: torch.Tensor
+    awm_old_lp: torch.Tensor  # AWM's weighted log-prob under the old policy
+    adv: torch.Tensor
+    x0: torch.Tensor
+    eps: torch.Tensor
+    xt: torch.Tensor
+    t: torch.Tensor
+
+
+def make_loss_case(shape, dtype, device, seed: int = 0) -> LossCase:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rand = lambda: torch.randn(shape, generator=gen).to(device)  # noqa: E731
+    x, v_old = rand().to(dtype), rand().to(dtype)
+    v = (v_old.float() + 0.05 * rand()).to(dtype)
+    v_ref = (v_old.float() + 0.05 * rand()).to(dtype)
+    sigmas = make_sigmas().to(device)
+    seeds = torch.arange(shape[0], device=device) + LOSS_SEED
+    out = flowrl.sde_step(x, v_old, sigmas, STEP_INDEX, noise_level=NOISE_LEVEL, noise_seed=seeds, backend="torch")
+    x0, eps = rand().to(dtype), rand().to(dtype)
+    t = torch.linspace(0.2, 0.9, shape[0], device=device)
+    tb = t.reshape((-1,) + (1,) * (len(shape) - 1))
+    xt = ((1 - tb) * x0.float() + tb * eps.float()).to(dtype)
+    adv = torch.linspace(-1.5, 1.5, shape[0], device=device)
+    dims = tuple(range(1, len(shape)))
+    awm_old_lp = ((-(v_old.double() - (eps - x0).double()) ** 2).mean(dim=dims) * t).float()
+    return LossCase(tuple(shape), dtype, sigmas, torch.full((shape[0],), STEP_INDEX, device=device),
+                    float(sigmas[1]), x, v, v_ref, out.prev_sample, out.prev_sample_mean, out.log_prob, awm_old_lp,
+                    adv, x0, eps, xt, t)
+
+
+def _eager_loss(case: LossCase, op: str, v: torch.Tensor) -> torch.Tensor:
+    """The peer's loss code, eager (see the block's header)."""
+    dims = tuple(range(1, len(case.shape)))
+    if op in ("grpo_loss", "grpo_guard"):
+        _, lp, mean, std_dev_t = baseline.flow_grpo_step(case.x, v, case.sigmas, case.step_index, case.sigma_max,
+                                                         mode="sde", noise_level=NOISE_LEVEL, prev_sample=case.prev)
+        adv = case.adv
+        if op == "grpo_loss":
+            with torch.no_grad():
+                mean_ref, _, step_std = baseline.flow_grpo_mean(case.x, case.v_ref, case.sigmas, case.step_index,
+                                                                case.sigma_max, mode="sde", noise_level=NOISE_LEVEL)
+            ratio = torch.exp(lp - case.old_lp)
+            policy = torch.mean(torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - LOSS_CLIP, 1 + LOSS_CLIP)))
+            kl = ((mean - mean_ref) ** 2).mean(dim=dims, keepdim=True) / (2 * step_std ** 2)
+            _ = (0.5 * torch.mean((lp - case.old_lp) ** 2), torch.mean((torch.abs(ratio - 1) > LOSS_CLIP).float()))
+            return policy + LOSS_KL_COEF * kl.mean()
+        sigma, sigma_next = case.sigmas[case.step_index], case.sigmas[case.step_index + 1]
+        sqrt_dt = torch.sqrt(sigma - sigma_next)
+        scale = sqrt_dt.mean() * std_dev_t.mean()
+        bias = (mean - case.old_mean).pow(2).mean(dim=dims) / (2 * scale ** 2)
+        ratio = torch.exp((lp - case.old_lp + bias) * scale)
+        per = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - LOSS_CLIP, 1 + LOSS_CLIP))
+        return torch.mean(per) / (sqrt_dt.mean() ** 2)
+    tb = case.t.view(-1, *([1] * (len(case.shape) - 1)))
+    if op == "nft_loss":
+        r = torch.clamp((torch.clamp(case.adv, -NFT_ADV_MAX, NFT_ADV_MAX) / NFT_ADV_MAX) / 2.0 + 0.5, 0, 1)
+        x0_pos = case.xt - tb * (NFT_BETA * v + (1 - NFT_BETA) * case.v_ref)
+        x0_neg = case.xt - tb * ((1.0 + NFT_BETA) * case.v_ref - NFT_BETA * v)
+        with torch.no_grad():
+            w_pos = torch.abs(x0_pos.double() - case.x0.double()).mean(dim=dims, keepdim=True).clip(min=1e-5)
+            w_neg = torch.abs(x0_neg.double() - case.x0.double()).mean(dim=dims, keepdim=True).clip(min=1e-5)
+        pos = ((x0_pos - case.x0) ** 2 / w_pos).mean(dim=dims)
+        neg = ((x0_neg - case.x0) ** 2 / w_neg).mean(dim=dims)
+        policy = ((r * pos / NFT_BETA + (1.0 - r) * neg / NFT_BETA) * NFT_ADV_MAX).mean()
+        return policy + LOSS_KL_COEF * ((v - case.v) ** 2).mean(dim=dims).mean()
+    # awm_loss: Flow-Factory's float64 weighted log-prob ("t" weighting) and clipped loss
+    target = case.eps - case.x0
+    lp = (-(v.double() - target.double()) ** 2).mean(dim=dims) * case.t
+    ratio = torch.exp(lp.float() - case.awm_old_lp)
+    return torch.mean(torch.maximum(-case.adv * ratio, -case.adv * torch.clamp(ratio, 1 - LOSS_CLIP, 1 + LOSS_CLIP)))
+
+
+def _flowrl_loss(case: LossCase, op: str, v: torch.Tensor, backend: str) -> torch.Tensor:
+    from flowrl import losses
+
+    if op == "grpo_loss":
+        return losses.grpo_loss(case.x, v, case.prev, case.sigmas, STEP_INDEX, case.old_lp, case.adv,
+                                clip_range=LOSS_CLIP, noise_level=NOISE_LEVEL, kl_coef=LOSS_KL_COEF,
+                                ref_model_output=case.v_ref, backend=backend).loss
+    if op == "grpo_guard":
+        seeds = torch.arange(case.shape[0], device=case.x.device) + LOSS_SEED
+        return losses.grpo_guard_loss(case.x, v, case.prev, case.sigmas, STEP_INDEX, case.old_lp, case.adv,
+                                      clip_range=LOSS_CLIP, noise_seed=seeds, noise_level=NOISE_LEVEL,
+                                      backend=backend).loss
+    if op == "nft_loss":
+        # v_ref stands in for the old policy's output and case.v for the reference (same tensors as eager)
+        return losses.nft_loss(case.xt, v, case.v_ref, case.x0, case.t, case.adv, beta=NFT_BETA,
+                               adv_clip_max=NFT_ADV_MAX, kl_coef=LOSS_KL_COEF, ref_model_output=case.v,
+                               backend=backend).loss
+    return losses.awm_loss(v, case.eps, case.x0, case.t, case.awm_old_lp, case.adv, clip_range=LOSS_CLIP, weighting="t",
+                           backend=backend).loss
+
+
+def build_loss(impl: str, case: LossCase, op: str) -> Callable[[], Tuple[torch.Tensor, ...]]:
+    """A no-argument callable returning (loss, d loss / d model_output) of ``impl``."""
+    leaf = case.v.detach().clone().requires_grad_(True)
+    if impl == "eager":
+        compute = lambda: _eager_loss(case, op, leaf)  # noqa: E731
+    elif impl in FLOWRL_BACKEND:
+        compute = lambda: _flowrl_loss(case, op, leaf, FLOWRL_BACKEND[impl])  # noqa: E731
+    else:
+        raise ValueError(f"unknown loss impl {impl!r}")
+
+    def fn():
+        loss = compute()
+        (grad,) = torch.autograd.grad(loss, leaf)
+        return loss.detach().float().reshape(1), grad
+    return fn
+
+
+def run_loss_sweep(device: torch.device, shapes, dtypes, ops, impls, *, timing_budget_s: float = 0.5,
+                   log=print) -> Tuple[List[Row], float, List[str]]:
+    """Check every loss against the peer's eager code (loss and gradient), then time it and measure
+    its peak memory beyond the inputs; rows as the step suite's (Row, markdown_table)."""
+    notes: List[str] = []
+    impls = [i for i in impls if i != "compile"] + ([] if "eager" in impls else ["eager"])
+    if "flowrl-triton" in impls and (device.type != "cuda" or not _dispatch.triton_available()):
+        impls.remove("flowrl-triton")
+        notes.append("flowrl-triton is timed on CUDA only (the Triton interpreter is not a measurement)")
+    copy = copy_gbps(device, budget_s=max(timing_budget_s, 1.0))
+    rows: List[Row] = []
+    for shape in shapes:
+        for dname in dtypes:
+            case = make_loss_case(shape, DTYPES[dname], device)
+            numel, batch, itemsize = case.x.numel(), shape[0], case.x.element_size()
+            shape_s = "x".join(map(str, shape))
+            for op in ops:
+                expected = build_loss("eager", case, op)()
+                op_rows = {impl: Row(op, "sde" if op.startswith("grpo") else "-", dname, shape_s, impl)
+                           for impl in impls}
+                fns: Dict[str, Callable] = {}
+                for impl, row in op_rows.items():
+                    set_bytes(row, numel, batch, itemsize)
+                    fn = build_loss(impl, case, op)
+                    try:
+                        row.check_err = check(fn(), expected)
+                        fns[impl] = fn
+                    except AssertionError as exc:
+                        row.note = f"CHECK FAILED: {exc}"
+                for impl, ms in time_all(fns, device, budget_s=timing_budget_s).items():
+                    row = op_rows[impl]
+                    set_rates(row, ms, numel, copy)
+                    peak = peak_extra_bytes(fns[impl], device)
+                    row.peak_extra_mib = math.nan if peak is None else peak / 2**20
+                    row.grad_mib = numel * itemsize / 2**20
+                for row in op_rows.values():
+                    row.x_eager = op_rows["eager"].time_ms / row.time_ms
+                    if op_rows["eager"].peak_extra_mib > 0:
+                        row.peak_x_eager = row.peak_extra_mib / op_rows["eager"].peak_extra_mib
+                    log(f"# {op:12s} {dname} {shape_s:18s} {row.impl:14s} {row.time_ms:10.4f} ms  {row.note}")
+                rows.extend(op_rows.values())
+            del case
+    return rows, copy, notes
+
+
 def _fmt(value: float, digits: int = 3) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -610,7 +828,8 @@ def _slug(text: str) -> str:
 
 def write_results(rows: Sequence[Row], header: Dict[str, str], table: str, out_dir: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
-    stem = _slug(f"{header['machine']}_torch-{header['torch']}_triton-{header['triton']}_{header['date']}")
+    suite = f"_{header['suite']}" if header.get("suite") else ""
+    stem = _slug(f"{header['machine']}_torch-{header['torch']}_triton-{header['triton']}_{header['date']}{suite}")
     path = os.path.join(out_dir, stem + ".csv")
     names = list(header) + [f.name for f in fields(Row)]
     with open(path, "w", newline="") as f:
@@ -646,6 +865,8 @@ def _choices(allowed: Sequence[str]):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"reduced sweep: shapes {QUICK_SHAPES}")
+    p.add_argument("--suite", choices=("steps", "losses"), default="steps",
+                   help="steps: the step ops (default); losses: flowrl.losses beside the peers' eager loss code")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shapes", type=parse_shapes, help="comma-separated, e.g. 1x4096x64,4x16x21x60x104")
     p.add_argument("--dtypes", type=_choices(list(DTYPES)), default=list(DTYPES))
@@ -692,10 +913,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     }
     print("# " + ", ".join(f"{k}={v}" for k, v in header.items()), flush=True)
     started = time.perf_counter()
-    rows, copy, notes = run_sweep(
-        device, shapes, args.dtypes, args.modes, args.ops, impls, time_budget_s=args.time_budget,
-        timing_budget_s=timing_budget, log=lambda s: print(s, file=sys.stderr, flush=True),
-    )
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    if args.suite == "losses":
+        header["suite"] = "losses"
+        rows, copy, notes = run_loss_sweep(device, shapes, args.dtypes, LOSS_OPS, impls,
+                                           timing_budget_s=timing_budget, log=log)
+    else:
+        rows, copy, notes = run_sweep(
+            device, shapes, args.dtypes, args.modes, args.ops, impls, time_budget_s=args.time_budget,
+            timing_budget_s=timing_budget, log=log,
+        )
     header["load_after"] = _loadavg()
     header["copy_gbps"] = f"{copy:.1f}"
     header["sweep_s"] = f"{time.perf_counter() - started:.0f}"

@@ -23,6 +23,7 @@ _LAZY = {
     "serialization": ("flowrl.serialization", None),
     "distributed": ("flowrl.distributed", None),
     "reference": ("flowrl.reference", None),
+    "losses": ("flowrl.losses", None),
 }
 
 

@@ -411,3 +411,19 @@ def test_teacher_kl_is_step_kl_with_the_teacher_and_its_gradient():
     ve = _cpu(v).double().requires_grad_()
     expected = oracle.kl(_cpu(x), ve, _cpu(teacher), sig.cpu(), [0, 4, 8], "sde", 0.7).mean()
     torch.testing.assert_close(_cpu(g).double(), torch.autograd.grad(expected, ve)[0], rtol=1e-4, atol=1e-9)
+# ------------------------------------------------------------------------------------------- docs
+
+
+def test_docs_snippet_runs():
+    """docs/losses.md's trainer snippet, run as written (its first ratio is exactly 1)."""
+    text = (ROOT / "docs" / "losses.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    scope = {}
+    exec(compile(snippet, "docs/losses.md", "exec"), scope)
+    assert torch.equal(scope["result"].ratio, torch.ones(4))
+    assert scope["model_output"].grad is not None
+
+
+def test_readme_links_the_losses_page():
+    readme = (ROOT / "README.md").read_text()
+    assert "docs/losses.md" in readme and "flowrl.losses.grpo_loss" in readme

@@ -15,11 +15,16 @@ import torch
 import triton
 
 from flowrl import _triton_ops
-from flowrl._triton_ops import _KernelScalars, _finalize, _launch, _LAUNCH, launch_config
+from flowrl._triton_ops import LAUNCH_TABLE, _KernelScalars, _finalize, _launch, _LAUNCH, launch_config
 from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, LogProbKind, Reduction
 from flowrl.kernels.loss import flow_backward_kernel, flow_partials_kernel, grpo_backward_kernel, grpo_partials_kernel
 
 from .. import reference
+
+
+# The backward with mu_old replayed from Philox noise runs one chunk per program on 4 warps: at 4 chunks
+# on 16 warps triton 3.6 spilled 16 bytes on sm_80 (float32 latents); (1, 4) does not (kernels/aot.py).
+REPLAY_BACKWARD_CONFIG = LAUNCH_TABLE[0][1:]
 
 
 def _grpo_launch_args(spec, ks, trust, seed, x):
@@ -71,7 +76,7 @@ class _GRPOValues(torch.autograd.Function):
         zeros = torch.zeros(b, dtype=torch.float32, device=x.device)
         g_lp, g_kl, g_tr = (zeros if g is None else g.to(torch.float32).contiguous() for g in (g_lp, g_kl, g_tr))
         (seeds, stride, offset), philox, aligned = _grpo_launch_args(spec, ks, trust, ctx.seed, x)
-        group, num_warps = launch_config(n, unaligned_philox=philox and not aligned)
+        group, num_warps = REPLAY_BACKWARD_CONFIG if philox else launch_config(n)
         block = group * CHUNK_SIZE
         n_blocks = triton.cdiv(n, block)
         grad_v = torch.empty_like(v)
