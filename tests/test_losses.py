@@ -271,7 +271,9 @@ def test_losses_are_deterministic_and_per_sample_values_batch_invariant(backend)
         nft = L.nft_loss(pick(x), pick(v_new), pick(v), pick(v_ref), pick(t), pick(adv), beta=0.5, adv_clip_max=2.0,
                          backend=backend)
         awm = L.awm_log_prob(pick(v_new), pick(x), pick(v_ref), pick(t), weighting="huber", backend=backend)
-        return res, grad, nft, awm
+        grpo = L.grpo_loss(pick(x), pick(v_new), pick(out.prev_sample), sig, pick(steps), pick(out.log_prob), pick(adv),
+                           clip_range=(0.01, 0.3), kl_coef=0.2, ref_model_output=pick(v_ref), backend=backend)
+        return res, grad, nft, awm, grpo
 
     full = run(slice(None))
     again = run(slice(None))
@@ -282,10 +284,28 @@ def test_losses_are_deterministic_and_per_sample_values_batch_invariant(backend)
             assert torch.equal(getattr(one[0], field), getattr(full[0], field)[i:i + 1]), (field, i)
         assert torch.equal(one[2].per_sample_loss, full[2].per_sample_loss[i:i + 1])
         assert torch.equal(one[3], full[3][i:i + 1])
+        for field in ("log_prob", "kl", "ratio"):
+            assert torch.equal(getattr(one[4], field), getattr(full[4], field)[i:i + 1]), (field, i)
         # a batch of one: its loss gradient is 3x its share of the batch mean's (the mean over 3 samples),
         # up to the rounding of the 1/3 the mean's backward brings in
         scale = float(one[1].abs().max())
         torch.testing.assert_close(one[1], 3 * full[1][i:i + 1], rtol=1e-5, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deterministic_steps_give_finite_losses_and_zero_gradients(backend):
+    """ode, or noise level 0: std is 0, the log-prob, KL and D_s are 0 by the contract's deterministic
+    rule, the ratio exp(0) = 1 (GRPO-Guard's exp(0 * 0) too), and nothing is NaN."""
+    x, v, sig, _ = rollout()
+    steps, adv = STEPS.to(DEVICE), advantages()
+    prev = flowrl.sde_step(x, v, sig, steps, mode="ode", backend=backend).prev_sample
+    for fn, extra in ((L.grpo_loss, dict(clip_range=0.2, kl_coef=0.5, ref_model_output=perturbed(v))),
+                      (L.grpo_guard_loss, dict(clip_range=0.2, noise_seed=3)),
+                      (L.flow_dppo_loss, dict(kl_threshold=0.0, old_prev_sample_mean=prev.float()))):
+        res, grad = _grad(lambda vv: fn(x, vv, prev, sig, steps, torch.zeros(3, device=DEVICE), adv, mode="ode",
+                                        backend=backend, **extra), perturbed(v))
+        assert torch.equal(res.ratio, torch.ones(3, device=DEVICE)) and torch.equal(res.log_prob, torch.zeros(3, device=DEVICE))
+        assert bool(torch.isfinite(res.loss)) and torch.equal(grad, torch.zeros_like(grad)), fn.__name__
 
 
 # ------------------------------------------------------------------------------- mu_old replay
