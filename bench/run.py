@@ -582,8 +582,9 @@ def run_sweep(
 LOSS_OPS = ("grpo_loss", "grpo_guard", "nft_loss", "awm_loss")
 LOSS_IMPLS = ("flowrl-triton", "flowrl-torch", "eager")
 LOSS_SEED, LOSS_CLIP, LOSS_KL_COEF, NFT_BETA, NFT_ADV_MAX = 1234, 0.2, 0.04, 0.1, 5.0
-# element tensors each op reads (the inputs the loss depends on), besides writing grad_v
-LOSS_INPUTS = {"grpo_loss": 4, "grpo_guard": 3, "nft_loss": 5, "awm_loss": 3}  # x,v,x',v_ref | x,v,x' | xt,v,v_old,x0,v_ref | v,eps,x0
+# element tensors each op reads (the inputs the loss depends on), besides writing grad_v: x, v, x', v_ref |
+# x, v, x' | x_t, v, v_old, x0, v_ref | v, eps, x0
+LOSS_INPUTS = {"grpo_loss": 4, "grpo_guard": 3, "nft_loss": 5, "awm_loss": 3}
 LOSS_SUMS = {"grpo_loss": 2, "grpo_guard": 2, "nft_loss": 5, "awm_loss": 1}  # per-sample sums (partial sets)
 
 

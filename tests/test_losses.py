@@ -2,7 +2,6 @@
 bit step_log_prob's (first ratio exactly 1), a float64 oracle of every loss, gradients (gradcheck on
 the torch backend; Triton against torch), determinism, batch invariance, the mu_old replay bound, the
 AWM reduction's float64-oracle accuracy, argument errors, and the docs/losses.md snippet."""
-import math
 import os
 import re
 import sys

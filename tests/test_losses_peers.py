@@ -17,7 +17,6 @@ Where flowrl differs from a peer by design the test states the exact relation: F
 verl-omni's KLs divide by s^2 (``std_dev_t``), not the variance s^2 D (flowrl's exact KL x D = theirs);
 GRPO-Guard's 1/D is verl-omni's, Flow-Factory leaves it out (flowrl's policy loss x D = Flow-Factory's).
 """
-import math
 import os
 import sys
 from types import SimpleNamespace

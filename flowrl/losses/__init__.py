@@ -25,13 +25,13 @@ import dataclasses
 import enum
 import math
 from numbers import Real
-from typing import NamedTuple, Optional, Sequence, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from .. import _dispatch, reference
 from .. import _validate as V
-from ..contract import LogProbKind, Mode, Op, Reduction
+from ..contract import LogProbKind, Op, Reduction
 from ..functional import step_kl
 from ..step_spec import StepSpec, log_prob_kind, schedule_and_steps
 

@@ -14,7 +14,6 @@ import dataclasses
 import torch
 import triton
 
-from flowrl import _triton_ops
 from flowrl._triton_ops import LAUNCH_TABLE, _KernelScalars, _finalize, _launch, _LAUNCH, launch_config
 from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, LogProbKind, Reduction
 from flowrl.kernels.loss import flow_backward_kernel, flow_partials_kernel, grpo_backward_kernel, grpo_partials_kernel
@@ -159,4 +158,4 @@ def flow_sums(kind, count, xt, v, other, x0, ref, t, coefs):
     return _flow_forward(int(kind), count, xt, v, other, x0, ref, t, coefs)
 
 
-__all__ = ["grpo_values", "flow_sums", "_triton_ops"]
+__all__ = ["grpo_values", "flow_sums", "REPLAY_BACKWARD_CONFIG"]
