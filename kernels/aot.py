@@ -108,6 +108,69 @@ def _backward(storage, mode, kind, mean, needs, group, warps):
                           group * CHUNK_SIZE)
 
 
+def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind=LogProbKind.GAUSSIAN, mean=True):
+    """flowrl.losses' GRPO-family element pass (kernels/loss.py) or its backward; trust: 0 none, 1 a
+    given float32 mu_old, 2 mu_old replayed from Philox noise."""
+    sig = {"x_ptr": "*" + storage, "v_ptr": "*" + storage, "prev_ptr": "*" + storage, "ref_ptr": "*" + storage,
+           "old_mean_ptr": "*" + ("fp32" if trust == 1 else storage)}
+    if backward:
+        sig.update({"grad_lp_ptr": "*fp32", "grad_kl_ptr": "*fp32", "grad_tr_ptr": "*fp32", "grad_v_ptr": "*" + storage})
+    else:
+        sig.update({"lp_partials_ptr": "*fp32", "kl_partials_ptr": "*fp32", "tr_partials_ptr": "*fp32"})
+    sig.update({"sigmas_ptr": "*fp32", "step_ptr": "*i64", "seeds_ptr": "*i64", "stream_stride": "i32",
+                "elem_offset": "i32", "n_per_sample": "i32"})
+    sig.update({"n_blocks": "i32", "numel_f": "fp32"} if backward else {"n_chunks": "i32", "n_blocks": "i32"})
+    sig.update({"sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32"})
+    cx = {"MODE": int(mode), "HAS_REF": has_ref, "TRUST": trust, "PHILOX_ALIGNED": trust == 2}
+    if backward:
+        cx.update({"KIND": int(kind), "MEAN": mean, "BLOCK": group * CHUNK_SIZE})
+    else:
+        cx.update({"CHUNK": CHUNK_SIZE, "LOG2_CHUNK": LOG2_CHUNK_SIZE, "GROUP": group})
+    ptrs = tuple(k for k in sig if k.endswith("_ptr"))
+    name = "grpo_backward_kernel" if backward else "grpo_partials_kernel"
+    label = f"{mode.label} ref={has_ref} trust={trust}" + (f" {kind.label} {'mean' if mean else 'sum'}" if backward
+                                                           else "") + f" g{group}w{warps}"
+    return Specialization(name, sig, cx, ptrs + ("n_per_sample",), warps, label, group * CHUNK_SIZE)
+
+
+def _flow_loss(storage, loss, has_ref, group, warps, backward=False):
+    """flowrl.losses' forward-process element pass (loss 0 DiffusionNFT, 1 AWM) or its backward."""
+    sig = {k: "*" + storage for k in ("xt_ptr", "v_ptr", "other_ptr", "x0_ptr", "ref_ptr")}
+    sig["t_ptr"] = "*fp32"
+    sig.update({"grad_ptr": "*fp32", "grad_v_ptr": "*" + storage} if backward else {"partials_ptr": "*fp32"})
+    sig["n_per_sample"] = "i32"
+    sig.update({"n_blocks": "i32"} if backward else {"n_chunks": "i32", "n_blocks": "i32"})
+    sig.update({"n_rows": "i32", "beta": "fp32", "one_minus_beta": "fp32", "one_plus_beta": "fp32"})
+    cx = {"LOSS": loss, "HAS_REF": has_ref}
+    cx.update({"BLOCK": group * CHUNK_SIZE} if backward else {"CHUNK": CHUNK_SIZE, "LOG2_CHUNK": LOG2_CHUNK_SIZE,
+                                                              "GROUP": group})
+    ptrs = tuple(k for k in sig if k.endswith("_ptr"))
+    name = "flow_backward_kernel" if backward else "flow_partials_kernel"
+    return Specialization(name, sig, cx, ptrs + ("n_per_sample",), warps,
+                          f"{('nft', 'awm')[loss]} ref={has_ref} g{group}w{warps}", group * CHUNK_SIZE)
+
+
+def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
+    """flowrl.losses' kernels (kernels/loss.py), sparingly: the heaviest switches (reference KL and
+    mu_old replayed from Philox) at the largest and the smallest launch configuration (the replaying
+    backward at its own, REPLAY_BACKWARD_CONFIG), a given mu_old,
+    each log-prob kind's backward once, and the forward-process losses at the largest configuration.
+    Their mode math is kernels/common.py's, compiled in every mode by the step kernels above."""
+    configs = _launch_configs()
+    largest, smallest = configs[-1], configs[0]
+    from flowrl.losses._triton import REPLAY_BACKWARD_CONFIG
+
+    for backward in (False, True):
+        if not backward:  # the replaying backward runs at REPLAY_BACKWARD_CONFIG only
+            yield _grpo_loss(storage, Mode.SDE, True, 2, *largest)
+        yield _grpo_loss(storage, Mode.SDE, True, 2, *(REPLAY_BACKWARD_CONFIG if backward else smallest),
+                         backward=backward)
+        yield _grpo_loss(storage, Mode.CPS, True, 1, *largest, backward=backward, kind=LogProbKind.SQ_ERR, mean=False)
+        yield _grpo_loss(storage, Mode.DANCE, False, 0, *largest, backward=backward, kind=LogProbKind.KERNEL)
+        yield _flow_loss(storage, 0, True, *largest, backward=backward)
+        yield _flow_loss(storage, 1, False, *largest, backward=backward)
+
+
 def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Specialization]:
     """Every specialization the launchers request for latents stored as ``storage``: each mode with
     every op, noise source (Philox from an aligned and an unaligned offset), mean-writing and
@@ -151,6 +214,7 @@ def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Spec
 
         for width in (2, 1024, MAX_FINALIZE_WIDTH):
             yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, True, width)
+    yield from loss_specializations(storage)
 
 
 def compile_specialization(spec: Specialization, arch: int = 90, kernel=None):
@@ -163,9 +227,10 @@ def compile_specialization(spec: Specialization, arch: int = 90, kernel=None):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from flowrl.kernels import step
+    from flowrl.kernels import loss, step
 
-    kernel = getattr(step, spec.kernel) if kernel is None else kernel
+    if kernel is None:  # the step kernels, then flowrl.losses' (kernels/loss.py)
+        kernel = getattr(step, spec.kernel, None) or getattr(loss, spec.kernel)
     signature = dict(spec.signature)
     for name in spec.constexprs:
         signature[name] = "constexpr"

@@ -55,7 +55,10 @@ def _check_rows(rows, version):
     failed = [r for r in rows if not r["ok"]]
     assert not failed, failed[:5]
     assert len(rows) == _expected_count()
-    assert {r["kernel"] for r in rows} == {"step_partials_kernel", "finalize_kernel", "step_backward_kernel"}
+    assert {r["kernel"] for r in rows} == {"step_partials_kernel", "finalize_kernel", "step_backward_kernel",
+                                          # flowrl.losses (kernels/loss.py)
+                                          "grpo_partials_kernel", "grpo_backward_kernel", "flow_partials_kernel",
+                                          "flow_backward_kernel"}
     assert {(r["storage"], r["arch"]) for r in rows} == {(s, a) for s in ("bf16", "fp16", "fp32") for a in ("sm_90", "sm_80")}
     for r in rows:
         assert r["triton"] == version and r["spill_bytes"] == 0 and r["registers"] > 0, r
