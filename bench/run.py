@@ -575,7 +575,9 @@ def run_sweep(
 #   policy's mean without grad, its loss block (ratio, clip, KL with the exact variance, approx_kl,
 #   clipfrac); flowrl: losses.grpo_loss with ref_model_output.
 # - grpo_guard: verl-omni GRPOGuardLoss with the stored float32 old_prev_sample_mean; flowrl:
-#   losses.grpo_guard_loss replaying mu_old from the rollout's noise_seed (no mean stored or read).
+#   losses.grpo_guard_loss replaying mu_old from the rollout's noise_seed (no mean stored or read). The
+#   rollout stores x' in float32 for this op (replaying from a bf16 x' is only within bf16 rounding,
+#   docs/losses.md), so x' is read in float32 by both (the byte columns count the latents' dtype).
 # - nft_loss: DiffusionNFT's train_nft_sd3.py policy loss and KL; flowrl: losses.nft_loss.
 # - awm_loss: Flow-Factory's AWM weighted log-prob (float64) and clipped loss; flowrl: losses.awm_loss.
 
@@ -624,6 +626,9 @@ class LossCase:
     prev: torch.Tensor
     old_mean: torch.Tensor  # float32: what verl-omni / Flow-Factory store per step
     old_lp: torch.Tensor
+    prev32: torch.Tensor  # grpo_guard's rollout stores x' in float32, so that replaying mu_old from it is
+    old_lp32: torch.Tensor  # exact up to float32 rounding (docs/losses.md); its mean and log-prob
+    old_mean32: torch.Tensor
     awm_old_lp: torch.Tensor  # AWM's weighted log-prob under the old policy
     adv: torch.Tensor
     x0: torch.Tensor
@@ -641,6 +646,8 @@ def make_loss_case(shape, dtype, device, seed: int = 0) -> LossCase:
     sigmas = make_sigmas().to(device)
     seeds = torch.arange(shape[0], device=device) + LOSS_SEED
     out = flowrl.sde_step(x, v_old, sigmas, STEP_INDEX, noise_level=NOISE_LEVEL, noise_seed=seeds, backend="torch")
+    out32 = flowrl.sde_step(x, v_old, sigmas, STEP_INDEX, noise_level=NOISE_LEVEL, noise_seed=seeds, backend="torch",
+                            out_dtype=torch.float32)
     x0, eps = rand().to(dtype), rand().to(dtype)
     t = torch.linspace(0.2, 0.9, shape[0], device=device)
     tb = t.reshape((-1,) + (1,) * (len(shape) - 1))
@@ -649,7 +656,8 @@ def make_loss_case(shape, dtype, device, seed: int = 0) -> LossCase:
     dims = tuple(range(1, len(shape)))
     awm_old_lp = ((-(v_old.double() - (eps - x0).double()) ** 2).mean(dim=dims) * t).float()
     return LossCase(tuple(shape), dtype, sigmas, torch.full((shape[0],), STEP_INDEX, device=device),
-                    float(sigmas[1]), x, v, v_ref, out.prev_sample, out.prev_sample_mean, out.log_prob, awm_old_lp,
+                    float(sigmas[1]), x, v, v_ref, out.prev_sample, out.prev_sample_mean, out.log_prob,
+                    out32.prev_sample, out32.log_prob, out32.prev_sample_mean, awm_old_lp,
                     adv, x0, eps, xt, t)
 
 
@@ -657,8 +665,9 @@ def _eager_loss(case: LossCase, op: str, v: torch.Tensor) -> torch.Tensor:
     """The peer's loss code, eager (see the block's header)."""
     dims = tuple(range(1, len(case.shape)))
     if op in ("grpo_loss", "grpo_guard"):
+        prev = case.prev if op == "grpo_loss" else case.prev32
         _, lp, mean, std_dev_t = baseline.flow_grpo_step(case.x, v, case.sigmas, case.step_index, case.sigma_max,
-                                                         mode="sde", noise_level=NOISE_LEVEL, prev_sample=case.prev)
+                                                         mode="sde", noise_level=NOISE_LEVEL, prev_sample=prev)
         adv = case.adv
         if op == "grpo_loss":
             with torch.no_grad():
@@ -672,8 +681,8 @@ def _eager_loss(case: LossCase, op: str, v: torch.Tensor) -> torch.Tensor:
         sigma, sigma_next = case.sigmas[case.step_index], case.sigmas[case.step_index + 1]
         sqrt_dt = torch.sqrt(sigma - sigma_next)
         scale = sqrt_dt.mean() * std_dev_t.mean()
-        bias = (mean - case.old_mean).pow(2).mean(dim=dims) / (2 * scale ** 2)
-        ratio = torch.exp((lp - case.old_lp + bias) * scale)
+        bias = (mean - case.old_mean32).pow(2).mean(dim=dims) / (2 * scale ** 2)
+        ratio = torch.exp((lp - case.old_lp32 + bias) * scale)
         per = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - LOSS_CLIP, 1 + LOSS_CLIP))
         return torch.mean(per) / (sqrt_dt.mean() ** 2)
     tb = case.t.view(-1, *([1] * (len(case.shape) - 1)))
@@ -704,7 +713,7 @@ def _flowrl_loss(case: LossCase, op: str, v: torch.Tensor, backend: str) -> torc
                                 ref_model_output=case.v_ref, backend=backend).loss
     if op == "grpo_guard":
         seeds = torch.arange(case.shape[0], device=case.x.device) + LOSS_SEED
-        return losses.grpo_guard_loss(case.x, v, case.prev, case.sigmas, STEP_INDEX, case.old_lp, case.adv,
+        return losses.grpo_guard_loss(case.x, v, case.prev32, case.sigmas, STEP_INDEX, case.old_lp32, case.adv,
                                       clip_range=LOSS_CLIP, noise_seed=seeds, noise_level=NOISE_LEVEL,
                                       backend=backend).loss
     if op == "nft_loss":

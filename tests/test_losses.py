@@ -354,6 +354,20 @@ def test_replayed_mean_is_within_one_rounding_of_the_stored_sample(backend, dtyp
         torch.testing.assert_close(d_replay, d_given, rtol=1e-4, atol=0)
 
 
+def test_replay_from_bf16_latents_moves_the_divergence_float32_does_not():
+    """docs/losses.md: the replay error from a bfloat16 x' is of the order of one update's mean shift."""
+    moved = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, v, sig, out = rollout("sde", 0.7, torch.bfloat16, steps=STEPS)
+        out = flowrl.sde_step(x, v, sig, STEPS.to(DEVICE), noise_seed=11, out_dtype=dtype, backend="torch")
+        common = dict(clip_range=0.2, backend="torch")
+        args = (x, perturbed(v, 0.05), out.prev_sample, sig, STEPS.to(DEVICE), out.log_prob, advantages())
+        given = L.grpo_guard_loss(*args, old_prev_sample_mean=out.prev_sample_mean, **common).trust_divergence
+        replay = L.grpo_guard_loss(*args, noise_seed=11, **common).trust_divergence
+        moved[dtype] = float(((replay - given).abs() / given).max())
+    assert moved[torch.float32] <= 1e-4 and moved[torch.bfloat16] > 1e-2, moved
+
+
 # --------------------------------------------------------------------------- AWM float64 accuracy
 
 
