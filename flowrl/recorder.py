@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import warnings
 from numbers import Integral
 from typing import Dict, Iterable, List, Optional
@@ -112,6 +113,13 @@ class RolloutRecorder:
     noise comes from generator i only, so it does not depend on the batch); when None, ``step``'s own
     generator is used. ``sde_steps``: loop steps that are stochastic (None: all).
     ``return_step_indices``: which latents to keep, index T being the final output (None: all T + 1).
+
+    ``model``: the module whose calls to record (e.g. ``pipe.transformer``): the denoising environment,
+    ``traj.model_inputs(j)`` / ``traj.step_model_output(j, out)`` (``flowrl.denoising_env``);
+    ``env_device``: where to keep its tensors (e.g. ``"cpu"``; None: where they were);
+    ``output_transform``: callable(list of the step's call outputs) -> model_output, for pipelines whose
+    transform the recorder cannot detect. ``debug``: True or a file path keeps each step's mean, std,
+    noise and model output (``traj.debug_tensors``, ``flowrl.debug``).
     """
 
     def __init__(
@@ -126,6 +134,10 @@ class RolloutRecorder:
         return_step_indices: Optional[Iterable[int]] = None,
         generator: GeneratorArg = None,
         backend: str = "auto",
+        model: Optional[torch.nn.Module] = None,
+        env_device=None,
+        output_transform=None,
+        debug=None,
     ):
         check_scheduler(scheduler)
         V.check_choice("mode", mode, V.MODES)
@@ -141,6 +153,11 @@ class RolloutRecorder:
         self.sde_steps = _index_set("sde_steps", sde_steps)
         self.return_step_indices = _index_set("return_step_indices", return_step_indices)
         self._saved: Dict[str, object] = {}
+        # the denoising environment and debug tensors (flowrl.denoising_env, flowrl.debug): checked here,
+        # created per rollout in __enter__
+        self._env_options = _env_options(model, env_device, output_transform, debug)
+        self._env = self._debug = None
+        self._env_result = self._debug_result = None
         self._reset()
 
     def _reset(self) -> None:
@@ -177,9 +194,13 @@ class RolloutRecorder:
 
         step._flowrl_recorder = set_timesteps._flowrl_recorder = self
         sched.step, sched.set_timesteps = step, set_timesteps
+        self._env, self._debug = _start_env(self._env_options)
+        self._env_result = self._debug_result = None
         return self
 
     def __exit__(self, *exc) -> None:
+        self._env_result, self._debug_result = _finish_env(self._env, self._debug, exc[0] is None)
+        self._env = self._debug = None
         sched = self.scheduler
         for name in _PATCHED:
             if name in self._saved:
@@ -277,11 +298,19 @@ class RolloutRecorder:
             )
         stochastic = self.sde_steps is None or i in self.sde_steps
         # an ode step draws no noise (sde_step skips the draw), so the generators advance on sde steps only
+        generator = (self.generator if self.generator is not None else step_generator) if stochastic else None
+        noise = None
+        if self._debug is not None and stochastic and self.mode != "ode" and self.noise_level != 0:
+            noise, generator = self._debug.draw(sample, generator), None  # the draw sde_step would make
         out = sde_step(
             sample, model_output, self._sigmas, i, mode=self.mode if stochastic else "ode",
             noise_level=self.noise_level, log_prob=self.log_prob, reduction=self.reduction, backend=self.backend,
-            generator=(self.generator if self.generator is not None else step_generator) if stochastic else None,
+            generator=generator, noise=noise,
         )
+        if self._debug is not None:
+            self._debug.record(out, noise, model_output, sample)
+        if self._env is not None:
+            self._env.on_step(model_output)
         if self._keep(i):
             self._latents[i] = sample.detach()
         self._log_probs.append(out.log_prob.detach())
@@ -292,6 +321,9 @@ class RolloutRecorder:
 
     def trajectory(self) -> RolloutTrajectory:
         """The recorded ``RolloutTrajectory`` (after the loop has run all its steps)."""
+        if self._env is not None or self._debug is not None:
+            raise RuntimeError("with model= or debug=, call trajectory() after the `with` block: leaving it "
+                               "removes the model hooks and completes the denoising environment")
         if self._num_steps is None or self.steps_recorded < self._num_steps:
             done = self.steps_recorded
             raise RuntimeError(
@@ -315,7 +347,44 @@ class RolloutRecorder:
             log_prob=self.log_prob,
             reduction=self.reduction,
             sde_steps=None if self.sde_steps is None else torch.tensor(self.sde_steps, dtype=torch.int64, device=device),
+            denoising_env=self._env_result,
+            debug_tensors=self._debug_result,
         )
+
+
+def _env_options(model, env_device, output_transform, debug):
+    from .denoising_env import ModelCallRecorder
+
+    if model is None and (env_device is not None or output_transform is not None):
+        raise ValueError("env_device and output_transform need model= (the module whose calls to record)")
+    if model is not None:
+        ModelCallRecorder(model, env_device=env_device, output_transform=output_transform)  # checks the arguments
+    if debug not in (None, False, True) and not isinstance(debug, (str, os.PathLike)):
+        raise TypeError(f"debug must be None, False, True or a file path; got {debug!r}")
+    return model, env_device, output_transform, debug
+
+
+def _start_env(options):
+    from .debug import DebugTensorRecorder
+    from .denoising_env import ModelCallRecorder
+
+    model, env_device, output_transform, debug = options
+    env = None
+    if model is not None:
+        env = ModelCallRecorder(model, env_device=env_device, output_transform=output_transform)
+        env.attach()
+    return env, (DebugTensorRecorder(debug) if debug not in (None, False) else None)
+
+
+def _finish_env(env, debug, completed: bool):
+    """Remove the hooks (always); on a completed loop, the environment (with its one warning) and the
+    debug tensors (written to their file)."""
+    if env is not None:
+        env.detach()
+    if not completed:
+        return None, None
+    return (env.finish() if env is not None and env._steps else None,
+            debug.finish() if debug is not None and debug._rows else None)
 
 
 # ``with rollout(pipe.scheduler, mode="sde") as rec:``: a recorder for a scheduler instance the pipeline
