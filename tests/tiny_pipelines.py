@@ -164,3 +164,23 @@ def Lumina2Pipeline_inputs(dtype, batch=2, steps=4, guidance_scale=1.0, cfg_norm
         kwargs.update(negative_prompt_embeds=_randn(g, dtype, batch, 6, 8),
                       negative_prompt_attention_mask=torch.ones(batch, 6, dtype=torch.bool))
     return kwargs
+
+
+# --- FluxKontextPipeline: FluxPipeline's components; the reference image's tokens follow the latents'
+def tiny_FluxKontextPipeline(dtype=torch.float32):
+    flux = tiny_FluxPipeline(dtype)
+    pipe = diffusers.FluxKontextPipeline(
+        scheduler=flux.scheduler, text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None,
+        transformer=flux.transformer, vae=flux.vae,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def FluxKontextPipeline_inputs(dtype, batch=2, steps=4):
+    kwargs = FluxPipeline_inputs(dtype, batch, steps)
+    g = torch.Generator().manual_seed(7)
+    # max_area and _auto_resize keep the tiny size (the defaults resize to about 1024 x 1024)
+    kwargs.update(image=torch.rand(batch, 3, 32, 32, generator=g), height=32, width=32, max_area=32 * 32,
+                  _auto_resize=False)
+    return kwargs
