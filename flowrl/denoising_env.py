@@ -279,7 +279,9 @@ def _store_value(value: Any, store: _TensorStore, key: Tuple) -> Any:
         return {k: _store_value(v, store, key + (k,)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         items = [_store_value(v, store, key + (i,)) for i, v in enumerate(value)]
-        return items if isinstance(value, list) else type(value)(items) if type(value) is tuple else tuple(items)
+        if isinstance(value, list):
+            return items
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # a namedtuple keeps its type
     return value
 
 
