@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 from numbers import Integral, Real
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import torch
 

@@ -213,3 +213,19 @@ def test_detect_transform_on_synthetic_outputs():
     assert detect_transform([c, u], (u + 2 * (c - u)) * 1.1) is None
     assert detect_transform([c], torch.randn(2, 8, 3, generator=g)) is None
     assert detect_transform([c, c, c], c) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rollout_with_environment_on_cpu_replays_on_cuda():
+    pipe = tp.tiny_StableDiffusion3Pipeline(torch.bfloat16).to("cuda")
+    inputs = {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
+              for k, v in tp.StableDiffusion3Pipeline_inputs(torch.bfloat16, guidance_scale=4.5).items()}
+    with flowrl.recorder.rollout(pipe.scheduler, model=pipe.transformer, env_device="cpu",
+                                 generator=torch.Generator("cuda").manual_seed(1)) as rec:
+        pipe(**inputs, generator=torch.Generator("cuda").manual_seed(0))
+    traj = rec.trajectory()
+    assert traj.model_inputs(0)["hidden_states"].device.type == "cpu"
+    for j in range(traj.num_steps):
+        with torch.no_grad():
+            v = traj.step_model_output(j, pipe.transformer(**traj.model_inputs(j, device="cuda")))
+        assert torch.equal(traj.step_log_prob(j, v), traj.log_probs[:, j]), j
