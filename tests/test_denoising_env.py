@@ -162,6 +162,13 @@ def test_hooks_removed_on_exception_and_option_checks():
         traj.model_inputs(STEPS)
     with pytest.raises(ValueError, match="made 1 model call"):
         traj.step_model_output(0, [torch.zeros(1), torch.zeros(1)])
+    # a split trajectory keeps the batch's environment: a batch-sized replay is refused, not misread
+    with torch.no_grad():
+        v = traj.step_model_output(0, pipe.transformer(**traj.model_inputs(0)))
+    one = traj.split()[0]
+    assert one.denoising_env is traj.denoising_env
+    with pytest.raises(ValueError):
+        one.step_log_prob(0, v)
     plain = flowrl.RolloutTrajectory(latents=traj.latents, log_probs=traj.log_probs, timesteps=traj.timesteps,
                                      sigmas=traj.sigmas)
     with pytest.raises(ValueError, match="no denoising environment"):
