@@ -9,7 +9,8 @@ the same argument) is stored once and shared. The calls made before step ``j`` b
 
 At each step the recorder compares the calls' outputs with the ``model_output`` that reached ``step``
 and finds the ``OutputTransform`` that reproduces it bit for bit: identity, classifier-free guidance
-(a batched call's halves or two split calls, with its guidance scale), a sign flip (Lumina2), a token
+(a batched call's halves or two split calls, with its guidance scale, optionally rescaled to the cond
+output's norm as Lumina2's ``cfg_normalization``), a sign flip (Lumina2), a token
 cut (Flux Kontext, Flux2 reference-image tokens), unpacking tokens to frames and dropping the leading
 ones (LTX image-to-video), casts before or after, or the user's ``output_transform``. Where none does,
 the step gets no transform, the rollout ends with one warning naming the steps, and
@@ -71,7 +72,8 @@ class OutputTransform:
     dropped). ``precast``: cast each output to this dtype first (LTX's ``.float()``). ``cfg``: None
     (one call, its output), ``"batched"`` (one call on a doubled batch, halves ``uncond_index`` /
     ``cond_index`` of dim 0) or ``"split"`` (two calls, by call index); combined as
-    ``uncond + guidance_scale * (cond - uncond)``. ``sign``: -1 negates (Lumina2). ``frames``:
+    ``uncond + guidance_scale * (cond - uncond)``; ``cfg_renorm`` then rescales it to the cond output's norm
+    over the last dim (Lumina2's ``cfg_normalization``). ``sign``: -1 negates (Lumina2). ``frames``:
     ``(F, H, W, drop)`` unpacks tokens ``[B, F*H*W, C]`` to ``[B, C, F, H, W]`` and drops the first
     ``drop`` frames (LTX image-to-video). ``out_dtype``: the final cast. ``user``: the user's
     ``output_transform`` instead of all of these.
@@ -84,6 +86,7 @@ class OutputTransform:
     guidance_scale: Optional[float] = None
     uncond_index: int = 0
     cond_index: int = 1
+    cfg_renorm: bool = False
     sign: int = 1
     frames: Optional[Tuple[int, int, int, int]] = None
     user: Optional[UserTransform] = None
@@ -112,6 +115,8 @@ class OutputTransform:
             else:
                 uncond, cond = outputs[self.uncond_index], outputs[self.cond_index]
             value = uncond + self.guidance_scale * (cond - uncond)
+            if self.cfg_renorm:  # Lumina2Pipeline's cfg_normalization, op for op
+                value = value * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(value, dim=-1, keepdim=True))
         if self.sign < 0:
             value = -value
         if self.frames is not None:
@@ -128,7 +133,8 @@ class OutputTransform:
         if self.precast is not None:
             parts.append(f"cast to {self.precast}")
         if self.cfg is not None:
-            parts.append(f"CFG ({self.cfg}, guidance_scale={self.guidance_scale})")
+            parts.append(f"CFG ({self.cfg}, guidance_scale={self.guidance_scale}"
+                         f"{', rescaled to the cond norm' if self.cfg_renorm else ''})")
         if self.sign < 0:
             parts.append("negated")
         if self.frames is not None:
@@ -192,18 +198,20 @@ def detect_transform(outputs: Sequence[torch.Tensor], model_output: torch.Tensor
             for sign in (1, -1):
                 for precast in precasts:
                     for cfg, ui, ci in structures:
-                        base = OutputTransform(out_dtype=m.dtype, token_cut=cut, precast=precast, cfg=cfg,
-                                               uncond_index=ui, cond_index=ci, sign=sign, frames=frames)
-                        if cfg is None:
-                            if _reproduces(base, outputs, m):
-                                return base
-                            continue
-                        for scale in _estimate_scales(base, cut_outputs, m):
-                            t = OutputTransform(out_dtype=m.dtype, token_cut=cut, precast=precast, cfg=cfg,
-                                                guidance_scale=scale, uncond_index=ui, cond_index=ci, sign=sign,
-                                                frames=frames)
-                            if _reproduces(t, outputs, m):
-                                return t
+                        for renorm in ((False,) if cfg is None else (False, True)):
+                            base = OutputTransform(out_dtype=m.dtype, token_cut=cut, precast=precast, cfg=cfg,
+                                                   uncond_index=ui, cond_index=ci, cfg_renorm=renorm, sign=sign,
+                                                   frames=frames)
+                            if cfg is None:
+                                if _reproduces(base, outputs, m):
+                                    return base
+                                continue
+                            for scale in _estimate_scales(base, cut_outputs, m):
+                                t = OutputTransform(out_dtype=m.dtype, token_cut=cut, precast=precast, cfg=cfg,
+                                                    guidance_scale=scale, uncond_index=ui, cond_index=ci,
+                                                    cfg_renorm=renorm, sign=sign, frames=frames)
+                                if _reproduces(t, outputs, m):
+                                    return t
     return None
 
 
@@ -217,12 +225,26 @@ def _reproduces(t: OutputTransform, outputs: Sequence[torch.Tensor], m: torch.Te
 
 def _estimate_scales(base: OutputTransform, outputs: Sequence[torch.Tensor], m: torch.Tensor) -> List[float]:
     """Least-squares guidance scale g in m = post(u) + g (post(c) - post(u)) (the post-ops are linear and
-    exact, so they are applied to u and c first), in float64."""
+    exact, so they are applied to u and c first), in float64. With ``cfg_renorm`` only the direction of
+    each row survives: g makes u + g (c - u) parallel to m's rows (linear in g once projected off m)."""
     if base.cfg == "batched":
         halves = outputs[0].chunk(2)
         u, c = halves[base.uncond_index], halves[base.cond_index]
     else:
         u, c = outputs[base.uncond_index], outputs[base.cond_index]
+    if base.cfg_renorm:
+        if base.frames is not None or u.shape != m.shape:
+            return []
+        target = m.double() * base.sign
+        unit = target / target.norm(dim=-1, keepdim=True)
+        u, d = u.double(), c.double() - u.double()
+        pu = u - (u * unit).sum(-1, keepdim=True) * unit
+        pd = d - (d * unit).sum(-1, keepdim=True) * unit
+        denom = float((pd * pd).sum())
+        if not denom > 0:
+            return []
+        estimate = -float((pu * pd).sum()) / denom
+        return _scale_candidates(estimate) if math.isfinite(estimate) else []
     post = OutputTransform(out_dtype=torch.float64, sign=base.sign, frames=base.frames)
     try:
         pu, pc = post.apply([u.double()]), post.apply([c.double()])

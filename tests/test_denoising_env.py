@@ -5,7 +5,7 @@ the recorded log-probs bit for bit at every step, on tiny random-weight diffuser
 StableDiffusion3Pipeline (batched CFG, uncond half first), FluxPipeline (true CFG over two calls),
 FluxKontextPipeline (``noise_pred[:, : latents.size(1)]``), WanPipeline (cond call, then uncond),
 LTXImageToVideoPipeline (``.float()``, batched CFG, ``_unpack_latents``, ``[:, :, 1:]``), Lumina2Pipeline
-(``noise_pred = -noise_pred``; CFG with ``cfg_normalization``)."""
+(``noise_pred = -noise_pred``; CFG, rescaled to the cond norm with ``cfg_normalization``)."""
 import warnings
 
 import pytest
@@ -32,7 +32,17 @@ CASES = [
     ("LTXImageToVideoPipeline", {}, dict(cfg="batched", guidance_scale=3.0, frames=(3, 1, 1, 1))),
     ("Lumina2Pipeline", {}, dict(cfg=None, sign=-1)),
     ("Lumina2Pipeline", {"guidance_scale": 4.0, "cfg_normalization": False}, dict(cfg="split", sign=-1, guidance_scale=4.0)),
+    ("Lumina2Pipeline", {"guidance_scale": 4.0}, dict(cfg="split", sign=-1, guidance_scale=4.0, cfg_renorm=True)),
 ]
+
+
+class _Velocity(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, t, cond=None, **extra):
+        return (self.lin(x) * (1 + t.view(-1, 1)) + (0 if cond is None else cond),)
 
 
 def record(name, dtype, extra, steps=STEPS, **options):
@@ -109,27 +119,41 @@ def test_unchanged_tensors_stored_once_and_memory_of_a_20_step_rollout(capsys):
         print(f"\n[denoising env] SD3 CFG bf16 B=2 20 steps: {stored} bytes stored ({naive} without sharing)")
 
 
-def test_unknown_transform_warns_once_and_step_model_output_refuses():
-    """Lumina2's default CFG rescales by norms (cfg_normalization=True): not a transform the recorder
-    knows, so the rollout warns once and the replay refuses; the user's output_transform fixes it."""
-    with pytest.warns(UserWarning, match="could not tell how the pipeline") as caught:
-        pipe, traj = record("Lumina2Pipeline", torch.float32, {"guidance_scale": 4.0})
-    assert sum("could not tell" in str(w.message) for w in caught) == 1
-    with pytest.raises(ValueError, match="output_transform"):
-        traj.step_model_output(0, [torch.zeros(1), torch.zeros(1)])
+def _tanh_loop(sched, model, x, cond):
+    sched.set_timesteps(3)
+    for t in sched.timesteps:
+        out = model(x, t.expand(x.shape[0]) / 1000, cond=cond)[0]
+        x = sched.step(torch.tanh(out), t, x).prev_sample  # a transform outside the recorder's list
 
-    def lumina2_cfg(outputs, scale=4.0):  # Lumina2Pipeline's code: cond call first, then uncond
-        cond, uncond = outputs
-        pred = uncond + scale * (cond - uncond)
-        pred = pred * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(pred, dim=-1, keepdim=True))
-        return -pred
+
+def test_unknown_transform_warns_once_and_step_model_output_refuses():
+    """A pipeline whose transform is none of the known ones: the rollout warns once, the replay refuses,
+    and the user's output_transform makes it exact."""
+    torch.manual_seed(0)
+    model, cond, x = _Velocity(), torch.randn(2, 4), torch.randn(2, 4)
+    sched = flowrl.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    with pytest.warns(UserWarning, match="could not tell how the pipeline") as caught:
+        with sched.rollout(model=model, generator=torch.Generator().manual_seed(0)) as rec:
+            _tanh_loop(sched, model, x, cond)
+    assert sum("could not tell" in str(w.message) for w in caught) == 1
+    traj = rec.trajectory()
+    with pytest.raises(ValueError, match="output_transform"):
+        traj.step_model_output(0, model(**traj.model_inputs(0)))
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        warnings.filterwarnings("ignore", message=".*should be kept in float32.*")
-        pipe, traj = record("Lumina2Pipeline", torch.float32, {"guidance_scale": 4.0}, output_transform=lumina2_cfg)
-    for j, lp in enumerate(replay_log_probs(pipe, traj)):
-        assert torch.equal(lp, traj.log_probs[:, j]), j
+        with sched.rollout(model=model, generator=torch.Generator().manual_seed(0),
+                           output_transform=lambda outputs: torch.tanh(outputs[0])) as rec:
+            _tanh_loop(sched, model, x, cond)
+    traj = rec.trajectory()
+    for j in range(3):
+        with torch.no_grad():
+            v = traj.step_model_output(j, model(**traj.model_inputs(j)))
+        assert torch.equal(traj.step_log_prob(j, v), traj.log_probs[:, j])
+    # a user transform that does not reproduce the output is reported the same way
+    with pytest.warns(UserWarning, match="did not reproduce"):
+        with sched.rollout(model=model, output_transform=lambda outputs: outputs[0]) as rec:
+            _tanh_loop(sched, model, x, cond)
 
 
 def test_hooks_removed_on_exception_and_option_checks():
@@ -175,15 +199,6 @@ def test_hooks_removed_on_exception_and_option_checks():
         plain.model_inputs(0)
 
 
-class _Velocity(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 4)
-
-    def forward(self, x, t, cond=None, **extra):
-        return (self.lin(x) * (1 + t.view(-1, 1)) + (0 if cond is None else cond),)
-
-
 def test_positional_calls_are_named_and_replay_in_a_hand_written_loop():
     torch.manual_seed(0)
     model = _Velocity()
@@ -218,6 +233,9 @@ def test_detect_transform_on_synthetic_outputs():
     assert detect_transform([c.bfloat16()], c.bfloat16().float()).out_dtype == torch.float32
     # a transform outside the list: rescaled CFG; an unrelated tensor; three calls
     assert detect_transform([c, u], (u + 2 * (c - u)) * 1.1) is None
+    p = u + 3.5 * (c - u)
+    t = detect_transform([c, u], -(p * (c.norm(dim=-1, keepdim=True) / p.norm(dim=-1, keepdim=True))))
+    assert (t.cfg, t.guidance_scale, t.cfg_renorm, t.sign) == ("split", 3.5, True, -1)
     assert detect_transform([c], torch.randn(2, 8, 3, generator=g)) is None
     assert detect_transform([c, c, c], c) is None
 
