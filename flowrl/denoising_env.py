@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -519,8 +520,44 @@ class ModelCallRecorder:
         return DenoisingEnv(self._steps, name)
 
 
-__all__ = ["OutputTransform", "DenoisingEnv", "ModelCallRecorder", "StepRecord", "detect_transform",
-           "bitwise_equal", "first_tensor"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# RolloutRecorder's hooks call these (model=, env_device=, output_transform=, debug=)
+
+
+def check_env_options(model, env_device, output_transform, debug):
+    """Check RolloutRecorder's model=, env_device=, output_transform=, debug= once, at construction."""
+    if model is None and (env_device is not None or output_transform is not None):
+        raise ValueError("env_device and output_transform need model= (the module whose calls to record)")
+    if model is not None:
+        ModelCallRecorder(model, env_device=env_device, output_transform=output_transform)  # checks the arguments
+    if debug not in (None, False, True) and not isinstance(debug, (str, os.PathLike)):
+        raise TypeError(f"debug must be None, False, True or a file path; got {debug!r}")
+    return model, env_device, output_transform, debug
+
+
+def start_env(options):
+    """A rollout's model-call recorder (hooks attached) and debug recorder, per ``with`` block."""
+    from .debug import DebugTensorRecorder
+
+    model, env_device, output_transform, debug = options
+    env = None
+    if model is not None:
+        env = ModelCallRecorder(model, env_device=env_device, output_transform=output_transform)
+        env.attach()
+    return env, (DebugTensorRecorder(debug) if debug not in (None, False) else None)
+
+
+def finish_env(env, debug, completed: bool):
+    """Remove the hooks (always); on a completed loop, the environment (with its one warning) and the
+    debug tensors (written to their file)."""
+    if env is not None:
+        env.detach()
+    if not completed:
+        return None, None
+    return (env.finish() if env is not None and env._steps else None,
+            debug.finish() if debug is not None and debug._rows else None)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -556,3 +593,7 @@ def trajectory_step_log_prob(traj, j: int, model_output: torch.Tensor, **kwargs)
         traj.latents[:, kept.index(j + 1)].to(model_output.device), traj.sigmas.to(model_output.device), j,
         mode=traj.mode if stochastic else "ode", noise_level=traj.noise_level, log_prob=traj.log_prob,
         reduction=traj.reduction, **kwargs)
+
+
+__all__ = ["OutputTransform", "DenoisingEnv", "ModelCallRecorder", "StepRecord", "detect_transform",
+           "bitwise_equal", "first_tensor"]

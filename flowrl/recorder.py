@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import warnings
 from numbers import Integral
 from typing import Dict, Iterable, List, Optional
@@ -27,6 +26,7 @@ import torch
 
 from . import _validate as V
 from ._dispatch import BACKENDS
+from .denoising_env import check_env_options, finish_env, start_env
 from .functional import GeneratorArg, sde_step
 from .scheduler import (
     DiffusersFlowMatchEulerDiscreteScheduler,
@@ -155,7 +155,7 @@ class RolloutRecorder:
         self._saved: Dict[str, object] = {}
         # the denoising environment and debug tensors (flowrl.denoising_env, flowrl.debug): checked here,
         # created per rollout in __enter__
-        self._env_options = _env_options(model, env_device, output_transform, debug)
+        self._env_options = check_env_options(model, env_device, output_transform, debug)
         self._env = self._debug = None
         self._env_result = self._debug_result = None
         self._reset()
@@ -194,20 +194,22 @@ class RolloutRecorder:
 
         step._flowrl_recorder = set_timesteps._flowrl_recorder = self
         sched.step, sched.set_timesteps = step, set_timesteps
-        self._env, self._debug = _start_env(self._env_options)
+        self._env, self._debug = start_env(self._env_options)
         self._env_result = self._debug_result = None
         return self
 
     def __exit__(self, *exc) -> None:
-        self._env_result, self._debug_result = _finish_env(self._env, self._debug, exc[0] is None)
-        self._env = self._debug = None
-        sched = self.scheduler
-        for name in _PATCHED:
-            if name in self._saved:
-                setattr(sched, name, self._saved[name])
-            elif name in sched.__dict__:
-                delattr(sched, name)
-        self._saved = {}
+        try:
+            env, debug, self._env, self._debug = self._env, self._debug, None, None
+            self._env_result, self._debug_result = finish_env(env, debug, exc[0] is None)
+        finally:
+            sched = self.scheduler
+            for name in _PATCHED:
+                if name in self._saved:
+                    setattr(sched, name, self._saved[name])
+                elif name in sched.__dict__:
+                    delattr(sched, name)
+            self._saved = {}
 
     @property
     def active(self) -> bool:
@@ -350,41 +352,6 @@ class RolloutRecorder:
             denoising_env=self._env_result,
             debug_tensors=self._debug_result,
         )
-
-
-def _env_options(model, env_device, output_transform, debug):
-    from .denoising_env import ModelCallRecorder
-
-    if model is None and (env_device is not None or output_transform is not None):
-        raise ValueError("env_device and output_transform need model= (the module whose calls to record)")
-    if model is not None:
-        ModelCallRecorder(model, env_device=env_device, output_transform=output_transform)  # checks the arguments
-    if debug not in (None, False, True) and not isinstance(debug, (str, os.PathLike)):
-        raise TypeError(f"debug must be None, False, True or a file path; got {debug!r}")
-    return model, env_device, output_transform, debug
-
-
-def _start_env(options):
-    from .debug import DebugTensorRecorder
-    from .denoising_env import ModelCallRecorder
-
-    model, env_device, output_transform, debug = options
-    env = None
-    if model is not None:
-        env = ModelCallRecorder(model, env_device=env_device, output_transform=output_transform)
-        env.attach()
-    return env, (DebugTensorRecorder(debug) if debug not in (None, False) else None)
-
-
-def _finish_env(env, debug, completed: bool):
-    """Remove the hooks (always); on a completed loop, the environment (with its one warning) and the
-    debug tensors (written to their file)."""
-    if env is not None:
-        env.detach()
-    if not completed:
-        return None, None
-    return (env.finish() if env is not None and env._steps else None,
-            debug.finish() if debug is not None and debug._rows else None)
 
 
 # ``with rollout(pipe.scheduler, mode="sde") as rec:``: a recorder for a scheduler instance the pipeline
