@@ -22,7 +22,8 @@ flowrl.serialization, the same code as SGLang's ``_maybe_serialize``). The sampl
 ``rollout_sde_step_indices``, ``rollout_return_step_indices``): pass the request (``request=``) or
 responses that carry them (``to_sglang`` writes them into each response).
 
-Which loop steps the K latents are: ``latent_step_indices`` when given, else each of K timesteps matched
+Which loop steps the K latents are: ``latent_step_indices`` when given, else the request's
+``rollout_return_step_indices`` when the timesteps are not one per latent, else each of K timesteps matched
 to the schedule's ``sigmas * num_train_timesteps`` (index T: the final latent, timestep 0), strictly
 increasing; K = T + 1 latents with T (or T + 1) timesteps are all steps. ``to_sglang`` writes T + 1
 timesteps (every loop step's and the final 0) and ``latent_step_indices``.
@@ -135,7 +136,8 @@ def _step_indices(timesteps: torch.Tensor, sigmas: torch.Tensor, kept: int, num_
         return torch.arange(kept, dtype=torch.int64)
     if timesteps.numel() != kept:
         _fail(f"{where}['timesteps']", f"has {timesteps.numel()} entries for {kept} latents (K latents need K "
-              f"timesteps, or T = {num_steps} timesteps with K = T + 1)")
+              f"timesteps, T = {num_steps} timesteps with K = T + 1, or latent_step_indices / the request's "
+              "rollout_return_step_indices naming the kept steps)")
     table = (sigmas.float() * num_train_timesteps).double()
     gaps = (table[:-1] - table[1:]).abs()
     t = timesteps.double()
@@ -145,7 +147,7 @@ def _step_indices(timesteps: torch.Tensor, sigmas: torch.Tensor, kept: int, num_
     if not bool(ok.all()):
         bad = int((~ok).nonzero()[0])
         _fail(f"{where}['timesteps']", f"entry {bad} ({float(t[bad])}) matches no step of the schedule "
-              f"sigmas * {num_train_timesteps}; pass latent_step_indices")
+              f"sigmas * {num_train_timesteps} (a num_train_timesteps other than {num_train_timesteps}?)")
     if kept > 1 and not bool((best[1:] > best[:-1]).all()):
         _fail(f"{where}['timesteps']", f"map to loop steps {best.tolist()}, not strictly increasing")
     return best.to(torch.int64)
@@ -237,6 +239,9 @@ def from_sglang(response: Any, *, request: Optional[Dict[str, Any]] = None, num_
         if steps.dtype.is_floating_point or steps.dtype == torch.bool or steps.dim() != 1 or steps.numel() != kept:
             _fail("[0]['dit_trajectory']['latent_step_indices']", f"must be 1-D integer of length K = {kept}")
         steps = steps.to(torch.int64)
+    elif return_steps is not None and len(set(return_steps)) == kept and timesteps.numel() != kept:
+        # the request names the kept steps; the timesteps are not one per latent to check them against
+        steps = torch.tensor(sorted(set(return_steps)), dtype=torch.int64)
     else:
         steps = _step_indices(timesteps, sigmas, kept, num_train_timesteps, "[0]['dit_trajectory']")
     if return_steps is not None and steps.tolist() != sorted(set(return_steps)):

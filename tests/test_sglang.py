@@ -214,6 +214,13 @@ def test_malformed_filtered_timesteps_and_containers_are_refused():
             r["dit_trajectory"]["timesteps"] = to_wire(bad_ts)
         with pytest.raises(ValueError, match=pattern):
             from_sglang(rs, request=request)
+    # all T + 1 timesteps with filtered latents (SGLang records every step's timestep): the request names them
+    rs = copy.deepcopy(good)
+    for r in rs:
+        r["dit_trajectory"]["timesteps"] = to_wire(torch.cat([traj.timesteps, traj.timesteps.new_zeros(1)]))
+    assert from_sglang(rs, request=request).latent_step_indices.tolist() == [0, 2, 4]
+    with pytest.raises(ValueError, match="has 5 entries for 3 latents"):
+        from_sglang(rs, request=REQUEST)
     rs = copy.deepcopy(good)
     rs[0]["dit_trajectory"]["latent_step_indices"] = to_wire(torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="latent_step_indices"):
