@@ -26,6 +26,7 @@ import torch
 
 from . import _validate as V
 from ._dispatch import BACKENDS
+from .denoising_env import check_env_options, finish_env, start_env
 from .functional import GeneratorArg, sde_step
 from .scheduler import (
     DiffusersFlowMatchEulerDiscreteScheduler,
@@ -112,6 +113,13 @@ class RolloutRecorder:
     noise comes from generator i only, so it does not depend on the batch); when None, ``step``'s own
     generator is used. ``sde_steps``: loop steps that are stochastic (None: all).
     ``return_step_indices``: which latents to keep, index T being the final output (None: all T + 1).
+
+    ``model``: the module whose calls to record (e.g. ``pipe.transformer``): the denoising environment,
+    ``traj.model_inputs(j)`` / ``traj.step_model_output(j, out)`` (``flowrl.denoising_env``);
+    ``env_device``: where to keep its tensors (e.g. ``"cpu"``; None: where they were);
+    ``output_transform``: callable(list of the step's call outputs) -> model_output, for pipelines whose
+    transform the recorder cannot detect. ``debug``: True or a file path keeps each step's mean, std,
+    noise and model output (``traj.debug_tensors``, ``flowrl.debug``).
     """
 
     def __init__(
@@ -126,6 +134,10 @@ class RolloutRecorder:
         return_step_indices: Optional[Iterable[int]] = None,
         generator: GeneratorArg = None,
         backend: str = "auto",
+        model: Optional[torch.nn.Module] = None,
+        env_device=None,
+        output_transform=None,
+        debug=None,
     ):
         check_scheduler(scheduler)
         V.check_choice("mode", mode, V.MODES)
@@ -141,6 +153,11 @@ class RolloutRecorder:
         self.sde_steps = _index_set("sde_steps", sde_steps)
         self.return_step_indices = _index_set("return_step_indices", return_step_indices)
         self._saved: Dict[str, object] = {}
+        # the denoising environment and debug tensors (flowrl.denoising_env, flowrl.debug): checked here,
+        # created per rollout in __enter__
+        self._env_options = check_env_options(model, env_device, output_transform, debug)
+        self._env = self._debug = None
+        self._env_result = self._debug_result = None
         self._reset()
 
     def _reset(self) -> None:
@@ -177,16 +194,22 @@ class RolloutRecorder:
 
         step._flowrl_recorder = set_timesteps._flowrl_recorder = self
         sched.step, sched.set_timesteps = step, set_timesteps
+        self._env, self._debug = start_env(self._env_options)
+        self._env_result = self._debug_result = None
         return self
 
     def __exit__(self, *exc) -> None:
-        sched = self.scheduler
-        for name in _PATCHED:
-            if name in self._saved:
-                setattr(sched, name, self._saved[name])
-            elif name in sched.__dict__:
-                delattr(sched, name)
-        self._saved = {}
+        try:
+            env, debug, self._env, self._debug = self._env, self._debug, None, None
+            self._env_result, self._debug_result = finish_env(env, debug, exc[0] is None)
+        finally:
+            sched = self.scheduler
+            for name in _PATCHED:
+                if name in self._saved:
+                    setattr(sched, name, self._saved[name])
+                elif name in sched.__dict__:
+                    delattr(sched, name)
+            self._saved = {}
 
     @property
     def active(self) -> bool:
@@ -277,11 +300,19 @@ class RolloutRecorder:
             )
         stochastic = self.sde_steps is None or i in self.sde_steps
         # an ode step draws no noise (sde_step skips the draw), so the generators advance on sde steps only
+        generator = (self.generator if self.generator is not None else step_generator) if stochastic else None
+        noise = None
+        if self._debug is not None and stochastic and self.mode != "ode" and self.noise_level != 0:
+            noise, generator = self._debug.draw(sample, generator), None  # the draw sde_step would make
         out = sde_step(
             sample, model_output, self._sigmas, i, mode=self.mode if stochastic else "ode",
             noise_level=self.noise_level, log_prob=self.log_prob, reduction=self.reduction, backend=self.backend,
-            generator=(self.generator if self.generator is not None else step_generator) if stochastic else None,
+            generator=generator, noise=noise,
         )
+        if self._debug is not None:
+            self._debug.record(out, noise, model_output, sample)
+        if self._env is not None:
+            self._env.on_step(model_output)
         if self._keep(i):
             self._latents[i] = sample.detach()
         self._log_probs.append(out.log_prob.detach())
@@ -292,6 +323,9 @@ class RolloutRecorder:
 
     def trajectory(self) -> RolloutTrajectory:
         """The recorded ``RolloutTrajectory`` (after the loop has run all its steps)."""
+        if self._env is not None or self._debug is not None:
+            raise RuntimeError("with model= or debug=, call trajectory() after the `with` block: leaving it "
+                               "removes the model hooks and completes the denoising environment")
         if self._num_steps is None or self.steps_recorded < self._num_steps:
             done = self.steps_recorded
             raise RuntimeError(
@@ -315,6 +349,8 @@ class RolloutRecorder:
             log_prob=self.log_prob,
             reduction=self.reduction,
             sde_steps=None if self.sde_steps is None else torch.tensor(self.sde_steps, dtype=torch.int64, device=device),
+            denoising_env=self._env_result,
+            debug_tensors=self._debug_result,
         )
 
 

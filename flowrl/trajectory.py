@@ -41,6 +41,10 @@ class RolloutTrajectory:
     log_prob: str = "gaussian"
     reduction: str = "mean"
     sde_steps: Optional[torch.Tensor] = None
+    # recorded with scheduler.rollout(model=..., debug=...): flowrl.denoising_env.DenoisingEnv and
+    # flowrl.debug.DebugTensors (in memory only: to_wire / save carry neither)
+    denoising_env: Optional[Any] = None
+    debug_tensors: Optional[Any] = None
 
     def __post_init__(self) -> None:
         if self.latent_step_indices is not None:
@@ -72,6 +76,46 @@ class RolloutTrajectory:
     @property
     def num_steps(self) -> int:
         return int(self.sigmas.numel() - 1)
+
+    # ----------------------------------------------------------------------------------------------
+    # replay: the recorded model calls and the exact log-prob recompute (flowrl.denoising_env)
+
+    def model_inputs(self, j: int, device=None):
+        """Step ``j``'s recorded model call kwargs (a dict; a list of dicts for several calls)."""
+        from .denoising_env import env_of
+
+        return env_of(self).model_inputs(j, device)
+
+    def model_calls(self, j: int, device=None):
+        """Step ``j``'s recorded model call kwargs, always a list (one dict per call)."""
+        from .denoising_env import env_of
+
+        return env_of(self).model_calls(j, device)
+
+    def step_model_output(self, j: int, raw_output):
+        """The replayed call output(s) of step ``j`` turned into what ``scheduler.step`` received."""
+        from .denoising_env import env_of
+
+        return env_of(self).step_model_output(j, raw_output)
+
+    def step_log_prob(self, j: int, model_output: torch.Tensor, **kwargs) -> torch.Tensor:
+        """``flowrl.step_log_prob`` of step ``j`` with this trajectory's latents and settings."""
+        from .denoising_env import trajectory_step_log_prob
+
+        return trajectory_step_log_prob(self, j, model_output, **kwargs)
+
+    @classmethod
+    def from_sglang(cls, response, **kwargs) -> "RolloutTrajectory":
+        """A batch trajectory from SGLang ``/rollout/generate`` response(s) (``flowrl.sglang``)."""
+        from .sglang import from_sglang
+
+        return from_sglang(response, **kwargs)
+
+    def to_sglang(self, **kwargs):
+        """Per-sample SGLang-style response dicts (``flowrl.sglang``)."""
+        from .sglang import to_sglang
+
+        return to_sglang(self, **kwargs)
 
     # ----------------------------------------------------------------------------------------------
     # per-sample split, wire format, files

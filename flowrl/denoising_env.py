@@ -1,0 +1,599 @@
+"""The denoising environment of a rollout: what the model received at every step, and what the pipeline
+did to the model's output before ``scheduler.step``.
+
+``scheduler.rollout(..., model=pipe.transformer)`` (``flowrl.recorder.RolloutRecorder``) hooks that
+module for the length of the ``with`` block (forward pre/post hooks with kwargs, removed on exit, also on
+an exception). Every call's arguments are bound to ``forward``'s parameter names and stored; a tensor
+that did not change since the previous step (the same object at the same version, or the same bits at
+the same argument) is stored once and shared. The calls made before step ``j`` belong to step ``j``.
+
+At each step the recorder compares the calls' outputs with the ``model_output`` that reached ``step``
+and finds the ``OutputTransform`` that reproduces it bit for bit: identity, classifier-free guidance
+(a batched call's halves or two split calls, with its guidance scale, optionally rescaled to the cond
+output's norm as Lumina2's ``cfg_normalization``), a sign flip (Lumina2), a token
+cut (Flux Kontext, Flux2 reference-image tokens), unpacking tokens to frames and dropping the leading
+ones (LTX image-to-video), casts before or after, or the user's ``output_transform``. Where none does,
+the step gets no transform, the rollout ends with one warning naming the steps, and
+``step_model_output`` on such a step raises.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+UserTransform = Callable[[List[torch.Tensor]], torch.Tensor]
+
+_INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+             torch.bfloat16: torch.int16}
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (``torch.equal`` calls -0.0 and 0.0 equal and NaN unequal)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.device != b.device:
+        b = b.to(a.device)
+    view = _INT_VIEW.get(a.dtype)
+    if view is not None:
+        return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+    return torch.equal(a, b)
+
+
+def first_tensor(output: Any, where: str = "model output") -> torch.Tensor:
+    """The prediction in what a diffusers model returns: a tensor, a tuple ``(sample, ...)``
+    (``return_dict=False``) or an output dataclass (its first field)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    if isinstance(output, dict) and output:  # diffusers' BaseOutput is an OrderedDict
+        value = next(iter(output.values()))
+        if isinstance(value, torch.Tensor):
+            return value
+    raise TypeError(f"{where} must be a tensor, a tuple starting with one, or a model output dataclass; "
+                    f"got {type(output).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the output transform
+
+
+@dataclass(frozen=True)
+class OutputTransform:
+    """How a step's ``model_output`` is made from its model calls' outputs, in this order:
+
+    ``token_cut``: keep the first ``token_cut`` tokens (dim 1) of each output (reference-image tokens
+    dropped). ``precast``: cast each output to this dtype first (LTX's ``.float()``). ``cfg``: None
+    (one call, its output), ``"batched"`` (one call on a doubled batch, halves ``uncond_index`` /
+    ``cond_index`` of dim 0) or ``"split"`` (two calls, by call index); combined as
+    ``uncond + guidance_scale * (cond - uncond)``; ``cfg_renorm`` then rescales it to the cond output's norm
+    over the last dim (Lumina2's ``cfg_normalization``). ``sign``: -1 negates (Lumina2). ``frames``:
+    ``(F, H, W, drop)`` unpacks tokens ``[B, F*H*W, C]`` to ``[B, C, F, H, W]`` and drops the first
+    ``drop`` frames (LTX image-to-video). ``out_dtype``: the final cast. ``user``: the user's
+    ``output_transform`` instead of all of these.
+    """
+
+    out_dtype: torch.dtype
+    token_cut: Optional[int] = None
+    precast: Optional[torch.dtype] = None
+    cfg: Optional[str] = None
+    guidance_scale: Optional[float] = None
+    uncond_index: int = 0
+    cond_index: int = 1
+    cfg_renorm: bool = False
+    sign: int = 1
+    frames: Optional[Tuple[int, int, int, int]] = None
+    user: Optional[UserTransform] = None
+
+    @property
+    def num_calls(self) -> int:
+        return 2 if self.cfg == "split" else 1
+
+    def apply(self, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        outputs = list(outputs)
+        if self.user is not None:
+            return self.user(outputs)
+        if len(outputs) != self.num_calls:
+            raise ValueError(f"this step's transform ({self.describe()}) takes {self.num_calls} model output(s); "
+                             f"got {len(outputs)}")
+        if self.token_cut is not None:
+            outputs = [o[:, :self.token_cut] for o in outputs]
+        if self.precast is not None:
+            outputs = [o.to(self.precast) for o in outputs]
+        if self.cfg is None:
+            value = outputs[0]
+        else:
+            if self.cfg == "batched":
+                halves = outputs[0].chunk(2)
+                uncond, cond = halves[self.uncond_index], halves[self.cond_index]
+            else:
+                uncond, cond = outputs[self.uncond_index], outputs[self.cond_index]
+            value = uncond + self.guidance_scale * (cond - uncond)
+            if self.cfg_renorm:  # Lumina2Pipeline's cfg_normalization, op for op
+                value = value * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(value, dim=-1, keepdim=True))
+        if self.sign < 0:
+            value = -value
+        if self.frames is not None:
+            f, h, w, drop = self.frames
+            value = value.reshape(value.shape[0], f, h, w, -1).permute(0, 4, 1, 2, 3)[:, :, drop:]
+        return value.to(self.out_dtype)
+
+    def describe(self) -> str:
+        if self.user is not None:
+            return "user output_transform"
+        parts = []
+        if self.token_cut is not None:
+            parts.append(f"first {self.token_cut} tokens")
+        if self.precast is not None:
+            parts.append(f"cast to {self.precast}")
+        if self.cfg is not None:
+            parts.append(f"CFG ({self.cfg}, guidance_scale={self.guidance_scale}"
+                         f"{', rescaled to the cond norm' if self.cfg_renorm else ''})")
+        if self.sign < 0:
+            parts.append("negated")
+        if self.frames is not None:
+            parts.append(f"unpacked to {self.frames[0]} frames, first {self.frames[3]} dropped")
+        parts.append(f"as {self.out_dtype}")
+        return ", ".join(parts) if len(parts) > 1 else f"identity ({parts[0]})"
+
+
+def _scale_candidates(estimate: float) -> List[float]:
+    """Guidance scales to try for a least-squares estimate: the short decimals users type first."""
+    out = []
+    for digits in range(0, 7):
+        out.append(round(estimate, digits))
+    out.append(estimate)
+    seen, unique = set(), []
+    for v in out:
+        if v not in seen and math.isfinite(v):
+            seen.add(v)
+            unique.append(v)
+    return unique
+
+
+def _frames_options(o: torch.Tensor, m: torch.Tensor) -> List[Optional[Tuple[int, int, int, int]]]:
+    if o.dim() != 3 or m.dim() != 5 or o.shape[2] != m.shape[1]:
+        return [None]
+    h, w = int(m.shape[3]), int(m.shape[4])
+    tokens = int(o.shape[1])
+    if tokens % (h * w):
+        return [None]
+    f = tokens // (h * w)
+    drop = f - int(m.shape[2])
+    return [(f, h, w, drop)] if drop >= 0 else [None]
+
+
+def detect_transform(outputs: Sequence[torch.Tensor], model_output: torch.Tensor) -> Optional[OutputTransform]:
+    """The first ``OutputTransform`` (in the order of the class doc) that turns ``outputs`` (the step's
+    model calls, in call order) into ``model_output`` bit for bit, or None."""
+    outputs = [o.detach() for o in outputs]
+    m = model_output.detach()
+    n = len(outputs)
+    if n == 0 or n > 2:
+        return None
+    o0 = outputs[0]
+    structures: List[Tuple[Optional[str], int, int]] = []
+    if n == 1:
+        structures.append((None, 0, 1))
+        if o0.dim() >= 1 and o0.shape[0] == 2 * m.shape[0]:
+            structures += [("batched", 0, 1), ("batched", 1, 0)]
+    elif outputs[0].shape == outputs[1].shape:
+        structures += [("split", 1, 0), ("split", 0, 1)]
+    cuts: List[Optional[int]] = [None]
+    if o0.dim() == 3 and m.dim() == 3 and o0.shape[1] > m.shape[1]:
+        cuts.append(int(m.shape[1]))
+    precasts: List[Optional[torch.dtype]] = [None]
+    for dt in (torch.float32, m.dtype):
+        if dt != o0.dtype and dt not in precasts:
+            precasts.append(dt)
+    for cut in cuts:
+        cut_outputs = [o[:, :cut] for o in outputs] if cut is not None else outputs
+        for frames in _frames_options(cut_outputs[0], m):
+            for sign in (1, -1):
+                for precast in precasts:
+                    for cfg, ui, ci in structures:
+                        for renorm in ((False,) if cfg is None else (False, True)):
+                            base = OutputTransform(out_dtype=m.dtype, token_cut=cut, precast=precast, cfg=cfg,
+                                                   uncond_index=ui, cond_index=ci, cfg_renorm=renorm, sign=sign,
+                                                   frames=frames)
+                            if cfg is None:
+                                if _reproduces(base, outputs, m):
+                                    return base
+                                continue
+                            for scale in _estimate_scales(base, cut_outputs, m):
+                                t = OutputTransform(out_dtype=m.dtype, token_cut=cut, precast=precast, cfg=cfg,
+                                                    guidance_scale=scale, uncond_index=ui, cond_index=ci,
+                                                    cfg_renorm=renorm, sign=sign, frames=frames)
+                                if _reproduces(t, outputs, m):
+                                    return t
+    return None
+
+
+def _reproduces(t: OutputTransform, outputs: Sequence[torch.Tensor], m: torch.Tensor) -> bool:
+    try:
+        value = t.apply(outputs)
+    except (RuntimeError, ValueError):
+        return False
+    return bitwise_equal(value, m)
+
+
+def _estimate_scales(base: OutputTransform, outputs: Sequence[torch.Tensor], m: torch.Tensor) -> List[float]:
+    """Least-squares guidance scale g in m = post(u) + g (post(c) - post(u)) (the post-ops are linear and
+    exact, so they are applied to u and c first), in float64. With ``cfg_renorm`` only the direction of
+    each row survives: g makes u + g (c - u) parallel to m's rows (linear in g once projected off m)."""
+    if base.cfg == "batched":
+        halves = outputs[0].chunk(2)
+        u, c = halves[base.uncond_index], halves[base.cond_index]
+    else:
+        u, c = outputs[base.uncond_index], outputs[base.cond_index]
+    if base.cfg_renorm:
+        if base.frames is not None or u.shape != m.shape:
+            return []
+        target = m.double() * base.sign
+        unit = target / target.norm(dim=-1, keepdim=True)
+        u, d = u.double(), c.double() - u.double()
+        pu = u - (u * unit).sum(-1, keepdim=True) * unit
+        pd = d - (d * unit).sum(-1, keepdim=True) * unit
+        denom = float((pd * pd).sum())
+        if not denom > 0:
+            return []
+        estimate = -float((pu * pd).sum()) / denom
+        return _scale_candidates(estimate) if math.isfinite(estimate) else []
+    post = OutputTransform(out_dtype=torch.float64, sign=base.sign, frames=base.frames)
+    try:
+        pu, pc = post.apply([u.double()]), post.apply([c.double()])
+    except RuntimeError:
+        return []
+    if pu.shape != m.shape:
+        return []
+    d = pc - pu
+    denom = float((d * d).sum())
+    if not denom > 0:
+        return []
+    estimate = float(((m.double() - pu) * d).sum()) / denom
+    return _scale_candidates(estimate) if math.isfinite(estimate) else []
+
+
+# ---------------------------------------------------------------------------------------------------
+# recording the calls
+
+
+class _TensorStore:
+    """Stores tensors once: the same object at the same version, or the same bits as the previous
+    step's tensor at the same argument, is not stored again."""
+
+    def __init__(self, device: Optional[torch.device]):
+        self.device = device
+        self._by_id: Dict[int, Tuple[Any, int, torch.Tensor]] = {}
+        self._by_key: Dict[Tuple, torch.Tensor] = {}
+
+    def put(self, t: torch.Tensor, key: Tuple) -> torch.Tensor:
+        hit = self._by_id.get(id(t))
+        if hit is not None and hit[0]() is t and hit[1] == t._version:
+            stored = hit[2]
+        else:
+            prev = self._by_key.get(key)
+            if prev is not None and bitwise_equal(prev, t.detach()):
+                stored = prev
+            else:
+                stored = t.detach().to(device=self.device or t.device, copy=True)
+            try:
+                self._by_id[id(t)] = (weakref.ref(t), t._version, stored)
+            except TypeError:  # a tensor subclass without weakref support: no identity shortcut
+                pass
+        self._by_key[key] = stored
+        return stored
+
+    def prune(self) -> None:
+        self._by_id = {k: v for k, v in self._by_id.items() if v[0]() is not None}
+
+
+def _store_value(value: Any, store: _TensorStore, key: Tuple) -> Any:
+    if isinstance(value, torch.Tensor):
+        return store.put(value, key)
+    if isinstance(value, dict):
+        return {k: _store_value(v, store, key + (k,)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_store_value(v, store, key + (i,)) for i, v in enumerate(value)]
+        if isinstance(value, list):
+            return items
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # a namedtuple keeps its type
+    return value
+
+
+def _to_device(value: Any, device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value if device is None else value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    return value
+
+
+def _walk_tensors(value: Any):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _walk_tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _walk_tensors(v)
+
+
+@dataclass
+class StepRecord:
+    """One loop step: its model calls' kwargs and the transform from their outputs to ``model_output``."""
+
+    calls: List[Dict[str, Any]]
+    transform: Optional[OutputTransform]
+    why_not: Optional[str] = None  # when transform is None
+
+
+class DenoisingEnv:
+    """The recorded model calls of one rollout, per loop step (``traj.denoising_env``)."""
+
+    def __init__(self, steps: List[StepRecord], module_name: str):
+        self.steps = steps
+        self.module_name = module_name
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    def _step(self, j: int) -> StepRecord:
+        if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < len(self.steps):
+            raise ValueError(f"step must be an int in [0, {len(self.steps) - 1}]; got {j!r}")
+        return self.steps[j]
+
+    def model_calls(self, j: int, device=None) -> List[Dict[str, Any]]:
+        """The kwargs of each call step ``j`` made, in call order (tensors on ``device`` if given)."""
+        return [_to_device(dict(call), device) for call in self._step(j).calls]
+
+    def model_inputs(self, j: int, device=None) -> Union[Dict[str, Any], List[Dict[str, Any]]]:
+        """Step ``j``'s call kwargs: one dict when the step made one call (``model(**inputs)`` replays
+        it), else a list of dicts in call order (split CFG)."""
+        calls = self.model_calls(j, device)
+        return calls[0] if len(calls) == 1 else calls
+
+    def transform(self, j: int) -> OutputTransform:
+        record = self._step(j)
+        if record.transform is None:
+            raise ValueError(
+                f"step {j}: the rollout could not tell how the pipeline turned the {self.module_name} output(s) into "
+                f"the model_output that reached scheduler.step ({record.why_not}); pass "
+                "output_transform=callable(outputs) -> model_output to the rollout"
+            )
+        return record.transform
+
+    def step_model_output(self, j: int, raw_output: Any) -> torch.Tensor:
+        """Turn replayed output(s) of step ``j``'s call(s) (one output or a list, as the module returns
+        them) into the ``model_output`` that step received, with the recorded transform."""
+        t = self.transform(j)
+        # a list holds one output per call (diffusers models return tuples or dataclasses, never lists)
+        if isinstance(raw_output, list):
+            outputs = [first_tensor(o, f"raw_output[{i}]") for i, o in enumerate(raw_output)]
+        else:
+            outputs = [first_tensor(raw_output, "raw_output")]
+        expected = len(self.steps[j].calls)
+        if t.user is None and len(outputs) != expected:
+            raise ValueError(f"step {j} made {expected} model call(s); step_model_output got {len(outputs)} output(s)")
+        return t.apply(outputs)
+
+    def nbytes(self) -> int:
+        """Bytes held by the recorded tensors (each stored tensor counted once)."""
+        seen, total = set(), 0
+        for record in self.steps:
+            for call in record.calls:
+                for t in _walk_tensors(call):
+                    storage = t.untyped_storage()
+                    key = (storage.data_ptr(), t.device)
+                    if key not in seen:
+                        seen.add(key)
+                        total += storage.nbytes()
+        return total
+
+
+class ModelCallRecorder:
+    """Hooks ``module`` for one rollout: records each call's kwargs and output; at each scheduler step
+    the pending calls become that step's and their output transform is found."""
+
+    def __init__(self, module: torch.nn.Module, *, env_device=None,
+                 output_transform: Optional[UserTransform] = None):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module (e.g. pipe.transformer); got {type(module).__name__}")
+        if output_transform is not None and not callable(output_transform):
+            raise TypeError(f"output_transform must be callable(outputs: list of tensors) -> tensor; got "
+                            f"{type(output_transform).__name__}")
+        self.module = module
+        self.device = torch.device(env_device) if env_device is not None else None
+        self.user = output_transform
+        self._signature = inspect.signature(module.forward)
+        self._handles: List[Any] = []
+        self._store = _TensorStore(self.device)
+        self._pending: List[Dict[str, Any]] = []
+        self._pending_outputs: List[torch.Tensor] = []
+        self._steps: List[StepRecord] = []
+        self._last: Optional[OutputTransform] = None
+
+    # hooks ------------------------------------------------------------------------------------
+    def attach(self) -> None:
+        self._handles = [
+            self.module.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
+            self.module.register_forward_hook(self._post_hook, with_kwargs=True),
+        ]
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _bind(self, args, kwargs) -> Dict[str, Any]:
+        if not args:
+            return dict(kwargs)
+        try:
+            bound = self._signature.bind_partial(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"cannot name the positional arguments of {type(self.module).__name__}.forward: {exc}") from None
+        out = {}
+        for name, value in bound.arguments.items():
+            kind = self._signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                out.update(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                raise TypeError(f"{type(self.module).__name__}.forward takes *{name}: its calls cannot be replayed as kwargs")
+            else:
+                out[name] = value
+        return out
+
+    def _pre_hook(self, module, args, kwargs):
+        index = len(self._pending)
+        call = self._bind(args, kwargs)
+        self._pending.append({k: _store_value(v, self._store, (index, k)) for k, v in call.items()})
+        return None
+
+    def _post_hook(self, module, args, kwargs, output):
+        try:
+            self._pending_outputs.append(first_tensor(output, f"{type(module).__name__} output").detach())
+        except TypeError:
+            self._pending_outputs.append(None)
+        return None
+
+    # steps ------------------------------------------------------------------------------------
+    def on_step(self, model_output: torch.Tensor) -> None:
+        calls, outputs = self._pending, self._pending_outputs
+        self._pending, self._pending_outputs = [], []
+        self._store.prune()
+        transform, why = None, None
+        if not calls:
+            why = "the model was not called before this step"
+        elif any(o is None for o in outputs):
+            why = "a call returned no tensor"
+        elif self.user is not None:
+            try:
+                ok = bitwise_equal(self.user(list(outputs)).to(model_output.dtype), model_output.detach())
+            except Exception as exc:  # the user's code: report, never crash the rollout
+                ok, why = False, f"output_transform raised {type(exc).__name__}: {exc}"
+            if ok:
+                transform = OutputTransform(out_dtype=model_output.dtype, user=self.user)
+            else:
+                why = why or "output_transform did not reproduce the model_output bit for bit"
+        else:
+            if self._last is not None and self._last.num_calls == len(outputs) and _reproduces(self._last, outputs, model_output):
+                transform = self._last
+            else:
+                transform = detect_transform(outputs, model_output)
+            if transform is None:
+                why = (f"{len(outputs)} call(s) with output shape(s) {[tuple(o.shape) for o in outputs]} -> model_output "
+                       f"{tuple(model_output.shape)}: no identity, CFG, sign, token-cut or frames transform reproduces it")
+        if transform is not None:
+            self._last = transform
+        self._steps.append(StepRecord(calls, transform, why))
+
+    def finish(self) -> DenoisingEnv:
+        """The recorded environment; warns once when some step's transform is unknown or calls were
+        made after the last step."""
+        problems = [j for j, s in enumerate(self._steps) if s.transform is None]
+        name = type(self.module).__name__
+        if problems:
+            first = self._steps[problems[0]]
+            warnings.warn(
+                f"flowrl rollout: for {len(problems)} of {len(self._steps)} steps (steps {problems[:8]}"
+                f"{'...' if len(problems) > 8 else ''}) the recorder could not tell how the pipeline turned the "
+                f"{name} output(s) into the model_output given to scheduler.step (step {problems[0]}: "
+                f"{first.why_not}); traj.step_model_output raises on those steps. Pass output_transform= to the rollout."
+            )
+        if self._pending:
+            warnings.warn(f"flowrl rollout: {len(self._pending)} call(s) of {name} after the last scheduler step "
+                          "belong to no step and were dropped")
+            self._pending, self._pending_outputs = [], []
+        return DenoisingEnv(self._steps, name)
+
+
+
+
+# ---------------------------------------------------------------------------------------------------
+# RolloutRecorder's hooks call these (model=, env_device=, output_transform=, debug=)
+
+
+def check_env_options(model, env_device, output_transform, debug):
+    """Check RolloutRecorder's model=, env_device=, output_transform=, debug= once, at construction."""
+    if model is None and (env_device is not None or output_transform is not None):
+        raise ValueError("env_device and output_transform need model= (the module whose calls to record)")
+    if model is not None:
+        ModelCallRecorder(model, env_device=env_device, output_transform=output_transform)  # checks the arguments
+    if debug not in (None, False, True) and not isinstance(debug, (str, os.PathLike)):
+        raise TypeError(f"debug must be None, False, True or a file path; got {debug!r}")
+    return model, env_device, output_transform, debug
+
+
+def start_env(options):
+    """A rollout's model-call recorder (hooks attached) and debug recorder, per ``with`` block."""
+    from .debug import DebugTensorRecorder
+
+    model, env_device, output_transform, debug = options
+    env = None
+    if model is not None:
+        env = ModelCallRecorder(model, env_device=env_device, output_transform=output_transform)
+        env.attach()
+    return env, (DebugTensorRecorder(debug) if debug not in (None, False) else None)
+
+
+def finish_env(env, debug, completed: bool):
+    """Remove the hooks (always); on a completed loop, the environment (with its one warning) and the
+    debug tensors (written to their file)."""
+    if env is not None:
+        env.detach()
+    if not completed:
+        return None, None
+    return (env.finish() if env is not None and env._steps else None,
+            debug.finish() if debug is not None and debug._rows else None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# RolloutTrajectory's replay methods delegate here
+
+
+def env_of(traj) -> DenoisingEnv:
+    env = getattr(traj, "denoising_env", None)
+    if env is None:
+        raise ValueError("this trajectory has no denoising environment: record it with "
+                         "scheduler.rollout(..., model=pipe.transformer)")
+    if not isinstance(env, DenoisingEnv):
+        raise TypeError(f"traj.denoising_env must be a flowrl DenoisingEnv; got {type(env).__name__} (an SGLang "
+                        "denoising_env dict holds the pipeline's kwargs, not per-step calls)")
+    return env
+
+
+def trajectory_step_log_prob(traj, j: int, model_output: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Step ``j``'s log-prob of the stored next latent under ``model_output``, with the trajectory's
+    schedule and settings (``ode`` on steps outside ``sde_steps``, as the rollout ran them)."""
+    from .functional import step_log_prob
+
+    if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < traj.num_steps:
+        raise ValueError(f"j must be an int in [0, {traj.num_steps - 1}]; got {j!r}")
+    kept = traj.latent_step_indices.tolist()
+    missing = [k for k in (j, j + 1) if k not in kept]
+    if missing:
+        raise ValueError(f"step {j}'s log-prob needs the latents of loop steps {j} and {j + 1}; the trajectory "
+                         f"kept {kept} (return_step_indices)")
+    stochastic = traj.sde_steps is None or j in traj.sde_steps.tolist()
+    return step_log_prob(
+        traj.latents[:, kept.index(j)].to(model_output.device), model_output,
+        traj.latents[:, kept.index(j + 1)].to(model_output.device), traj.sigmas.to(model_output.device), j,
+        mode=traj.mode if stochastic else "ode", noise_level=traj.noise_level, log_prob=traj.log_prob,
+        reduction=traj.reduction, **kwargs)
+
+
+__all__ = ["OutputTransform", "DenoisingEnv", "ModelCallRecorder", "StepRecord", "detect_transform",
+           "bitwise_equal", "first_tensor"]

@@ -1,0 +1,313 @@
+"""SGLang ``POST /rollout/generate`` responses in and out of ``RolloutTrajectory``.
+
+SGLang returns one response per sample (sgl-project/sglang,
+python/sglang/multimodal_gen/runtime/entrypoints/post_training/rollout_api.py ``_build_response``, schema
+``RolloutResponse`` in .../post_training/io_struct.py, dataclasses in
+.../runtime/post_training/rl_dataclasses.py). Each batch tensor is sliced to the sample (dim 0 dropped,
+``_extract_single_sample_tensor``), except the schedule, which is serialized once and never sliced:
+
+    {"request_id", "prompt", "seed", "generated_output",
+     "rollout_log_probs": <tensor float32 [T]>,
+     "rollout_debug_tensors": {"rollout_variance_noises", "rollout_prev_sample_means",
+                               "rollout_noise_std_devs", "rollout_model_outputs"} | None,
+     "denoising_env": {"image_kwargs", "pos_cond_kwargs", "neg_cond_kwargs", "guidance"} | None,
+     "dit_trajectory": {"latents": <[K, ...]>, "timesteps": <[K] (or [T] when K = T + 1)>,
+                        "sigmas": <float32 [T + 1], post-shift, terminal 0>,
+                        optional "latent_step_indices": <int [K]>} | None,
+     "inference_time_s", "peak_memory_mb"}
+
+Tensors are flowrl's wire envelopes (``{"__tensor__": true, "data": base64 safetensors, ...}``,
+flowrl.serialization, the same code as SGLang's ``_maybe_serialize``). The sampling settings are the
+*request's* (``rollout_sde_type``, ``rollout_noise_level``, ``rollout_log_prob_no_const``,
+``rollout_sde_step_indices``, ``rollout_return_step_indices``): pass the request (``request=``) or
+responses that carry them (``to_sglang`` writes them into each response).
+
+Which loop steps the K latents are: ``latent_step_indices`` when given, else the request's
+``rollout_return_step_indices`` when the timesteps are not one per latent, else each of K timesteps matched
+to the schedule's ``sigmas * num_train_timesteps`` (index T: the final latent, timestep 0), strictly
+increasing; K = T + 1 latents with T (or T + 1) timesteps are all steps. ``to_sglang`` writes T + 1
+timesteps (every loop step's and the final 0) and ``latent_step_indices``.
+"""
+from __future__ import annotations
+
+import json
+from numbers import Integral, Real
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import _validate as V
+from .serialization import DEFAULT_MAX_BYTES, from_wire, to_wire
+
+# rollout_sde_type -> flowrl mode; rollout_log_prob_no_const -> flowrl log_prob kind (docs/contract.md)
+SDE_TYPES = {"sde": "sde", "cps": "cps", "ode": "ode"}
+SETTING_FIELDS = ("rollout_sde_type", "rollout_noise_level", "rollout_log_prob_no_const",
+                  "rollout_sde_step_indices", "rollout_return_step_indices")
+# SGLang's RolloutRequest defaults, which the server applies to a request that omits a field
+REQUEST_DEFAULTS = {"rollout_sde_type": "sde", "rollout_noise_level": 0.7, "rollout_log_prob_no_const": False,
+                    "rollout_sde_step_indices": None, "rollout_return_step_indices": None}
+DEBUG_FIELDS = ("rollout_variance_noises", "rollout_prev_sample_means", "rollout_noise_std_devs",
+                "rollout_model_outputs")
+ENV_FIELDS = ("image_kwargs", "pos_cond_kwargs", "neg_cond_kwargs", "guidance")
+
+
+class SGLangDenoisingEnv:
+    """SGLang's ``denoising_env`` of each sample (the pipeline's conditioning kwargs, not per-step
+    model calls), decoded, one dict per sample in batch order; ``to_sglang`` writes them back."""
+
+    def __init__(self, samples: List[Optional[Dict[str, Any]]]):
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def _fail(where: str, msg: str):
+    raise ValueError(f"SGLang response {where}: {msg}")
+
+
+def _tensor(obj: Any, where: str) -> torch.Tensor:
+    if not isinstance(obj, torch.Tensor):
+        _fail(where, f"must be a tensor envelope; got {type(obj).__name__}")
+    return obj
+
+
+def _parse(response: Any, max_bytes: int) -> List[Dict[str, Any]]:
+    if isinstance(response, (str, bytes, bytearray)):
+        try:
+            response = json.loads(response)
+        except ValueError as exc:
+            raise ValueError(f"SGLang response: invalid JSON: {exc}") from None
+    if isinstance(response, dict):
+        response = [response]
+    if not isinstance(response, list) or not response:
+        raise ValueError(f"SGLang response must be a dict, its JSON text or a non-empty list of per-sample dicts; "
+                         f"got {type(response).__name__ if not isinstance(response, list) else 'an empty list'}")
+    for i, r in enumerate(response):
+        if not isinstance(r, dict):
+            raise ValueError(f"SGLang response [{i}] must be a dict; got {type(r).__name__}")
+    try:
+        return from_wire(response, max_bytes=max_bytes)
+    except ValueError as exc:
+        raise ValueError(f"SGLang response: {exc}") from None
+
+
+def _settings(samples: List[Dict[str, Any]], request: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    carried = [{k: s[k] for k in SETTING_FIELDS if k in s} for s in samples]
+    if request is not None:
+        if not isinstance(request, dict):
+            raise TypeError(f"request must be the /rollout/generate request dict; got {type(request).__name__}")
+        settings = {k: request.get(k, REQUEST_DEFAULTS[k]) for k in SETTING_FIELDS}
+        for i, c in enumerate(carried):
+            for k, v in c.items():
+                if v != settings[k]:
+                    _fail(f"[{i}] {k}", f"{v!r} disagrees with the request's {settings[k]!r}")
+        return settings
+    if not carried[0]:
+        raise ValueError(
+            "SGLang response: rollout_sde_type, rollout_noise_level and rollout_log_prob_no_const are missing: "
+            "SGLang's responses do not carry the sampling settings; pass request= (the /rollout/generate request "
+            "dict) so the trajectory recomputes with the settings the rollout used"
+        )
+    for i, c in enumerate(carried):
+        if c != carried[0]:
+            _fail(f"[{i}]", f"settings {c} disagree with sample 0's {carried[0]}")
+    missing = [k for k in SETTING_FIELDS[:3] if k not in carried[0]]
+    if missing:
+        _fail("", f"missing {missing[0]}")
+    return {k: carried[0].get(k) for k in SETTING_FIELDS}
+
+
+def _index_list(value, name: str) -> Optional[List[int]]:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if not isinstance(value, list) or not all(isinstance(v, Integral) and not isinstance(v, bool) for v in value):
+        _fail(name, f"must be a list of ints or null; got {value!r}")
+    return [int(v) for v in value]
+
+
+def _step_indices(timesteps: torch.Tensor, sigmas: torch.Tensor, kept: int, num_train_timesteps: float,
+                  where: str) -> torch.Tensor:
+    """Loop step of each kept latent from its timestep, matched against sigmas * num_train_timesteps."""
+    num_steps = sigmas.numel() - 1
+    if timesteps.numel() in (num_steps, num_steps + 1) and kept == num_steps + 1:
+        return torch.arange(kept, dtype=torch.int64)
+    if timesteps.numel() != kept:
+        _fail(f"{where}['timesteps']", f"has {timesteps.numel()} entries for {kept} latents (K latents need K "
+              f"timesteps, T = {num_steps} timesteps with K = T + 1, or latent_step_indices / the request's "
+              "rollout_return_step_indices naming the kept steps)")
+    table = (sigmas.float() * num_train_timesteps).double()
+    gaps = (table[:-1] - table[1:]).abs()
+    t = timesteps.double()
+    dist = (t[:, None] - table[None, :]).abs()
+    best = dist.argmin(dim=1)
+    ok = dist.gather(1, best[:, None])[:, 0] < 0.5 * float(gaps.min())
+    if not bool(ok.all()):
+        bad = int((~ok).nonzero()[0])
+        _fail(f"{where}['timesteps']", f"entry {bad} ({float(t[bad])}) matches no step of the schedule "
+              f"sigmas * {num_train_timesteps} (a num_train_timesteps other than {num_train_timesteps}?)")
+    if kept > 1 and not bool((best[1:] > best[:-1]).all()):
+        _fail(f"{where}['timesteps']", f"map to loop steps {best.tolist()}, not strictly increasing")
+    return best.to(torch.int64)
+
+
+def from_sglang(response: Any, *, request: Optional[Dict[str, Any]] = None, num_train_timesteps: float = 1000.0,
+                max_bytes: Optional[int] = None, device=None, reduction: str = "mean"):
+    """A batch ``RolloutTrajectory`` from SGLang ``/rollout/generate`` response(s): one per-sample
+    response dict, its JSON text, or the list of per-sample responses (batch order). Strict: anything
+    missing, inconsistent or malformed raises ``ValueError`` naming the field. ``request``: the request
+    dict whose ``rollout_*`` settings the rollout used (needed unless the responses carry them).
+    ``reduction``: SGLang averages the per-element log-prob ("mean")."""
+    from .debug import DebugTensors
+    from .trajectory import RolloutTrajectory
+
+    samples = _parse(response, DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
+    settings = _settings(samples, request)
+    sde_type = settings["rollout_sde_type"]
+    if sde_type not in SDE_TYPES:
+        _fail("rollout_sde_type", f"must be one of {sorted(SDE_TYPES)}; got {sde_type!r}")
+    noise_level = settings["rollout_noise_level"]
+    if isinstance(noise_level, bool) or not isinstance(noise_level, Real):
+        _fail("rollout_noise_level", f"must be a number; got {noise_level!r}")
+    if not isinstance(settings["rollout_log_prob_no_const"], bool):
+        _fail("rollout_log_prob_no_const", f"must be a bool; got {settings['rollout_log_prob_no_const']!r}")
+    log_prob = "sq_err" if settings["rollout_log_prob_no_const"] else "gaussian"
+    sde_steps = _index_list(settings["rollout_sde_step_indices"], "rollout_sde_step_indices")
+    return_steps = _index_list(settings["rollout_return_step_indices"], "rollout_return_step_indices")
+
+    latents, log_probs, envs, debug_rows = [], [], [], []
+    schedule = None
+    for i, s in enumerate(samples):
+        where = f"[{i}]"
+        dit = s.get("dit_trajectory")
+        if not isinstance(dit, dict):
+            _fail(f"{where}['dit_trajectory']", "is missing: request rollout_return_dit_trajectory=True")
+        extra = set(dit) - {"latents", "timesteps", "sigmas", "latent_step_indices"}
+        if extra:
+            _fail(f"{where}['dit_trajectory']", f"unexpected keys {sorted(extra)}")
+        for key in ("latents", "timesteps", "sigmas"):
+            if dit.get(key) is None:
+                _fail(f"{where}['dit_trajectory']['{key}']", "is missing")
+        lat = _tensor(dit["latents"], f"{where}['dit_trajectory']['latents']")
+        ts = _tensor(dit["timesteps"], f"{where}['dit_trajectory']['timesteps']")
+        sig = _tensor(dit["sigmas"], f"{where}['dit_trajectory']['sigmas']")
+        if not lat.dtype.is_floating_point or lat.dim() < 1:
+            _fail(f"{where}['dit_trajectory']['latents']", f"must be a float tensor [K, ...]; got {lat.dtype} {tuple(lat.shape)}")
+        if ts.dim() != 1 or ts.dtype == torch.bool:
+            _fail(f"{where}['dit_trajectory']['timesteps']", f"must be 1-D numeric; got {ts.dtype} {tuple(ts.shape)}")
+        try:
+            sig = V.check_sigmas(sig, sig.device)
+        except (ValueError, TypeError) as exc:
+            _fail(f"{where}['dit_trajectory']['sigmas']", str(exc))
+        if schedule is None:
+            schedule = (sig, ts, dit.get("latent_step_indices"))
+        else:
+            if not (sig.dtype == schedule[0].dtype and torch.equal(sig, schedule[0])):
+                _fail(f"{where}['dit_trajectory']['sigmas']", "differs from sample 0's: per-sample schedules disagree")
+            if not (ts.dtype == schedule[1].dtype and ts.shape == schedule[1].shape and torch.equal(ts, schedule[1])):
+                _fail(f"{where}['dit_trajectory']['timesteps']", "differ from sample 0's: per-sample schedules disagree")
+        lp = _tensor(s.get("rollout_log_probs"), f"{where}['rollout_log_probs']")
+        if lp.dtype != torch.float32 or tuple(lp.shape) != (sig.numel() - 1,):
+            _fail(f"{where}['rollout_log_probs']", f"must be float32 [T] = [{sig.numel() - 1}]; got {lp.dtype} {tuple(lp.shape)}")
+        if latents and (lat.shape != latents[0].shape or lat.dtype != latents[0].dtype):
+            _fail(f"{where}['dit_trajectory']['latents']", f"{lat.dtype} {tuple(lat.shape)} differs from sample 0's "
+                  f"{latents[0].dtype} {tuple(latents[0].shape)}")
+        latents.append(lat)
+        log_probs.append(lp)
+        env = s.get("denoising_env")
+        if env is not None and (not isinstance(env, dict) or set(env) - set(ENV_FIELDS)):
+            _fail(f"{where}['denoising_env']", f"must be null or an object with keys {list(ENV_FIELDS)}")
+        envs.append(env)
+        dbg = s.get("rollout_debug_tensors")
+        if dbg is not None:
+            if not isinstance(dbg, dict) or set(dbg) != set(DEBUG_FIELDS):
+                _fail(f"{where}['rollout_debug_tensors']", f"must be null or an object with keys {list(DEBUG_FIELDS)}")
+            for k in DEBUG_FIELDS:
+                _tensor(dbg[k], f"{where}['rollout_debug_tensors']['{k}']")
+        debug_rows.append(dbg)
+
+    sigmas, timesteps, given_steps = schedule
+    num_steps, kept = sigmas.numel() - 1, int(latents[0].shape[0])
+    if given_steps is not None:
+        steps = _tensor(given_steps, "[0]['dit_trajectory']['latent_step_indices']")
+        for i, s in enumerate(samples[1:], 1):
+            other = s["dit_trajectory"].get("latent_step_indices")
+            if other is None or not torch.equal(other, steps):
+                _fail(f"[{i}]['dit_trajectory']['latent_step_indices']", "differs from sample 0's")
+        if steps.dtype.is_floating_point or steps.dtype == torch.bool or steps.dim() != 1 or steps.numel() != kept:
+            _fail("[0]['dit_trajectory']['latent_step_indices']", f"must be 1-D integer of length K = {kept}")
+        steps = steps.to(torch.int64)
+    elif return_steps is not None and len(set(return_steps)) == kept and timesteps.numel() != kept:
+        # the request names the kept steps; the timesteps are not one per latent to check them against
+        steps = torch.tensor(sorted(set(return_steps)), dtype=torch.int64)
+    else:
+        steps = _step_indices(timesteps, sigmas, kept, num_train_timesteps, "[0]['dit_trajectory']")
+    if return_steps is not None and steps.tolist() != sorted(set(return_steps)):
+        _fail("[0]['dit_trajectory']['latents']", f"hold loop steps {steps.tolist()} but rollout_return_step_indices "
+              f"is {return_steps}")
+    # the trajectory's timesteps are the loop's T timesteps: the response's when it sends all of them
+    if timesteps.numel() == num_steps:
+        loop_timesteps = timesteps
+    elif timesteps.numel() == num_steps + 1:
+        loop_timesteps = timesteps[:num_steps]
+    else:  # filtered: the schedule's own values, as the scheduler computes them
+        loop_timesteps = (sigmas[:num_steps].float() * num_train_timesteps).to(timesteps.dtype)
+    if any(d is not None for d in debug_rows) and any(d is None for d in debug_rows):
+        _fail("rollout_debug_tensors", "present for some samples and missing for others")
+    debug = None
+    if debug_rows[0] is not None:
+        try:
+            debug = DebugTensors(**{k: torch.stack([d[k] for d in debug_rows]) for k in DEBUG_FIELDS})
+        except RuntimeError as exc:
+            _fail("rollout_debug_tensors", f"per-sample shapes disagree: {exc}")
+    tensors = {"latents": torch.stack(latents), "log_probs": torch.stack(log_probs), "timesteps": loop_timesteps,
+               "sigmas": sigmas, "latent_step_indices": steps}
+    if sde_steps is not None:
+        tensors["sde_steps"] = torch.tensor(sorted(set(sde_steps)), dtype=torch.int64)
+    traj = RolloutTrajectory._checked(
+        tensors, {"mode": SDE_TYPES[sde_type], "noise_level": float(noise_level), "log_prob": log_prob,
+                  "reduction": reduction}, "SGLang response", device)
+    traj.denoising_env = SGLangDenoisingEnv(envs) if any(e is not None for e in envs) else None
+    traj.debug_tensors = debug
+    return traj
+
+
+def to_sglang(traj, *, wire: bool = True, **fields) -> List[Dict[str, Any]]:
+    """Per-sample response dicts in SGLang's structure (see the module doc), with the sampling settings
+    added so ``from_sglang`` needs no request. ``fields`` (e.g. ``request_id``, ``prompt``, ``seed``)
+    are copied into every response. ``wire=True`` encodes tensors as envelopes (JSON-safe)."""
+    steps = traj.latent_step_indices.to("cpu")
+    num_steps = traj.num_steps
+    # every loop step's timestep and the final latent's (0), as SGLang's dit_trajectory records them,
+    # with latent_step_indices naming the kept latents
+    timesteps = torch.cat([traj.timesteps.to("cpu"), traj.timesteps.new_zeros(1).to("cpu")])
+    settings = {
+        "rollout_sde_type": traj.mode, "rollout_noise_level": float(traj.noise_level),
+        "rollout_log_prob_no_const": traj.log_prob == "sq_err",
+        "rollout_sde_step_indices": None if traj.sde_steps is None else traj.sde_steps.tolist(),
+        "rollout_return_step_indices": None if steps.numel() == num_steps + 1 else steps.tolist(),
+    }
+    if traj.mode not in SDE_TYPES.values():
+        raise ValueError(f"SGLang has no rollout_sde_type for mode {traj.mode!r} (it knows {sorted(SDE_TYPES)})")
+    if traj.reduction != "mean":
+        raise ValueError(f"SGLang's log-probs are per-element means; this trajectory's reduction is {traj.reduction!r}")
+    env = traj.denoising_env
+    out = []
+    for i in range(traj.batch_size):
+        response = dict(fields)
+        response.update(settings)
+        response["rollout_log_probs"] = traj.log_probs[i]
+        response["dit_trajectory"] = {"latents": traj.latents[i], "timesteps": timesteps, "sigmas": traj.sigmas,
+                                      "latent_step_indices": steps}
+        # flowrl's recorded per-step calls (DenoisingEnv) have no SGLang counterpart: null (docs/replay.md)
+        response["denoising_env"] = env.samples[i] if isinstance(env, SGLangDenoisingEnv) else None
+        debug = traj.debug_tensors
+        response["rollout_debug_tensors"] = (None if debug is None else
+                                             {k: getattr(debug, k)[i] for k in DEBUG_FIELDS})
+        out.append(to_wire(response) if wire else response)
+    return out
+
+
+__all__ = ["from_sglang", "to_sglang", "SGLangDenoisingEnv", "SDE_TYPES", "REQUEST_DEFAULTS"]
