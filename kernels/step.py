@@ -85,8 +85,8 @@ def _element_terms(a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups,
         fidx = compact_index(row, in_row, frozen_inner, frozen_groups, frozen_stride)
         frozen = tl.load(frozen_ptr + fidx, mask=mask, other=1) != 0
         keep = keep | frozen
-        scored = scored & (frozen == 0)
-    return a, c, std, keep, scored & mask, weight
+        scored = tl.where(frozen, False, scored)
+    return a, c, std, keep, tl.where(mask, scored, False), weight
 
 
 @triton.jit
