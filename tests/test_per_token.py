@@ -425,6 +425,17 @@ def test_frozen_elements_are_unchanged_and_do_not_score(backend):
     assert torch.equal(vg.grad, torch.zeros_like(vg))
     ro = flowrl.sde_step(x, v, SIGMAS, 2, noise=noise, frozen=everything, backend=backend)
     assert torch.equal(ro.prev_sample, x) and torch.equal(ro.log_prob, torch.zeros(2))
+    # in-kernel Philox noise keeps its element positions too
+    seeded = flowrl.sde_step(x, v, SIGMAS, 2, noise_seed=5, **kw)
+    seeded_plain = flowrl.sde_step(x, v, SIGMAS, 2, noise_seed=5, backend=backend)
+    assert torch.equal(seeded.prev_sample[:, :, 1:], seeded_plain.prev_sample[:, :, 1:])
+    # without a mask the count is every element, or none for a deterministic step (value 0)
+    assert torch.equal(plain.count, torch.full((2,), float(x[0].numel())))
+    ode = flowrl.sde_step(x, v, SIGMAS, 2, mode="ode", backend=backend)
+    assert torch.equal(ode.count, torch.zeros(2)) and torch.equal(ode.log_prob, torch.zeros(2))
+    lp_ode = flowrl.step_log_prob(x, v, ode.prev_sample, SIGMAS, 2, mode="cps", noise_level=0.0, backend=backend,
+                                  return_count=True)
+    assert torch.equal(lp_ode.count, torch.zeros(2)) and torch.equal(lp_ode.log_prob, torch.zeros(2))
 
 
 def test_trainer_aggregations_sum_sample_mean_frame_mean():
