@@ -547,8 +547,9 @@ class FlowMatchEulerDiscreteScheduler(
     def rollout(self, **options):
         """A ``flowrl.recorder.RolloutRecorder`` for this scheduler: inside ``with recorder:``, every
         ``step`` is a rollout step. ``options`` are the recorder's (``mode``, ``noise_level``,
-        ``log_prob``, ``reduction``, ``sde_steps``, ``return_step_indices``, ``generator``,
-        ``backend``); same as ``flowrl.recorder.rollout(scheduler, **options)``."""
+        ``log_prob``, ``reduction``, ``sde_steps``, ``return_step_indices``, ``generator``, ``frozen``,
+        ``backend``); same as ``flowrl.recorder.rollout(scheduler, **options)``. ``per_token_timesteps``
+        and copies of the scheduler made during the rollout (streams) are recorded too."""
         from .recorder import RolloutRecorder
 
         return RolloutRecorder(self, **options)
