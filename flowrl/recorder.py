@@ -26,15 +26,15 @@ import copy
 import functools
 import inspect
 import warnings
+from dataclasses import replace
 from numbers import Integral
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional
 
 import torch
 
 from . import _validate as V
 from ._dispatch import BACKENDS
-from . import functional
-from .functional import GeneratorArg, sde_step
+from .functional import GeneratorArg, combine_streams, sde_step
 from .scheduler import (
     DiffusersFlowMatchEulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
@@ -43,7 +43,6 @@ from .scheduler import (
 )
 from .timestep_lookup import index_for_timestep
 from .trajectory import RolloutTrajectory
-from dataclasses import replace
 
 # instance attributes a rollout sets on a recording scheduler (and removes when it ends): the two methods
 # it records through, and the two hooks copy.deepcopy / copy.copy read from an instance (a copy becomes
@@ -461,7 +460,7 @@ class RolloutRecorder:
         if joint:
             # the stream's own log-prob for the pipeline; the trajectory combines the streams' sums
             stream.counts.append(out.count.detach())
-            log_prob = functional.combine_streams([out.log_prob], [out.count], self.reduction)
+            log_prob = combine_streams([out.log_prob], [out.count], self.reduction)
         if self._keep(i):
             stream.latents[i] = sample.detach()
         stream.log_probs.append(out.log_prob.detach())
@@ -521,7 +520,7 @@ class RolloutRecorder:
         sums = [torch.stack(s.log_probs, dim=1) for s in streams]
         counts = [torch.stack(s.counts, dim=1) for s in streams]
         joint = torch.stack([
-            functional.combine_streams([x[:, j] for x in sums], [c[:, j] for c in counts], self.reduction)
+            combine_streams([x[:, j] for x in sums], [c[:, j] for c in counts], self.reduction)
             for j in range(streams[0].num_steps)
         ], dim=1)
         per_stream = tuple(
