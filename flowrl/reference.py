@@ -457,9 +457,11 @@ def _sde_step_elementwise(spec, sample, model_output, noise):
         prev = (noise_term + mu).to(spec.out_dtype)
     if t.keep is not None:
         prev = torch.where(t.keep, sample.to(spec.out_dtype), prev)
-        mu = torch.where(t.keep, sample.to(dtype), mu)
+    # kept elements are not scored (frozen, or held: std 0), so r needs no mask before ``reduce``
     r = _EmittedResidual.apply(prev, mu, noise_term, dtype)
     lp, count = t.reduce(spec, r)
+    if spec.return_mean and t.keep is not None:
+        mu = torch.where(t.keep, sample.to(dtype), mu)
     return prev, lp, (mu if spec.return_mean else None), t.std_ref, count
 
 

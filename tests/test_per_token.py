@@ -405,7 +405,9 @@ def test_frozen_elements_are_unchanged_and_do_not_score(backend):
     out = flowrl.sde_step(x, v, SIGMAS, 2, noise=noise, **kw)
     plain = flowrl.sde_step(x, v, SIGMAS, 2, noise=noise, backend=backend)
     assert torch.equal(out.prev_sample[:, :, 0], x[:, :, 0])
+    assert torch.equal(out.prev_sample_mean[:, :, 0], x[:, :, 0].float())  # a frozen element's mean is x
     assert torch.equal(out.prev_sample[:, :, 1:], plain.prev_sample[:, :, 1:])
+    assert torch.equal(out.prev_sample_mean[:, :, 1:], plain.prev_sample_mean[:, :, 1:])
     assert torch.equal(out.count, torch.full((2,), float(x[0, :, 1:].numel())))
     v2, p2, r2 = v.clone(), out.prev_sample.clone(), v_ref.clone()
     v2[:, :, 0] += 5.0
