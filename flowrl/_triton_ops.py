@@ -114,10 +114,9 @@ class _KernelScalars:
         self.args = (SIGMA_ONE_TOL, spec.noise_level, reference.sin_half_pi(spec.noise_level, torch.float32))
         dummy = self.sigmas
         tok_args, frozen_args = (dummy, 1, 1, 0), (dummy, 1, 1, 0)
-        if spec.per_token:
-            pairs = torch.stack((spec.token_sigmas.to(torch.float32), spec.token_sigmas_next.to(torch.float32)), dim=-1)
-            table, inner, groups, stride = flat_layout(pairs[..., 0], sample_shape)
-            table_next = flat_layout(pairs[..., 1], sample_shape)[0]
+        if spec.per_token:  # one [Bt, G, 2] table of (sigma, sigma') pairs
+            table, inner, groups, stride = flat_layout(spec.token_sigmas.to(torch.float32), sample_shape)
+            table_next = flat_layout(spec.token_sigmas_next.to(torch.float32), sample_shape)[0]
             tok_args = (torch.stack((table, table_next), dim=-1).contiguous(), inner, groups, stride)
         if spec.frozen is not None:
             table, inner, groups, stride = flat_layout(spec.frozen, sample_shape)
@@ -258,7 +257,7 @@ class _SDEStep(torch.autograd.Function):
         if grad_mean is not None:
             grad_mu = grad_mu + grad_mean.reshape(x.shape)
         if spec.elementwise:  # per-element coefficients; kept elements (x' = x) pass the grad to x
-            terms = reference._ElementTerms(spec, x, torch.float32)
+            terms = reference._ElementTerms(spec, x, torch.float32, with_stats=False)
             a, c, std, keep = terms.a, terms.c, terms.std, terms.keep
         else:
             a, c, std = (t.reshape((-1,) + (1,) * (x.dim() - 1)) for t in reference.mode_coefficients(

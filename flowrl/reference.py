@@ -371,7 +371,7 @@ class _ElementTerms:
     kinds that divide by the variance: exactly 1 where a token's step is its sample's; None when
     per sample)."""
 
-    def __init__(self, spec, sample: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, spec, sample: torch.Tensor, dtype: torch.dtype, with_stats: bool = True):
         a, c, std_ref = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
         column = (-1,) + (1,) * (sample.dim() - 1)
         self.std_ref, self.weight, self.keep = std_ref, None, spec.frozen
@@ -386,7 +386,8 @@ class _ElementTerms:
         else:
             self.a, self.c, self.std = a.reshape(column), c.reshape(column), std_ref.reshape(column)
         self.scored = self.std > 0 if spec.frozen is None else (self.std > 0) & ~spec.frozen
-        self.stats = scored_statistics(spec, sample.shape, dtype)
+        # the count and log term (a collective under sequence parallelism): forward only
+        self.stats = scored_statistics(spec, sample.shape, dtype) if with_stats else None
 
     def reduce(self, spec, r: torch.Tensor):
         """(value [B], count [B]) from the full-shape residuals ``r``: weighted squares of the scored

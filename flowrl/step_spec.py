@@ -129,7 +129,7 @@ def token_schedule(sigmas: torch.Tensor, token_sigmas: torch.Tensor):
 def flat_layout(t: torch.Tensor, sample_shape):
     """A compact tensor broadcastable to ``sample_shape`` as the kernels index it: ``(table [Bt, G]
     contiguous, inner, groups, batch_stride)`` with element e of sample b (flattened, in-sample) reading
-    ``table[b * batch_stride // groups][(e // inner) % groups]``. Dims outside the span of t's non-1
+    the flat table at ``b * batch_stride + (e // inner) % groups`` (batch_stride 0 when Bt is 1). Dims outside the span of t's non-1
     dims (after the batch) are pure repetition; only the span is materialised (expanded where t has a
     1 inside it), never the full sample unless the user passed one."""
     dims = [d for d in range(1, len(sample_shape)) if t.shape[d] != 1]
