@@ -9,6 +9,15 @@ Operations: ``rollout`` (``sde_step`` with given float32 noise, no mean returned
 ``step_kl`` plus ``torch.autograd.grad`` with respect to ``model_output``). Modes ``sde`` (Gaussian
 log-prob) and ``cps`` (``sq_err`` log-prob), as Flow-GRPO computes them.
 
+Conditioned video steps (``--ops rollout_cond,recompute_fwd_cond,recompute_fwd_bwd_cond``, 5-D
+[B, C, F, H, W] shapes only, in the full sweep for its video shapes): the op with a per-frame schedule
+(``token_sigmas`` [B, 1, F, 1, 1]; frame 0 at sigma 0, the others at the step's sigma) and frame 0
+frozen (``frozen`` [1, 1, F, 1, 1]), as an image-to-video rollout steps (Wan 2.2 TI2V). The kernels
+take the per-token path (per-element coefficients from the compact per-frame table, the mask) for
+every element. The baseline computes the same values the way trainers do it today: the peers'
+formula on the frames after the conditioning one, sliced off by hand (Flow-Factory); outputs are
+compared on those frames (the gradient on every frame: frame 0's is 0).
+
 Implementations: ``flowrl-triton`` (CUDA only; what ``backend="auto"`` runs on CUDA), ``flowrl-torch``
 (the reference; what ``"auto"`` runs on CPU), ``eager`` (the baseline) and ``compile`` (``torch.compile``
 of the baseline, given [B, N] views with ``dynamic=True`` so the sweep compiles one graph per op, mode,
@@ -50,6 +59,8 @@ from flowrl import _dispatch  # noqa: E402
 from flowrl.contract import CHUNK_SIZE  # noqa: E402
 
 OPS = ("rollout", "recompute_fwd", "recompute_fwd_bwd", "kl_fwd_bwd")
+COND_OPS = ("rollout_cond", "recompute_fwd_cond", "recompute_fwd_bwd_cond")  # 5-D video shapes only
+COND_SUFFIX = "_cond"
 MODES = baseline.MODES
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 IMPLS = ("flowrl-triton", "flowrl-torch", "eager", "compile")
@@ -65,7 +76,7 @@ QUICK_SHAPES = [(1, 4096, 64), (2, 16, 128, 128)]
 
 NUM_STEPS, SHIFT, STEP_INDEX, NOISE_LEVEL = 10, 3.0, 2, 0.7
 CHECK_RTOL = 1e-2  # loose on purpose: catches a wrong formula, not rounding-order differences
-PEAK_OP = "recompute_fwd_bwd"
+PEAK_OP = ("recompute_fwd_bwd", "recompute_fwd_bwd_cond")
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 1 << 27}
 
 
@@ -80,7 +91,14 @@ NOISE_SOURCES = ("tensor", "philox", "none")  # a rollout's eps: float32 tensor,
 MODELLED_IMPLS = ("flowrl-triton",)  # the implementations whose traffic kernel_bytes models
 
 
+def base_op(op: str) -> str:
+    """The op a conditioned op times (its bytes are the base op's: every element is read and written,
+    the per-frame table and mask are a few bytes per frame)."""
+    return op[: -len(COND_SUFFIX)] if op in COND_OPS else op
+
+
 def _check_variant(op: str, noise: str, write_mean: bool) -> None:
+    op = base_op(op)
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}")
     if noise not in NOISE_SOURCES:
@@ -101,6 +119,7 @@ def min_bytes(op: str, numel: int, batch: int, itemsize: int, noise: str = "tens
     the value [B] and grad_v (3Ns + 8B). The table recorded on 2026-11-29 (bench/results/) counted x for the
     KL too (4Ns + 8B)."""
     _check_variant(op, noise, write_mean)
+    op = base_op(op)
     if op == "rollout":
         return numel * (3 * itemsize + (4 if noise == "tensor" else 0) + (4 if write_mean else 0)) + 4 * batch
     if op == "recompute_fwd":
@@ -146,6 +165,7 @@ def kernel_bytes(op: str, numel: int, batch: int, itemsize: int, noise: str = "t
     partials per sample (16M elements), the torch adds that pre-combine them (under 1% of the
     element traffic)."""
     _check_variant(op, noise, write_mean)
+    op = base_op(op)
     s, n, b = itemsize, numel, batch
     chunks = b * -(-(n // b) // CHUNK_SIZE)  # B * P, P = ceil(N / B / CHUNK_SIZE)
     partials = 4 * chunks + 4 * chunks  # written by the element kernel, read by finalize
@@ -177,6 +197,11 @@ class Case:
     noise: torch.Tensor  # float32, as flowrl and the peers draw it
     prev: torch.Tensor  # a sample emitted by a rollout step, in the storage dtype
     grad_out: torch.Tensor  # ones [B]
+    # conditioned video steps (5-D shapes): per-frame sigmas [B, 1, F, 1, 1], frame 0 frozen, and a
+    # sample emitted by a conditioned rollout step
+    token_sigmas: Optional[torch.Tensor] = None
+    frozen: Optional[torch.Tensor] = None
+    prev_cond: Optional[torch.Tensor] = None
 
     @property
     def log_prob(self) -> str:
@@ -194,17 +219,57 @@ def make_case(shape, dtype, mode, device, seed: int = 0) -> Case:
         x, v, sigmas, STEP_INDEX, mode=mode, noise_level=NOISE_LEVEL, noise=noise,
         log_prob=baseline.LOG_PROB_KIND[mode], backend="torch", return_prev_sample_mean=False,
     ).prev_sample
+    cond = {}
+    if len(shape) == 5:
+        frames = shape[2]
+        token_sigmas = sigmas[STEP_INDEX].expand(shape[0], 1, frames, 1, 1).clone()
+        token_sigmas[:, :, 0] = 0.0  # the conditioning frame: held
+        frozen = torch.zeros(1, 1, frames, 1, 1, dtype=torch.bool, device=device)
+        frozen[:, :, 0] = True
+        prev_cond = flowrl.sde_step(
+            x, v, sigmas, STEP_INDEX, mode=mode, noise_level=NOISE_LEVEL, noise=noise, log_prob=baseline.LOG_PROB_KIND[mode],
+            backend="torch", return_prev_sample_mean=False, token_sigmas=token_sigmas, frozen=frozen,
+        ).prev_sample
+        cond = dict(token_sigmas=token_sigmas, frozen=frozen, prev_cond=prev_cond)
     return Case(
         shape=tuple(shape), dtype=dtype, mode=mode, sigmas=sigmas,
         step_index=torch.full((shape[0],), STEP_INDEX, dtype=torch.int64, device=device),
         sigma_max=float(sigmas[1]), x=x, v=v, v_grad=v.detach().clone().requires_grad_(True), v_ref=v_ref,
-        noise=noise, prev=prev, grad_out=torch.ones(shape[0], device=device),
+        noise=noise, prev=prev, grad_out=torch.ones(shape[0], device=device), **cond,
     )
 
 
 # ---- the implementations: each builds a no-argument callable returning the op's outputs ----------
 
+def _check_cond(case: Case, op: str) -> None:
+    if op in COND_OPS and case.token_sigmas is None:
+        raise ValueError(f"{op} needs a 5-D video shape [B, C, F, H, W]; got {case.shape}")
+
+
+def _flowrl_cond_fn(case: Case, op: str, backend: str) -> Callable[[], Tuple[torch.Tensor, ...]]:
+    common = dict(mode=case.mode, noise_level=NOISE_LEVEL, backend=backend, token_sigmas=case.token_sigmas,
+                  frozen=case.frozen, log_prob=case.log_prob)
+    if op == "rollout_cond":
+        def fn():
+            out = flowrl.sde_step(case.x, case.v, case.sigmas, STEP_INDEX, noise=case.noise,
+                                  return_prev_sample_mean=False, **common)
+            return out.prev_sample[:, :, 1:], out.log_prob
+    elif op == "recompute_fwd_cond":
+        def fn():
+            with torch.no_grad():
+                return (flowrl.step_log_prob(case.x, case.v, case.prev_cond, case.sigmas, STEP_INDEX, **common),)
+    else:
+        def fn():
+            lp = flowrl.step_log_prob(case.x, case.v_grad, case.prev_cond, case.sigmas, STEP_INDEX, **common)
+            (grad,) = torch.autograd.grad(lp, case.v_grad, case.grad_out)
+            return lp.detach(), grad
+    return fn
+
+
 def _flowrl_fn(case: Case, op: str, backend: str) -> Callable[[], Tuple[torch.Tensor, ...]]:
+    if op in COND_OPS:
+        _check_cond(case, op)
+        return _flowrl_cond_fn(case, op, backend)
     common = dict(mode=case.mode, noise_level=NOISE_LEVEL, backend=backend)
     if op == "rollout":
         def fn():
@@ -269,8 +334,29 @@ def _baseline_fn(case: Case, op: str, compiled: bool) -> Callable[[], Tuple[torc
     else:
         flat = lambda t: t  # noqa: E731
         rollout, log_prob, kl = _baseline_rollout, _baseline_log_prob, _baseline_kl
-    x, v, v_grad, prev, v_ref, noise = map(flat, (case.x, case.v, case.v_grad, case.prev, case.v_ref, case.noise))
     scalars = (case.sigmas, case.step_index, case.sigma_max, case.mode)
+    if op in COND_OPS:  # the conditioning frame sliced off by hand, as trainers do it today
+        _check_cond(case, op)
+        cut = lambda t: flat(t[:, :, 1:])  # noqa: E731
+        x, v, prev = cut(case.x), cut(case.v), cut(case.prev_cond)
+        op = base_op(op)
+        if op == "rollout":
+            noise = cut(case.noise)
+
+            def fn():
+                prev_out, lp = rollout(x, v, noise, *scalars, case.dtype)
+                return prev_out.reshape(case.x[:, :, 1:].shape), lp
+        elif op == "recompute_fwd":
+            def fn():
+                with torch.no_grad():
+                    return (log_prob(x, v, prev, *scalars),)
+        else:
+            def fn():
+                lp = log_prob(x, cut(case.v_grad), prev, *scalars)
+                (grad,) = torch.autograd.grad(lp, case.v_grad, case.grad_out)
+                return lp.detach(), grad
+        return fn
+    x, v, v_grad, prev, v_ref, noise = map(flat, (case.x, case.v, case.v_grad, case.prev, case.v_ref, case.noise))
     if op == "rollout":
         def fn():
             prev_out, lp = rollout(x, v, noise, *scalars, case.dtype)
@@ -527,6 +613,8 @@ def run_sweep(
         numel, batch, itemsize = case.x.numel(), shape[0], case.x.element_size()
         shape_s = "x".join(map(str, shape))
         for op in ops:
+            if op in COND_OPS and len(shape) != 5:
+                continue  # conditioned steps are video steps
             eager = build("eager", case, op)
             expected = eager()
             op_rows = {impl: Row(op, mode, dname, shape_s, impl) for impl in impls}
@@ -546,7 +634,7 @@ def run_sweep(
             for impl, ms in time_all(fns, device, budget_s=timing_budget_s).items():
                 row = op_rows[impl]
                 set_rates(row, ms, numel, copy)
-                if op == PEAK_OP:
+                if op in PEAK_OP:
                     peak = peak_extra_bytes(fns[impl], device)
                     row.peak_extra_mib = math.nan if peak is None else peak / 2**20
                     row.grad_mib = numel * itemsize / 2**20
@@ -881,7 +969,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--shapes", type=parse_shapes, help="comma-separated, e.g. 1x4096x64,4x16x21x60x104")
     p.add_argument("--dtypes", type=_choices(list(DTYPES)), default=list(DTYPES))
     p.add_argument("--modes", type=_choices(MODES), default=list(MODES))
-    p.add_argument("--ops", type=_choices(OPS), default=list(OPS))
+    p.add_argument("--ops", type=_choices(OPS + COND_OPS), default=list(OPS + COND_OPS),
+                   help="the conditioned ops (*_cond) run on 5-D video shapes only")
     p.add_argument("--impls", type=_choices(IMPLS), default=list(IMPLS))
     p.add_argument("--threads", type=int, default=None,
                    help="CPU: torch.set_num_threads (1 gives stable timings on a loaded, shared machine)")

@@ -9,7 +9,7 @@ import importlib
 
 from ._validate import no_value_checks
 from .contract import CHUNK_SIZE
-from .functional import SDEStepOutput, draw_noise, sde_step, step_kl, step_log_prob
+from .functional import LogProbWithCount, SDEStepOutput, combine_streams, draw_noise, sde_step, step_kl, step_log_prob
 from .step_spec import StepSpec
 
 __version__ = "0.1.0"
@@ -43,7 +43,7 @@ def available_backends():
 
 
 __all__ = [
-    "SDEStepOutput", "sde_step", "step_log_prob", "step_kl", "draw_noise", "CHUNK_SIZE", "StepSpec",
+    "SDEStepOutput", "LogProbWithCount", "combine_streams", "sde_step", "step_log_prob", "step_kl", "draw_noise", "CHUNK_SIZE", "StepSpec",
     "no_value_checks",
     "FlowMatchEulerDiscreteScheduler", "RolloutRecorder", "RolloutTrajectory", "available_backends",
 ]

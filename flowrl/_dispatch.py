@@ -22,8 +22,8 @@ ENV_VAR = "FLOWRL_BACKEND"
 @dataclass(frozen=True)
 class Backend:
     """One backend's ops: ``sde_step(spec, sample, model_output, noise)`` -> (prev_sample, log_prob,
-    mean or None, std); ``step_log_prob(spec, sample, model_output, prev_sample)`` and
-    ``step_kl(spec, sample, model_output, ref_model_output)`` -> value [B]."""
+    mean or None, std, count); ``step_log_prob(spec, sample, model_output, prev_sample)`` and
+    ``step_kl(spec, sample, model_output, ref_model_output)`` -> (value [B], count [B])."""
 
     name: str
     sde_step: Callable

@@ -34,6 +34,7 @@ from flowrl.kernels.step import finalize_kernel, step_backward_kernel, step_part
 
 from . import reference
 from .contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, SIGMA_ONE_TOL, LogProbKind, NoiseSource, Op, Reduction
+from .step_spec import flat_layout
 
 # Largest partial count combined by the finalize kernel in one program (16M elements per sample at
 # CHUNK_SIZE 1024; 16 warps, 32 values per thread: at 65536 triton 3.6 spilled 40 bytes on sm_90a);
@@ -101,14 +102,30 @@ _LAUNCH = dict(enable_fp_fusion=False)
 
 
 class _KernelScalars:
-    """The spec's per-call scalars in the form the kernels take them."""
+    """The spec's per-call scalars in the form the kernels take them, and an elementwise step's
+    compact tables (per-token (sigma, sigma') pairs, the frozen mask) with their index math
+    (``flat_layout``), the scored count and the per-token log term (``reference.scored_statistics``)."""
 
-    def __init__(self, spec):
+    def __init__(self, spec, sample_shape):
         # the contract's float32 table (a float64 schedule is read as float32, as the reference does)
         self.sigmas = spec.sigmas.to(torch.float32).contiguous()
         self.step_index = spec.step_index.contiguous()
         # cps' sin(eta * pi / 2): the reference's float32 value, computed once on the host
         self.args = (SIGMA_ONE_TOL, spec.noise_level, reference.sin_half_pi(spec.noise_level, torch.float32))
+        dummy = self.sigmas
+        tok_args, frozen_args = (dummy, 1, 1, 0), (dummy, 1, 1, 0)
+        if spec.per_token:  # one [Bt, G, 2] table of (sigma, sigma') pairs
+            table, inner, groups, stride = flat_layout(spec.token_sigmas.to(torch.float32), sample_shape)
+            table_next = flat_layout(spec.token_sigmas_next.to(torch.float32), sample_shape)[0]
+            tok_args = (torch.stack((table, table_next), dim=-1).contiguous(), inner, groups, stride)
+        if spec.frozen is not None:
+            table, inner, groups, stride = flat_layout(spec.frozen, sample_shape)
+            frozen_args = (table.view(torch.uint8), inner, groups, stride)
+        self.elementwise_args = (*tok_args, *frozen_args)
+        self.switches = dict(PER_TOKEN=spec.per_token, HAS_FROZEN=spec.frozen is not None,
+                             WEIGHTED=spec.per_token and spec.kind is not LogProbKind.SQ_ERR)
+        self.count, self.log_term = (reference.scored_statistics(spec, sample_shape, torch.float32)
+                                     if spec.elementwise else (None, None))
 
 
 def _rows_shape(t: torch.Tensor):
@@ -132,9 +149,9 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
         step_partials_kernel, (b * n_blocks,),
         x, v, x if third is None else third, prev_out if prev_out is not None else partials,
         mean_out if write_mean else partials, partials, ks.sigmas, ks.step_index,
-        seeds, stream_stride, elem_offset, n, n_chunks, n_blocks, *ks.args,
+        seeds, stream_stride, elem_offset, n, n_chunks, n_blocks, *ks.args, *ks.elementwise_args,
         MODE=int(spec.mode), OP=int(spec.op), WRITE_MEAN=write_mean, CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE,
-        GROUP=group,
+        GROUP=group, **ks.switches,
         # CHUNK_SIZE is a multiple of 4: every block starts on a Philox quad when the offset does
         NOISE=int(noise_from), PHILOX_ALIGNED=philox and elem_offset % 4 == 0,
         num_warps=num_warps, **_LAUNCH,
@@ -143,7 +160,7 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
 
 
 def _finalize(spec, ks: _KernelScalars, partials: torch.Tensor):
-    """(value [B], std [B]) from the full sample's partials [B, P]."""
+    """(value [B], std [B], count [B]) from the full sample's partials [B, P]."""
     partials = partials.to(torch.float32).contiguous()
     p = partials.shape[1]
     width = max(2, 1 << max(p - 1, 0).bit_length())  # zero padding to >= 2 adds exact zeros only
@@ -158,16 +175,22 @@ def _finalize(spec, ks: _KernelScalars, partials: torch.Tensor):
     b = partials.shape[0]
     value = torch.empty(b, dtype=torch.float32, device=partials.device)
     std = torch.empty(b, dtype=torch.float32, device=partials.device)
+    given = ks.count is not None
+    count = ks.count.contiguous() if given else torch.empty(b, dtype=torch.float32, device=partials.device)
+    has_log = ks.log_term is not None
+    log_term = ks.log_term.to(torch.float32).contiguous() if has_log else value
     _launch(
         finalize_kernel, (b,),
-        partials, ks.sigmas, ks.step_index, value, std, p, float(spec.numel), *ks.args,
+        partials, ks.sigmas, ks.step_index, value, std, count, log_term, p, float(spec.numel), *ks.args,
         MODE=int(spec.mode), KIND=int(spec.kind), MEAN=spec.reduction is Reduction.MEAN, WIDTH=width,
-        LOG2_WIDTH=width.bit_length() - 1, num_warps=finalize_warps(width), **_LAUNCH,
+        LOG2_WIDTH=width.bit_length() - 1, COUNT_GIVEN=given, HAS_LOG=has_log, num_warps=finalize_warps(width),
+        **_LAUNCH,
     )
-    return value, std
+    return value, std, count
 
 
-def _backward(spec, ks: _KernelScalars, x, v, third, grad, need, kind: Optional[LogProbKind] = None, third_dtype=None):
+def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Optional[LogProbKind] = None,
+              third_dtype=None):
     """(grad_x, grad_v, grad_third) of the log-prob (third = x') or the KL (third = v_ref); None where
     ``need`` is False. Grads are written in their input's dtype (``third_dtype`` overrides third's)."""
     need_x, need_v, need_third = need
@@ -188,9 +211,10 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, need, kind: Optional[
             step_backward_kernel, (b * n_blocks,),
             x, v, third, grad.to(torch.float32).contiguous(),
             grad_x if kernel_needs[0] else dummy, grad_v if need_v else dummy,
-            grad_third if need_third else dummy, ks.sigmas, ks.step_index, n, n_blocks, float(spec.numel), *ks.args,
+            grad_third if need_third else dummy, ks.sigmas, ks.step_index, count, n, n_blocks, *ks.args,
+            *ks.elementwise_args,
             MODE=int(spec.mode), KIND=int(kind), MEAN=spec.reduction is Reduction.MEAN, IS_KL=is_kl,
-            NEED_X=kernel_needs[0], NEED_V=need_v, NEED_THIRD=need_third, BLOCK=block,
+            NEED_X=kernel_needs[0], NEED_V=need_v, NEED_THIRD=need_third, BLOCK=block, **ks.switches,
             num_warps=num_warps, **_LAUNCH,
         )
     return grad_x, grad_v, grad_third
@@ -207,8 +231,8 @@ def _sde_step_forward(spec, ks, x, v, noise):
     prev = torch.empty(x.shape, dtype=spec.out_dtype, device=x.device)
     mean = torch.empty(x.shape, dtype=torch.float32, device=x.device) if spec.return_mean else None
     partials = spec.gather(_partials(spec, ks, x, v, noise, prev_out=prev, mean_out=mean))
-    lp, std = _finalize(spec, ks, partials)
-    return prev, lp, mean, std
+    lp, std, count = _finalize(spec, ks, partials)
+    return prev, lp, mean, std, count
 
 
 class _SDEStep(torch.autograd.Function):
@@ -218,38 +242,46 @@ class _SDEStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, v, noise, spec, ks):
-        prev, lp, mean, std = _sde_step_forward(spec, ks, x, v, noise)
-        ctx.save_for_backward(x, v, noise, prev)
+        prev, lp, mean, std, count = _sde_step_forward(spec, ks, x, v, noise)
+        ctx.save_for_backward(x, v, noise, prev, count)
         ctx.spec, ctx.ks = spec, ks
-        ctx.mark_non_differentiable(std)
-        return prev, lp, mean, std
+        ctx.mark_non_differentiable(std, count)
+        return prev, lp, mean, std, count
 
     @staticmethod
-    def backward(ctx, grad_prev, grad_lp, grad_mean, _grad_std):
-        x, v, noise, prev = ctx.saved_tensors
+    def backward(ctx, grad_prev, grad_lp, grad_mean, _grad_std, _grad_count):
+        x, v, noise, prev, count = ctx.saved_tensors
         spec = ctx.spec
         need_x, need_v, need_noise = ctx.needs_input_grad[:3]
-        b = x.shape[0]
-        a, c, std = reference.mode_coefficients(ctx.ks.sigmas, ctx.ks.step_index, spec.mode, spec.noise_level,
-                                                torch.float32)
-        grad_mu = grad_prev.to(torch.float32).reshape(b, -1)
+        grad_mu = grad_prev.to(torch.float32).reshape(x.shape)
         if grad_mean is not None:
-            grad_mu = grad_mu + grad_mean.reshape(b, -1)
-        grad_x = (a.reshape(-1, 1) * grad_mu).reshape(x.shape).to(x.dtype) if need_x else None
-        grad_v = (c.reshape(-1, 1) * grad_mu).reshape(v.shape).to(v.dtype) if need_v else None
+            grad_mu = grad_mu + grad_mean.reshape(x.shape)
+        if spec.elementwise:  # per-element coefficients; kept elements (x' = x) pass the grad to x
+            terms = reference._ElementTerms(spec, x, torch.float32, with_stats=False)
+            a, c, std, keep = terms.a, terms.c, terms.std, terms.keep
+        else:
+            a, c, std = (t.reshape((-1,) + (1,) * (x.dim() - 1)) for t in reference.mode_coefficients(
+                ctx.ks.sigmas, ctx.ks.step_index, spec.mode, spec.noise_level, torch.float32))
+            keep = None
+
+        def unless_kept(value, kept_value):
+            return value if keep is None else torch.where(keep, kept_value, value)
+
+        grad_x = unless_kept(a * grad_mu, grad_mu).to(x.dtype) if need_x else None
+        grad_v = unless_kept(c * grad_mu, torch.zeros_like(grad_mu)).to(v.dtype) if need_v else None
         grad_noise = None
         if need_noise:
             # d log-prob / d x' from the fused log-prob backward, evaluated at the emitted sample
-            _, _, grad_prev_lp = _backward(spec, ctx.ks, x, v, prev, grad_lp, (False, False, True),
+            _, _, grad_prev_lp = _backward(spec, ctx.ks, x, v, prev, grad_lp, count, (False, False, True),
                                            third_dtype=torch.float32)
             total = grad_prev.to(torch.float32) + grad_prev_lp
-            grad_noise = (std.reshape((b,) + (1,) * (x.dim() - 1)) * total).to(noise.dtype)
+            grad_noise = unless_kept(std * total, torch.zeros_like(total)).to(noise.dtype)
         return grad_x, grad_v, grad_noise, None, None
 
 
 def sde_step(spec, sample: torch.Tensor, model_output: torch.Tensor, noise: Optional[torch.Tensor]):
-    """The rollout step of ``spec``: ``(prev_sample, log_prob [B], mean or None, std [B])``."""
-    ks = _KernelScalars(spec)
+    """The rollout step of ``spec``: ``(prev_sample, log_prob [B], mean or None, std [B], count [B])``."""
+    ks = _KernelScalars(spec, sample.shape)
     x, v = sample.contiguous(), model_output.contiguous()
     eps = noise.contiguous() if noise is not None else None  # None: Philox noise, or a deterministic step
     if _needs_grad(x, v, eps):
@@ -261,42 +293,44 @@ def sde_step(spec, sample: torch.Tensor, model_output: torch.Tensor, noise: Opti
 
 
 def _value_forward(spec, ks, x, v, third):
-    value, _ = _finalize(spec, ks, spec.gather(_partials(spec, ks, x, v, third)))
-    return value
+    value, _, count = _finalize(spec, ks, spec.gather(_partials(spec, ks, x, v, third)))
+    return value, count
 
 
 class _StepValue(torch.autograd.Function):
     """step_log_prob (third = x') or step_kl (third = v_ref): fused forward and fused backward; saves
-    only the inputs."""
+    only the inputs (and the count [B])."""
 
     @staticmethod
     def forward(ctx, x, v, third, spec, ks):
-        ctx.save_for_backward(x, v, third)
+        value, count = _value_forward(spec, ks, x, v, third)
+        ctx.save_for_backward(x, v, third, count)
         ctx.spec, ctx.ks = spec, ks
-        return _value_forward(spec, ks, x, v, third)
+        ctx.mark_non_differentiable(count)
+        return value, count
 
     @staticmethod
-    def backward(ctx, grad):
-        x, v, third = ctx.saved_tensors
-        grads = _backward(ctx.spec, ctx.ks, x, v, third, grad, ctx.needs_input_grad[:3])
+    def backward(ctx, grad, _grad_count):
+        x, v, third, count = ctx.saved_tensors
+        grads = _backward(ctx.spec, ctx.ks, x, v, third, grad, count, ctx.needs_input_grad[:3])
         return (*grads, None, None)
 
 
 def _value(spec, x, v, third):
-    ks = _KernelScalars(spec)
+    ks = _KernelScalars(spec, x.shape)
     x, v, third = x.contiguous(), v.contiguous(), third.contiguous()
     if _needs_grad(x, v, third):
         return _StepValue.apply(x, v, third, spec, ks)
     return _value_forward(spec, ks, x, v, third)
 
 
-def step_log_prob(spec, sample: torch.Tensor, model_output: torch.Tensor, prev_sample: torch.Tensor) -> torch.Tensor:
-    """Log-prob [B] of the stored ``prev_sample`` (spec.op LOG_PROB)."""
+def step_log_prob(spec, sample: torch.Tensor, model_output: torch.Tensor, prev_sample: torch.Tensor):
+    """(log-prob [B], count [B]) of the stored ``prev_sample`` (spec.op LOG_PROB)."""
     return _value(spec, sample, model_output, prev_sample)
 
 
-def step_kl(spec, sample: torch.Tensor, model_output: torch.Tensor, ref_model_output: torch.Tensor) -> torch.Tensor:
-    """KL [B] between the policies' transitions (spec.op KL)."""
+def step_kl(spec, sample: torch.Tensor, model_output: torch.Tensor, ref_model_output: torch.Tensor):
+    """(KL [B], count [B]) between the policies' transitions (spec.op KL)."""
     return _value(spec, sample, model_output, ref_model_output)
 
 

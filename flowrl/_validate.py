@@ -45,6 +45,7 @@ class _CheckedValues:
 
 
 _checked_schedules = _CheckedValues()
+_checked_token_sigmas = _CheckedValues()
 _checked_step_indices: dict = {}  # num_steps -> _CheckedValues (a range check depends on T)
 _skip = threading.local()
 
@@ -221,6 +222,51 @@ def check_generator(generator, batch: int):
     raise TypeError(f"generator must be None, a torch.Generator or a list of them; got {type(generator).__name__}")
 
 
+def check_broadcastable(name: str, t, sample: torch.Tensor) -> torch.Tensor:
+    """``t`` must be a tensor with the sample's ndim, on its device, each dim 1 or the sample's (a
+    compact per-token / per-element value broadcast to the sample: [B, S, 1] for [B, S, C] tokens)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor broadcastable to sample; got {type(t).__name__}")
+    if t.dim() != sample.dim():
+        raise ValueError(
+            f"{name} must have the sample's ndim {sample.dim()} (each dim 1 or the sample's, e.g. "
+            f"{tuple(sample.shape[:2]) + (1,) * (sample.dim() - 2)}); got shape {tuple(t.shape)}"
+        )
+    if any(d != 1 and d != s for d, s in zip(t.shape, sample.shape)):
+        raise ValueError(
+            f"{name} of shape {tuple(t.shape)} does not broadcast to sample {tuple(sample.shape)} "
+            "(each dim must be 1 or the sample's)"
+        )
+    if t.device != sample.device:
+        raise ValueError(f"{name} is on {t.device} but sample is on {sample.device}; move them to one device")
+    return t
+
+
+def check_token_sigmas(token_sigmas, sample: torch.Tensor, name: str = "token_sigmas") -> torch.Tensor:
+    """Each token's current sigma: a float32 (or float64) tensor broadcastable to the sample, values
+    in [0, 1] (read once per tensor version; skipped under no_value_checks / capture)."""
+    check_broadcastable(name, token_sigmas, sample)
+    if token_sigmas.dtype not in (torch.float32, torch.float64):
+        raise TypeError(
+            f"{name} must be float32 (or float64), like the schedule; got {token_sigmas.dtype} "
+            "(a half-precision sigma is not a schedule value)"
+        )
+    if token_sigmas not in _checked_token_sigmas and not _skip_value_reads():
+        lo, hi = torch.stack(torch.aminmax(token_sigmas.detach().double())).tolist()
+        if not (math.isfinite(lo) and math.isfinite(hi)) or lo < 0 or hi > 1:
+            raise ValueError(f"{name} must be finite sigmas in [0, 1]; got values in [{lo}, {hi}]")
+        _checked_token_sigmas.add(token_sigmas)
+    return token_sigmas
+
+
+def check_frozen(frozen, sample: torch.Tensor, name: str = "frozen") -> torch.Tensor:
+    """A bool mask broadcastable to the sample: True marks a conditioning element (x' = x)."""
+    check_broadcastable(name, frozen, sample)
+    if frozen.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor (True: a frozen conditioning element); got {frozen.dtype}")
+    return frozen
+
+
 class NoiseSeed(NamedTuple):
     """A validated ``noise_seed`` (in-kernel Philox noise, see flowrl.reference.philox_normal).
 
@@ -265,5 +311,5 @@ StepIndex = Union[int, torch.Tensor]
 __all__ = [
     "MODES", "LOG_PROB_KINDS", "REDUCTIONS", "check_bool", "check_choice", "check_float_tensor", "check_batch_tensor",
     "check_sample", "check_noise_level", "check_sigmas", "check_step_index", "check_out_dtype",
-    "check_generator", "check_noise_seed", "NoiseSeed", "capturing", "no_value_checks",
+    "check_generator", "check_noise_seed", "check_broadcastable", "check_token_sigmas", "check_frozen", "NoiseSeed", "capturing", "no_value_checks",
 ]

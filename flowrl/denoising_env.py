@@ -575,25 +575,5 @@ def env_of(traj) -> DenoisingEnv:
     return env
 
 
-def trajectory_step_log_prob(traj, j: int, model_output: torch.Tensor, **kwargs) -> torch.Tensor:
-    """Step ``j``'s log-prob of the stored next latent under ``model_output``, with the trajectory's
-    schedule and settings (``ode`` on steps outside ``sde_steps``, as the rollout ran them)."""
-    from .functional import step_log_prob
-
-    if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < traj.num_steps:
-        raise ValueError(f"j must be an int in [0, {traj.num_steps - 1}]; got {j!r}")
-    kept = traj.latent_step_indices.tolist()
-    missing = [k for k in (j, j + 1) if k not in kept]
-    if missing:
-        raise ValueError(f"step {j}'s log-prob needs the latents of loop steps {j} and {j + 1}; the trajectory "
-                         f"kept {kept} (return_step_indices)")
-    stochastic = traj.sde_steps is None or j in traj.sde_steps.tolist()
-    return step_log_prob(
-        traj.latents[:, kept.index(j)].to(model_output.device), model_output,
-        traj.latents[:, kept.index(j + 1)].to(model_output.device), traj.sigmas.to(model_output.device), j,
-        mode=traj.mode if stochastic else "ode", noise_level=traj.noise_level, log_prob=traj.log_prob,
-        reduction=traj.reduction, **kwargs)
-
-
 __all__ = ["OutputTransform", "DenoisingEnv", "ModelCallRecorder", "StepRecord", "detect_transform",
            "bitwise_equal", "first_tensor"]

@@ -170,7 +170,9 @@ def _with_group(op):
         "every rank, and differentiable: each rank's gradient is its slice of the single-device "
         "gradient. Noise drawn from ``generator`` is this rank's slice of the single-device noise; "
         "``noise_seed`` (the same on every rank) draws only this rank's elements of the single-device "
-        "Philox noise.\n\n" + (op.__doc__ or "")
+        "Philox noise. ``token_sigmas`` and ``frozen`` are this rank's slices too (broadcastable to its "
+        "shard); the scored count is summed over ranks (exact), and so is a per-token gaussian log term "
+        "(to float32 rounding: the other kinds are bitwise).\n\n" + (op.__doc__ or "")
     )
     return on_shards
 

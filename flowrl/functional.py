@@ -8,7 +8,7 @@ The math lives in the backends (``flowrl.reference`` and the Triton kernels), ne
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import List, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -16,7 +16,8 @@ from . import _dispatch
 from . import _validate as V
 from .contract import LogProbKind, Mode, NoiseSource, Op, Reduction
 from .step_spec import (
-    GeneratorArg, ShardContext, StepSpec, draw_noise, elements_per_sample, log_prob_kind, schedule_and_steps,
+    GeneratorArg, ShardContext, StepSpec, draw_noise, elements_per_sample, elementwise_inputs, log_prob_kind,
+    schedule_and_steps,
 )
 
 
@@ -27,16 +28,56 @@ class SDEStepOutput:
     prev_sample: the emitted sample x', in ``out_dtype``.
     log_prob: float32 [B], log-prob of the emitted (rounded) sample.
     prev_sample_mean: float32 mean mu of x' given x (None when not requested).
-    std_dev: float32 [B], the transition's std per sample.
+    std_dev: float32 [B], the transition's std per sample (its own step's, per-token sigmas aside).
+    count: float32 [B], the elements the log-prob scores (not frozen, not held, std > 0): the
+        denominator of ``reduction="mean"``, 0 for a deterministic step (docs/contract.md, Frozen
+        elements and counts).
+
+    Iterating yields the first four fields (``prev, lp, mean, std = sde_step(...)``, as before
+    ``count`` was added).
     """
 
     prev_sample: torch.Tensor
     log_prob: torch.Tensor
     prev_sample_mean: Optional[torch.Tensor]
     std_dev: torch.Tensor
+    count: torch.Tensor
 
     def __iter__(self):
         return iter((self.prev_sample, self.log_prob, self.prev_sample_mean, self.std_dev))
+
+
+class LogProbWithCount(NamedTuple):
+    """``step_log_prob(..., return_count=True)``: the log-prob [B] and the count [B] of elements it
+    scores (float32; SGLang returns the sum and the count). ``log_prob * count`` of a mean is not the
+    sum bit for bit: ask for ``reduction="sum"`` to aggregate sums."""
+
+    log_prob: torch.Tensor
+    count: torch.Tensor
+
+
+def combine_streams(sums: Sequence[torch.Tensor], counts: Sequence[torch.Tensor], reduction: str = "mean") -> torch.Tensor:
+    """The joint log-prob (or KL) [B] of several streams stepped together (LTX-2's video and audio):
+    ``sums`` are each stream's value with ``reduction="sum"``, ``counts`` their counts. ``"sum"``:
+    the streams' sums added left to right; ``"mean"``: that total divided by the total count (0 where
+    no element is scored). The one place the combination is written: ``step_log_prob`` with tuples
+    and the recorder's rollout both call it, so they agree bit for bit."""
+    reduction = Reduction.parse("reduction", reduction)
+    sums, counts = list(sums), list(counts)
+    if not sums or len(sums) != len(counts):
+        raise ValueError(f"combine_streams needs one count per sum and at least one stream; got {len(sums)} sums "
+                         f"and {len(counts)} counts")
+    total = sums[0]
+    for value in sums[1:]:
+        total = total + value
+    if reduction is Reduction.SUM:
+        return total
+    count = counts[0].to(torch.float32)
+    for c in counts[1:]:
+        count = count + c.to(torch.float32)
+    none_scored = count == 0
+    value = total / torch.where(none_scored, torch.ones_like(count), count)
+    return torch.where(none_scored, torch.zeros_like(value), value)
 
 
 def sde_step(
@@ -56,6 +97,8 @@ def sde_step(
     return_prev_sample_mean: bool = True,
     noise_seed: Union[None, int, torch.Tensor] = None,
     shard: Optional[ShardContext] = None,
+    token_sigmas: Optional[torch.Tensor] = None,
+    frozen: Optional[torch.Tensor] = None,
 ) -> SDEStepOutput:
     """Sample x' ~ N(mu, std^2) for one step of ``mode`` and return it with its log-prob.
 
@@ -67,8 +110,15 @@ def sde_step(
     docs/kernels.md. The log-prob is of ``prev_sample`` as emitted in ``out_dtype`` (default:
     model_output's dtype). ``shard``: the sequence-parallel context (``flowrl.distributed`` passes
     it; None on one device).
+
+    ``token_sigmas`` (float, the sample's ndim, broadcastable to it, e.g. [B, S, 1]): each token's
+    current sigma; its next is the largest schedule value strictly below it (diffusers' per-token
+    rule), a token at sigma 0 is held (x' = x). ``frozen`` (bool, broadcastable): conditioning
+    elements, emitted unchanged (x' = x), not scored, zero gradient; the noise keeps its element
+    positions. See docs/contract.md, Per-token schedules and Frozen elements and counts.
     """
     sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
+    elementwise = elementwise_inputs(sample, sigmas, token_sigmas, frozen)
     kind, reduction = log_prob_kind(log_prob), Reduction.parse("reduction", reduction)
     out_dtype = V.check_out_dtype(out_dtype, model_output.dtype)
     seed = None
@@ -89,7 +139,7 @@ def sde_step(
         source = NoiseSource.NONE if mode is Mode.ODE or eta == 0 else NoiseSource.TENSOR
     spec = StepSpec(Op.ROLLOUT, sigmas, idx, mode, eta, kind, reduction, elements_per_sample(sample, shard),
                     out_dtype=out_dtype, noise_source=source, noise_seed=seed,
-                    return_mean=bool(return_prev_sample_mean), shard=shard)
+                    return_mean=bool(return_prev_sample_mean), shard=shard, **elementwise)
     # the backend is chosen (and a bad one refused) before any noise is drawn: a drawn noise is float32,
     # so only a given noise tensor enters the choice
     ops = _dispatch.select(backend, *((sample, model_output) if noise is None else (sample, model_output, noise)))
@@ -98,6 +148,41 @@ def sde_step(
     if noise is None and source is NoiseSource.TENSOR:
         noise = (draw_noise if shard is None else shard.draw_noise)(sample.shape, generator, sample.device)
     return SDEStepOutput(*ops.sde_step(spec, sample, model_output, noise))
+
+
+def _per_stream(name: str, value, n: int) -> list:
+    """One entry per stream: a tuple of n entries, or one value shared by every stream."""
+    if isinstance(value, tuple):
+        if len(value) != n:
+            raise ValueError(f"{name} must have one entry per stream ({n}) or be one shared value; got {len(value)} entries")
+        return list(value)
+    return [value] * n
+
+
+def _joint(op, sample, tensors: dict, shared: dict, reduction, return_count: bool):
+    """``op`` over streams: each stream's sum and count, combined by ``combine_streams``."""
+    n = len(sample)
+    if n == 0:
+        raise ValueError("sample must hold at least one stream when given as a tuple")
+    for name, value in tensors.items():
+        if not isinstance(value, tuple):
+            raise TypeError(f"{name} must be a tuple of {n} tensors, one per stream like sample; got {type(value).__name__}")
+        if len(value) != n:
+            raise ValueError(f"{name} must be a tuple of {n} tensors, one per stream like sample; got {len(value)} entries")
+    streams = {name: list(value) for name, value in tensors.items()}
+    streams.update({name: _per_stream(name, value, n) for name, value in shared.items()})
+    sums, counts = [], []
+    for k in range(n):
+        value, count = op(sample[k], **{name: streams[name][k] for name in streams}, reduction="sum", return_count=True)
+        sums.append(value)
+        counts.append(count)
+    joint = combine_streams(sums, counts, reduction)
+    if not return_count:
+        return joint
+    total = counts[0]
+    for c in counts[1:]:
+        total = total + c
+    return LogProbWithCount(joint, total)
 
 
 def step_log_prob(
@@ -113,16 +198,32 @@ def step_log_prob(
     reduction: str = "mean",
     backend: str = "auto",
     shard: Optional[ShardContext] = None,
-) -> torch.Tensor:
+    token_sigmas: Optional[torch.Tensor] = None,
+    frozen: Optional[torch.Tensor] = None,
+    return_count: bool = False,
+):
     """Log-prob [B] of the stored ``prev_sample`` under the current ``model_output``; differentiable
     with respect to ``model_output``, ``sample`` and ``prev_sample``. On the same backend and inputs it
-    reproduces ``sde_step``'s log-prob bit for bit."""
+    reproduces ``sde_step``'s log-prob bit for bit. ``token_sigmas`` and ``frozen`` as in ``sde_step``;
+    ``return_count=True`` returns ``LogProbWithCount(log_prob, count)``.
+
+    Joint streams: ``sample``, ``model_output`` and ``prev_sample`` as tuples (one tensor per stream,
+    same batch); ``sigmas``, ``step_index``, ``token_sigmas`` and ``frozen`` a tuple with one entry
+    per stream or one shared value. The value is ``combine_streams`` of the streams' sums and counts."""
+    if isinstance(sample, tuple):
+        return _joint(step_log_prob, sample, dict(model_output=model_output, prev_sample=prev_sample),
+                      dict(sigmas=sigmas, step_index=step_index, token_sigmas=token_sigmas, frozen=frozen,
+                           mode=mode, noise_level=noise_level, log_prob=log_prob, backend=backend, shard=shard),
+                      reduction, V.check_bool("return_count", return_count))
     sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
     V.check_batch_tensor("prev_sample", prev_sample, sample)
+    return_count = V.check_bool("return_count", return_count)
     spec = StepSpec(Op.LOG_PROB, sigmas, idx, mode, eta, log_prob_kind(log_prob), Reduction.parse("reduction", reduction),
-                    elements_per_sample(sample, shard), shard=shard)
-    return _dispatch.select(backend, sample, model_output, prev_sample).step_log_prob(
+                    elements_per_sample(sample, shard), shard=shard,
+                    **elementwise_inputs(sample, sigmas, token_sigmas, frozen))
+    value, count = _dispatch.select(backend, sample, model_output, prev_sample).step_log_prob(
         spec, sample, model_output, prev_sample)
+    return LogProbWithCount(value, count) if return_count else value
 
 
 def step_kl(
@@ -137,15 +238,28 @@ def step_kl(
     reduction: str = "mean",
     backend: str = "auto",
     shard: Optional[ShardContext] = None,
-) -> torch.Tensor:
+    token_sigmas: Optional[torch.Tensor] = None,
+    frozen: Optional[torch.Tensor] = None,
+    return_count: bool = False,
+):
     """Exact KL [B] between this step's transitions under ``model_output`` and ``ref_model_output``
-    (same std): ``(mu - mu_ref)^2 / (2 std^2)`` reduced like the log-prob; 0 on deterministic steps."""
+    (same std): ``(mu - mu_ref)^2 / (2 std^2)`` reduced like the log-prob; 0 on deterministic steps.
+    ``token_sigmas``, ``frozen``, ``return_count`` and tuples of streams as in ``step_log_prob``."""
+    if isinstance(sample, tuple):
+        return _joint(step_kl, sample, dict(model_output=model_output, ref_model_output=ref_model_output),
+                      dict(sigmas=sigmas, step_index=step_index, token_sigmas=token_sigmas, frozen=frozen,
+                           mode=mode, noise_level=noise_level, backend=backend, shard=shard),
+                      reduction, V.check_bool("return_count", return_count))
     sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
     V.check_batch_tensor("ref_model_output", ref_model_output, sample)
+    return_count = V.check_bool("return_count", return_count)
     spec = StepSpec(Op.KL, sigmas, idx, mode, eta, LogProbKind.KL, Reduction.parse("reduction", reduction),
-                    elements_per_sample(sample, shard), shard=shard)
-    return _dispatch.select(backend, sample, model_output, ref_model_output).step_kl(
+                    elements_per_sample(sample, shard), shard=shard,
+                    **elementwise_inputs(sample, sigmas, token_sigmas, frozen))
+    value, count = _dispatch.select(backend, sample, model_output, ref_model_output).step_kl(
         spec, sample, model_output, ref_model_output)
+    return LogProbWithCount(value, count) if return_count else value
 
 
-__all__: List[str] = ["SDEStepOutput", "sde_step", "step_log_prob", "step_kl", "draw_noise", "ShardContext"]
+__all__: List[str] = ["SDEStepOutput", "LogProbWithCount", "combine_streams", "sde_step", "step_log_prob", "step_kl",
+                       "draw_noise", "ShardContext"]

@@ -13,12 +13,20 @@ exception. ``flowrl.FlowMatchEulerDiscreteScheduler.rollout(...)`` is the same r
 A rollout replaces the scheduler's Euler step ``x + (sigma' - sigma) v`` on its own sigma table, so it
 drives ``FlowMatchEulerDiscreteScheduler`` (diffusers', flowrl's, or a subclass) and refuses configs
 whose plain step is something else.
+
+Streams: a copy of the recording scheduler made with ``copy.deepcopy`` / ``copy.copy`` while the
+rollout is active (LTX-2's ``audio_scheduler = copy.deepcopy(self.scheduler)``) records into the same
+rollout as another stream, with noise of its own; ``trajectory()`` holds every stream that stepped, and
+its log-prob per step is the joint one (``flowrl.combine_streams``). A copy made outside a rollout, or
+left after it, is a plain scheduler.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import warnings
+from dataclasses import replace
 from numbers import Integral
 from typing import Dict, Iterable, List, Optional
 
@@ -27,7 +35,7 @@ import torch
 from . import _validate as V
 from ._dispatch import BACKENDS
 from .denoising_env import check_env_options, finish_env, start_env
-from .functional import GeneratorArg, sde_step
+from .functional import GeneratorArg, combine_streams, sde_step
 from .scheduler import (
     DiffusersFlowMatchEulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
@@ -37,7 +45,10 @@ from .scheduler import (
 from .timestep_lookup import index_for_timestep
 from .trajectory import RolloutTrajectory
 
-_PATCHED = ("step", "set_timesteps")
+# instance attributes a rollout sets on a recording scheduler (and removes when it ends): the two methods
+# it records through, and the two hooks copy.deepcopy / copy.copy read from an instance (a copy becomes
+# a stream of the rollout instead of a second scheduler sharing the first one's recorder and generator)
+_PATCHED = ("step", "set_timesteps", "__deepcopy__", "__reduce_ex__")
 
 
 # What a recording step takes: the arguments of diffusers' FlowMatchEulerDiscreteScheduler.step, which
@@ -100,6 +111,55 @@ def _index_set(name: str, values, upper: Optional[int] = None) -> Optional[List[
     return sorted(set(out))
 
 
+
+def _derive_generator(g: torch.Generator) -> torch.Generator:
+    """A generator for another stream, seeded by one draw from ``g``: deterministic given ``g``, and never
+    the same sequence of numbers as ``g`` (a deep copy of ``g`` would repeat it)."""
+    seed = int(torch.randint(0, 2 ** 62, (1,), generator=g, device=g.device))
+    return torch.Generator(device=g.device).manual_seed(seed)
+
+
+def _derive(generator: GeneratorArg) -> GeneratorArg:
+    if generator is None:
+        return None  # the global RNG: each draw continues it, so streams never repeat each other's numbers
+    if isinstance(generator, torch.Generator):
+        return _derive_generator(generator)
+    return [_derive_generator(g) for g in generator]  # per sample: sample i's stream noise from generator i
+
+
+def _same_object(x):
+    return x
+
+
+class _Stream:
+    """One scheduler recording into a rollout: the one the rollout was opened on (stream 0), or a copy the
+    pipeline made of it while the rollout was active. Holds that loop's schedule snapshot and records."""
+
+    def __init__(self, recorder: "RolloutRecorder", scheduler, index: int, generator, frozen):
+        self.recorder, self.scheduler, self.index = recorder, scheduler, index
+        self.generator = generator
+        self.derive_from_step_generator = index > 0 and generator is None
+        self.derived: Dict[int, GeneratorArg] = {}  # id(step generator) -> this stream's generator
+        self.frozen = frozen  # the user's mask (stream 0 only), as given
+        self.saved: Dict[str, object] = {}
+        self.begin: Optional[int] = None  # schedule index of the loop's first step
+        self.num_steps: Optional[int] = None
+        self.sigmas: Optional[torch.Tensor] = None  # snapshot, float32 on the sample's device
+        self.timesteps: Optional[torch.Tensor] = None
+        self.latents: Dict[int, torch.Tensor] = {}
+        self.log_probs: List[torch.Tensor] = []
+        self.counts: List[torch.Tensor] = []  # scored elements per step (joint rollouts combine with them)
+        self.token_sigmas: List[torch.Tensor] = []
+        self.frozen_full: Optional[torch.Tensor] = None  # the user's mask, validated, dim 0 expanded to B
+        self.last_prev: Optional[torch.Tensor] = None
+        self.last_unscored: Optional[torch.Tensor] = None
+        self.batch: Optional[int] = None
+
+    @property
+    def steps_recorded(self) -> int:
+        return len(self.log_probs)
+
+
 class RolloutRecorder:
     """Records one denoising loop run through ``scheduler.step``.
 
@@ -114,12 +174,26 @@ class RolloutRecorder:
     generator is used. ``sde_steps``: loop steps that are stochastic (None: all).
     ``return_step_indices``: which latents to keep, index T being the final output (None: all T + 1).
 
+    ``frozen``: a bool mask with the latents' ndim, broadcastable to them (dim 0 is 1 or B): True marks
+    a conditioning element the pipeline does not let the step change (Wan 2.2 TI2V's latent frame 0:
+    ``[1, 1, F, 1, 1]`` True at frame 0). Such elements are held (x' = x), draw no noise, and are left
+    out of the log-prob and of a ``mean``'s count. Per-token timesteps: ``step(...,
+    per_token_timesteps=)`` (LTX Condition) runs each token at its own sigma (``t / 1000``, diffusers'
+    rule for the next one), and tokens at t = 0 are held and left out the same way.
+
+    Streams: a copy of the scheduler made while the recorder is active (``copy.deepcopy`` or
+    ``copy.copy``; LTX-2 copies its scheduler for the audio) records as another stream, with its own
+    noise: generators derived from the rollout's (one draw from each seeds the stream's; per sample
+    stays per sample), or from the generator passed to its ``step``, or the global RNG. Copies made
+    after steps were recorded are refused. The copies' recording ends with the block.
+
     ``model``: the module whose calls to record (e.g. ``pipe.transformer``): the denoising environment,
     ``traj.model_inputs(j)`` / ``traj.step_model_output(j, out)`` (``flowrl.denoising_env``);
     ``env_device``: where to keep its tensors (e.g. ``"cpu"``; None: where they were);
     ``output_transform``: callable(list of the step's call outputs) -> model_output, for pipelines whose
     transform the recorder cannot detect. ``debug``: True or a file path keeps each step's mean, std,
-    noise and model output (``traj.debug_tensors``, ``flowrl.debug``).
+    noise and model output (``traj.debug_tensors``, ``flowrl.debug``). With several streams, the
+    environment's output transform and the debug tensors are stream 0's.
     """
 
     def __init__(
@@ -133,6 +207,7 @@ class RolloutRecorder:
         sde_steps: Optional[Iterable[int]] = None,
         return_step_indices: Optional[Iterable[int]] = None,
         generator: GeneratorArg = None,
+        frozen: Optional[torch.Tensor] = None,
         backend: str = "auto",
         model: Optional[torch.nn.Module] = None,
         env_device=None,
@@ -147,12 +222,18 @@ class RolloutRecorder:
         V.check_choice("backend", backend, BACKENDS)
         if generator is not None and not isinstance(generator, (torch.Generator, list, tuple)):
             raise TypeError(f"generator must be None, a torch.Generator or a list of them; got {type(generator).__name__}")
+        if frozen is not None and (not isinstance(frozen, torch.Tensor) or frozen.dtype != torch.bool):
+            raise TypeError(
+                "frozen must be a bool tensor broadcastable to the latents (True: a conditioning element the "
+                f"pipeline keeps); got {type(frozen).__name__ if not isinstance(frozen, torch.Tensor) else frozen.dtype}"
+            )
         self.scheduler = scheduler
         self.mode, self.log_prob, self.reduction, self.backend = mode, log_prob, reduction, backend
         self.generator = list(generator) if isinstance(generator, (list, tuple)) else generator
+        self.frozen = frozen
         self.sde_steps = _index_set("sde_steps", sde_steps)
         self.return_step_indices = _index_set("return_step_indices", return_step_indices)
-        self._saved: Dict[str, object] = {}
+        self._streams: List[_Stream] = []
         # the denoising environment and debug tensors (flowrl.denoising_env, flowrl.debug): checked here,
         # created per rollout in __enter__
         self._env_options = check_env_options(model, env_device, output_transform, debug)
@@ -161,55 +242,86 @@ class RolloutRecorder:
         self._reset()
 
     def _reset(self) -> None:
-        self._begin: Optional[int] = None  # schedule index of the loop's first step
-        self._num_steps: Optional[int] = None
-        self._sigmas: Optional[torch.Tensor] = None  # snapshot, float32 on the sample's device
-        self._timesteps: Optional[torch.Tensor] = None
-        self._latents: Dict[int, torch.Tensor] = {}
-        self._log_probs: List[torch.Tensor] = []
-        self._last_prev: Optional[torch.Tensor] = None
-        self._batch: Optional[int] = None
+        self._streams = [_Stream(self, self.scheduler, 0, self.generator, self.frozen)]
 
-    # ------------------------------------------------------------------ patching the scheduler instance
+    # ------------------------------------------------------------------ patching the scheduler instances
     def __enter__(self) -> "RolloutRecorder":
         sched = self.scheduler
         if getattr(sched.step, "_flowrl_recorder", None) is not None:
             raise RuntimeError("this scheduler is already recording a rollout; rollouts do not nest")
         check_scheduler(sched)  # the config may have been replaced since construction
         self._reset()
+        self._attach(self._streams[0])
+        self._env, self._debug = start_env(self._env_options)
+        self._env_result = self._debug_result = None
+        return self
+
+    def _attach(self, stream: _Stream) -> None:
+        sched = stream.scheduler
         # an instance attribute the scheduler already had (another wrapper) comes back on exit
-        self._saved = {name: sched.__dict__[name] for name in _PATCHED if name in sched.__dict__}
+        stream.saved = {name: sched.__dict__[name] for name in _PATCHED if name in sched.__dict__}
         original_set_timesteps = sched.set_timesteps
 
         # functools.wraps keeps the scheduler's signature visible: pipelines inspect step and
         # set_timesteps (retrieve_timesteps looks for "sigmas", extra-step-kwargs for "generator")
         @functools.wraps(sched.step)
         def step(*args, **kwargs):
-            return self._step(*args, **kwargs)
+            return self._step(stream, *args, **kwargs)
 
         @functools.wraps(original_set_timesteps)
         def set_timesteps(*args, **kwargs):
-            self._on_set_timesteps()
+            self._on_set_timesteps(stream)
             return original_set_timesteps(*args, **kwargs)
+
+        # copy.deepcopy reads __deepcopy__ from the instance, copy.copy reads __reduce_ex__ from it
+        def __deepcopy__(memo):
+            return self._copy_as_stream(stream, memo)
+
+        def __reduce_ex__(protocol):
+            return _same_object, (self._copy_as_stream(stream, None),)
 
         step._flowrl_recorder = set_timesteps._flowrl_recorder = self
         sched.step, sched.set_timesteps = step, set_timesteps
-        self._env, self._debug = start_env(self._env_options)
-        self._env_result = self._debug_result = None
-        return self
+        sched.__deepcopy__, sched.__reduce_ex__ = __deepcopy__, __reduce_ex__
+
+    def _detach(self, stream: _Stream) -> None:
+        sched = stream.scheduler
+        for name in _PATCHED:
+            if name in stream.saved:
+                setattr(sched, name, stream.saved[name])
+            elif name in sched.__dict__:
+                delattr(sched, name)
+        stream.saved = {}
 
     def __exit__(self, *exc) -> None:
         try:
             env, debug, self._env, self._debug = self._env, self._debug, None, None
             self._env_result, self._debug_result = finish_env(env, debug, exc[0] is None)
         finally:
-            sched = self.scheduler
-            for name in _PATCHED:
-                if name in self._saved:
-                    setattr(sched, name, self._saved[name])
-                elif name in sched.__dict__:
-                    delattr(sched, name)
-            self._saved = {}
+            for stream in self._streams:
+                self._detach(stream)
+
+    def _copy_as_stream(self, source: _Stream, memo: Optional[dict]):
+        """``copy.deepcopy`` (``memo`` a dict) or ``copy.copy`` (``memo`` None) of a recording scheduler: a
+        plain copy of its state, recording as a new stream of this rollout."""
+        if not self.active:
+            raise RuntimeError("a scheduler of a finished rollout still had its copy hooks; this is a flowrl bug")
+        if any(s.steps_recorded for s in self._streams):
+            raise RuntimeError(
+                "the scheduler was copied after this rollout recorded steps: a copy joins the rollout as "
+                "another stream only when made before the first step (as LTX-2 copies its scheduler for the audio)"
+            )
+        sched = source.scheduler
+        state = {k: v for k, v in sched.__dict__.items() if k not in _PATCHED}
+        clone = object.__new__(type(sched))
+        if memo is not None:
+            memo[id(sched)] = clone
+            state = copy.deepcopy(state, memo)
+        clone.__dict__.update(state)
+        stream = _Stream(self, clone, len(self._streams), _derive(self.generator), None)
+        self._streams.append(stream)
+        self._attach(stream)
+        return clone
 
     @property
     def active(self) -> bool:
@@ -217,17 +329,22 @@ class RolloutRecorder:
 
     @property
     def steps_recorded(self) -> int:
-        return len(self._log_probs)
+        return self._streams[0].steps_recorded
 
-    def _on_set_timesteps(self) -> None:
-        if self._log_probs:
+    @property
+    def num_streams(self) -> int:
+        """Streams that recorded steps so far (the scheduler's own, then copies in creation order)."""
+        return max(1, sum(1 for s in self._streams if s.steps_recorded))
+
+    def _on_set_timesteps(self, stream: _Stream) -> None:
+        if stream.log_probs:
             raise RuntimeError(
                 "set_timesteps was called after this rollout recorded steps: a rollout records one denoising "
                 "loop; use a new `with scheduler.rollout(...)` block for each pipeline call"
             )
 
     # ------------------------------------------------------------------ the recording step
-    def _step(self, *args, **kwargs):
+    def _step(self, stream: _Stream, *args, **kwargs):
         try:
             arguments = _STEP_SIGNATURE.bind(*args, **kwargs)
         except TypeError as exc:
@@ -241,117 +358,212 @@ class RolloutRecorder:
         check_step_timestep(timestep)
         V.check_float_tensor("model_output", model_output)
         V.check_float_tensor("sample", sample)
-        if given["per_token_timesteps"] is not None:
-            raise ValueError("per_token_timesteps is not supported inside rollout(): a rollout step has one sigma per sample")
-        sched = self.scheduler
+        sched = stream.scheduler
         if sched.step_index is None:
             # the scheduler's own rule, with flowrl's bf16-safe lookup (diffusers' exact match fails on bf16)
             begin = sched.begin_index
             sched._step_index = index_for_timestep(timestep, sched.timesteps) if begin is None else begin
-        out = self._record(model_output, sample, given["generator"])
+        out = self._record(stream, model_output, sample, given["generator"], given["per_token_timesteps"])
         sched._step_index += 1
         return out if given["return_dict"] else (out.prev_sample,)
 
-    def _start(self, sample: torch.Tensor) -> None:
-        sched = self.scheduler
+    def _start(self, stream: _Stream, sample: torch.Tensor) -> None:
+        sched = stream.scheduler
         if not isinstance(sched.sigmas, torch.Tensor) or sched.sigmas.dtype != torch.float32:
             got = sched.sigmas.dtype if isinstance(sched.sigmas, torch.Tensor) else type(sched.sigmas).__name__
             raise TypeError(f"scheduler.sigmas must be a float32 tensor, diffusers' table; got {got}")
-        self._begin = sched.step_index
+        stream.begin = sched.step_index
         # the loop runs schedule steps begin .. T-1 (begin > 0: img2img); loop step i is schedule step begin + i
-        self._sigmas = sched.sigmas[self._begin:].to(device=sample.device, copy=True)
-        self._num_steps = self._sigmas.numel() - 1
-        if self._num_steps < 1:
-            raise ValueError(f"the loop starts at the schedule's last sigma (step index {self._begin}); nothing to sample")
-        V.check_sigmas(self._sigmas, sample.device)
-        self._timesteps = sched.timesteps[self._begin:].to(sample.device, copy=True)
-        self._batch = sample.shape[0]
-        t = self._num_steps
+        stream.sigmas = sched.sigmas[stream.begin:].to(device=sample.device, copy=True)
+        stream.num_steps = stream.sigmas.numel() - 1
+        if stream.num_steps < 1:
+            raise ValueError(f"the loop starts at the schedule's last sigma (step index {stream.begin}); nothing to sample")
+        V.check_sigmas(stream.sigmas, sample.device)
+        stream.timesteps = sched.timesteps[stream.begin:].to(sample.device, copy=True)
+        stream.batch = sample.shape[0]
+        t = stream.num_steps
         for name, values, upper in (("sde_steps", self.sde_steps, t - 1), ("return_step_indices", self.return_step_indices, t)):
             if values is not None and values and values[-1] > upper:
                 raise ValueError(f"{name} entries must be in [0, {upper}] for this {t}-step loop; got {values[-1]}")
-        if isinstance(self.generator, list) and len(self.generator) != self._batch:
-            raise ValueError(f"generator must be a list of B = {self._batch} generators; got a list of {len(self.generator)}")
+        if isinstance(stream.generator, list) and len(stream.generator) != stream.batch:
+            raise ValueError(f"generator must be a list of B = {stream.batch} generators; got a list of {len(stream.generator)}")
+        if stream.frozen is not None:
+            frozen = V.check_frozen(stream.frozen.to(sample.device), sample, name="frozen")
+            if frozen.shape[0] != 1 and frozen.shape[0] != stream.batch:
+                raise ValueError(f"frozen's dim 0 must be 1 or B = {stream.batch}; got shape {tuple(frozen.shape)}")
+            stream.frozen_full = frozen.expand(stream.batch, *frozen.shape[1:]).contiguous()
 
     def _keep(self, loop_step: int) -> bool:
         return self.return_step_indices is None or loop_step in self.return_step_indices
 
-    def _record(self, model_output, sample, step_generator) -> FlowMatchEulerDiscreteSchedulerOutput:
-        if self._sigmas is None:
-            self._start(sample)
-        i = self.steps_recorded
-        if i >= self._num_steps:
-            raise RuntimeError(f"this rollout already recorded all {self._num_steps} steps of its loop")
-        if sample.shape[0] != self._batch:
-            raise ValueError(f"sample has batch size {sample.shape[0]}; this rollout started with B = {self._batch}")
-        if self.scheduler.step_index != self._begin + i:
-            raise RuntimeError(
-                f"the scheduler is at step index {self.scheduler.step_index} but the rollout expects "
-                f"{self._begin + i}: steps were skipped or repeated"
-            )
-        # torch.equal reads a device value (a sync, refused while capturing a CUDA graph): like the value
-        # checks, skipped while capturing and inside flowrl.no_value_checks(); the warning is all it gives
-        if (self._last_prev is not None and sample is not self._last_prev and not V._skip_value_reads()
-                and not torch.equal(sample, self._last_prev)):
-            warnings.warn(
-                f"loop step {i}'s input is not step {i - 1}'s output (the pipeline changed the latents between "
-                "steps); the trajectory stores each step's input, so recomputing step "
-                f"{i - 1}'s log-prob from latents[:, {i}] will not reproduce it"
-            )
-        stochastic = self.sde_steps is None or i in self.sde_steps
-        # an ode step draws no noise (sde_step skips the draw), so the generators advance on sde steps only
-        generator = (self.generator if self.generator is not None else step_generator) if stochastic else None
-        noise = None
-        if self._debug is not None and stochastic and self.mode != "ode" and self.noise_level != 0:
-            noise, generator = self._debug.draw(sample, generator), None  # the draw sde_step would make
-        out = sde_step(
-            sample, model_output, self._sigmas, i, mode=self.mode if stochastic else "ode",
-            noise_level=self.noise_level, log_prob=self.log_prob, reduction=self.reduction, backend=self.backend,
-            generator=generator, noise=noise,
-        )
-        if self._debug is not None:
-            self._debug.record(out, noise, model_output, sample)
-        if self._env is not None:
-            self._env.on_step(model_output)
-        if self._keep(i):
-            self._latents[i] = sample.detach()
-        self._log_probs.append(out.log_prob.detach())
-        self._last_prev = out.prev_sample
-        if i + 1 == self._num_steps and self._keep(i + 1):
-            self._latents[i + 1] = out.prev_sample.detach()
-        return FlowMatchEulerDiscreteSchedulerOutput(out.prev_sample, out.log_prob, out.prev_sample_mean, out.std_dev)
+    def _stream_generator(self, stream: _Stream, step_generator):
+        if stream.generator is not None or not stream.derive_from_step_generator or step_generator is None:
+            return stream.generator if stream.generator is not None else step_generator
+        key = id(step_generator)  # a stream's own noise, derived once from the generator its step receives
+        if key not in stream.derived:
+            gens = step_generator
+            if isinstance(gens, (list, tuple)) and len(gens) == 1:
+                gens = gens[0]
+            stream.derived[key] = _derive(list(gens) if isinstance(gens, (list, tuple)) else gens)
+        return stream.derived[key]
 
-    def trajectory(self) -> RolloutTrajectory:
-        """The recorded ``RolloutTrajectory`` (after the loop has run all its steps)."""
-        if self._env is not None or self._debug is not None:
-            raise RuntimeError("with model= or debug=, call trajectory() after the `with` block: leaving it "
-                               "removes the model hooks and completes the denoising environment")
-        if self._num_steps is None or self.steps_recorded < self._num_steps:
-            done = self.steps_recorded
-            raise RuntimeError(
-                f"the rollout recorded {done} of {self._num_steps or '?'} steps; run the whole denoising loop "
-                "(the pipeline call) inside `with recorder:` before calling trajectory()"
+    def _token_sigmas(self, stream: _Stream, per_token_timesteps, sample: torch.Tensor) -> Optional[torch.Tensor]:
+        """Each token's sigma as diffusers' per-token step computes it, ``(per_token_timesteps /
+        num_train_timesteps)[..., None]``, checked to broadcast to the sample."""
+        i = stream.steps_recorded
+        if per_token_timesteps is None:
+            if stream.token_sigmas:
+                raise ValueError(f"per_token_timesteps was given on steps 0..{i - 1} of this rollout but not on step {i}; "
+                                 "a rollout takes it on every step or on none")
+            return None
+        if i and not stream.token_sigmas:
+            raise ValueError(f"per_token_timesteps is given on step {i} but was not on steps 0..{i - 1}; "
+                             "a rollout takes it on every step or on none")
+        if not isinstance(per_token_timesteps, torch.Tensor) or not per_token_timesteps.dtype.is_floating_point:
+            raise TypeError("per_token_timesteps must be a float tensor of timesteps (0 = a conditioning token)")
+        token_sigmas = (per_token_timesteps / stream.scheduler.config.num_train_timesteps)[..., None]
+        token_sigmas = V.check_token_sigmas(token_sigmas.to(torch.float32), sample, name="per_token_timesteps[..., None] / 1000")
+        if stream.token_sigmas and stream.token_sigmas[0].shape[1:] != token_sigmas.shape[1:]:
+            raise ValueError(
+                f"per_token_timesteps changed shape between steps ({tuple(stream.token_sigmas[0].shape[1:-1])} -> "
+                f"{tuple(token_sigmas.shape[1:-1])} after the batch dim); a rollout records one shape"
             )
-        keys = sorted(self._latents)
-        dtype = self._latents[keys[0]].dtype
+        return token_sigmas
+
+    def _record(self, stream: _Stream, model_output, sample, step_generator, per_token_timesteps):
+        if stream.sigmas is None:
+            self._start(stream, sample)
+        i = stream.steps_recorded
+        if i >= stream.num_steps:
+            raise RuntimeError(f"this rollout already recorded all {stream.num_steps} steps of its loop")
+        if sample.shape[0] != stream.batch:
+            raise ValueError(f"sample has batch size {sample.shape[0]}; this rollout started with B = {stream.batch}")
+        if stream.scheduler.step_index != stream.begin + i:
+            raise RuntimeError(
+                f"the scheduler is at step index {stream.scheduler.step_index} but the rollout expects "
+                f"{stream.begin + i}: steps were skipped or repeated"
+            )
+        token_sigmas = self._token_sigmas(stream, per_token_timesteps, sample)
+        # torch.equal reads a device value (a sync, refused while capturing a CUDA graph): like the value
+        # checks, skipped while capturing and inside flowrl.no_value_checks(); the warning is all it gives.
+        # Elements the step held (frozen, or at token sigma 0) are not compared: the pipeline may rewrite
+        # them (LTX Condition re-noises its conditioning tokens) and no log-prob reads them.
+        if stream.last_prev is not None and sample is not stream.last_prev and not V._skip_value_reads():
+            changed = sample != stream.last_prev
+            if stream.last_unscored is not None:
+                changed = changed & ~stream.last_unscored
+            if bool(changed.any()):
+                warnings.warn(
+                    f"loop step {i}'s input is not step {i - 1}'s output on {int(changed.sum())} elements the step "
+                    f"scored (the pipeline changed the latents between steps); the trajectory stores each step's "
+                    f"input, so recomputing step {i - 1}'s log-prob from latents[:, {i}] will not reproduce it. If "
+                    "the pipeline keeps those elements fixed (conditioning), pass their mask as rollout(frozen=...)"
+                )
+        stochastic = self.sde_steps is None or i in self.sde_steps
+        joint = len(self._streams) > 1
+        velocity, out_dtype = model_output, None
+        if token_sigmas is not None:
+            # diffusers' per-token step moves by (sigma - sigma') * model_output (its sign is the opposite of
+            # the plain step's) and returns float32: the velocity in flowrl's x + (sigma' - sigma) v is the
+            # negated output (exact), and the emitted sample stays float32, as there
+            velocity, out_dtype = -model_output, torch.float32
+        # an ode step draws no noise (sde_step skips the draw), so the generators advance on sde steps only
+        masks = {k: v for k, v in (("token_sigmas", token_sigmas), ("frozen", stream.frozen_full)) if v is not None}
+        generator = self._stream_generator(stream, step_generator) if stochastic else None
+        debug = self._debug if stream.index == 0 else None
+        noise = None
+        if debug is not None and stochastic and self.mode != "ode" and self.noise_level != 0:
+            noise, generator = debug.draw(sample, generator), None  # the draw sde_step would make
+        out = sde_step(
+            sample, velocity, stream.sigmas, i, mode=self.mode if stochastic else "ode",
+            noise_level=self.noise_level, log_prob=self.log_prob, reduction="sum" if joint else self.reduction,
+            backend=self.backend, out_dtype=out_dtype, **masks, generator=generator, noise=noise,
+        )
+        if debug is not None:
+            debug.record(out, noise, model_output, sample)
+        if self._env is not None and stream.index == 0:
+            self._env.on_step(model_output)
+        prev_sample = out.prev_sample
+        if prev_sample.stride() != sample.stride():
+            # diffusers' step is elementwise on the sample, so its output keeps the sample's layout (LTX-2
+            # steps a transposed view); a model run on the next input can depend on that layout in bf16
+            prev_sample = torch.empty_like(sample, dtype=prev_sample.dtype).copy_(prev_sample)
+        log_prob = out.log_prob
+        if joint:
+            # the stream's own log-prob for the pipeline; the trajectory combines the streams' sums
+            stream.counts.append(out.count.detach())
+            log_prob = combine_streams([out.log_prob], [out.count], self.reduction)
+        if self._keep(i):
+            stream.latents[i] = sample.detach()
+        stream.log_probs.append(out.log_prob.detach())
+        if token_sigmas is not None:
+            stream.token_sigmas.append(token_sigmas.expand(stream.batch, *token_sigmas.shape[1:]))
+        stream.last_prev = prev_sample
+        unscored = stream.frozen_full
+        if token_sigmas is not None:
+            held = token_sigmas == 0
+            unscored = held if unscored is None else (unscored | held)
+        stream.last_unscored = unscored
+        if i + 1 == stream.num_steps and self._keep(i + 1):
+            stream.latents[i + 1] = prev_sample.detach()
+        return FlowMatchEulerDiscreteSchedulerOutput(prev_sample, log_prob, out.prev_sample_mean, out.std_dev)
+
+    # ------------------------------------------------------------------ the result
+    def _stream_trajectory(self, stream: _Stream, log_probs: torch.Tensor) -> RolloutTrajectory:
+        keys = sorted(stream.latents)
+        dtype = stream.latents[keys[0]].dtype
         for k in keys[1:]:
-            dtype = torch.promote_types(dtype, self._latents[k].dtype)  # lossless: a bf16 latent widens exactly
-        latents = torch.stack([self._latents[k].to(dtype) for k in keys], dim=1)
-        device = self._sigmas.device
+            dtype = torch.promote_types(dtype, stream.latents[k].dtype)  # lossless: a bf16 latent widens exactly
+        latents = torch.stack([stream.latents[k].to(dtype) for k in keys], dim=1)
+        device = stream.sigmas.device
         return RolloutTrajectory(
             latents=latents,
-            log_probs=torch.stack(self._log_probs, dim=1),
-            timesteps=self._timesteps,
-            sigmas=self._sigmas,
+            log_probs=log_probs,
+            timesteps=stream.timesteps,
+            sigmas=stream.sigmas,
             latent_step_indices=torch.tensor(keys, dtype=torch.int64, device=device),
             mode=self.mode,
             noise_level=self.noise_level,
             log_prob=self.log_prob,
             reduction=self.reduction,
             sde_steps=None if self.sde_steps is None else torch.tensor(self.sde_steps, dtype=torch.int64, device=device),
-            denoising_env=self._env_result,
-            debug_tensors=self._debug_result,
+            token_sigmas=torch.stack(stream.token_sigmas, dim=1) if stream.token_sigmas else None,
+            frozen=stream.frozen_full,
+            denoising_env=self._env_result if stream.index == 0 else None,
+            debug_tensors=self._debug_result if stream.index == 0 else None,
         )
+
+    def trajectory(self) -> RolloutTrajectory:
+        """The recorded ``RolloutTrajectory`` (after the loop has run all its steps). With several streams,
+        its fields are stream 0's except ``log_probs``, the joint log-prob of every stream per step
+        (``flowrl.combine_streams`` of the streams' sums and counts), and ``streams`` holds each stream's
+        own trajectory (its ``log_probs`` with ``reduction="sum"``, its ``counts``)."""
+        if self._env is not None or self._debug is not None:
+            raise RuntimeError("with model= or debug=, call trajectory() after the `with` block: leaving it "
+                               "removes the model hooks and completes the denoising environment")
+        streams = [s for s in self._streams if s.steps_recorded] or self._streams[:1]
+        for s in streams:
+            if s.num_steps is None or s.steps_recorded < s.num_steps:
+                raise RuntimeError(
+                    f"the rollout's stream {s.index} recorded {s.steps_recorded} of {s.num_steps or '?'} steps; run "
+                    "the whole denoising loop (the pipeline call) inside `with recorder:` before calling trajectory()"
+                )
+        if len(streams) == 1:
+            return self._stream_trajectory(streams[0], torch.stack(streams[0].log_probs, dim=1))
+        num_steps = {s.num_steps for s in streams}
+        if len(num_steps) != 1:
+            raise RuntimeError(f"the rollout's streams ran different numbers of steps {sorted(num_steps)}; a joint "
+                               "rollout steps every stream once per model call")
+        sums = [torch.stack(s.log_probs, dim=1) for s in streams]
+        counts = [torch.stack(s.counts, dim=1) for s in streams]
+        joint = torch.stack([
+            combine_streams([x[:, j] for x in sums], [c[:, j] for c in counts], self.reduction)
+            for j in range(streams[0].num_steps)
+        ], dim=1)
+        per_stream = tuple(
+            replace(self._stream_trajectory(s, x), reduction="sum", counts=c) for s, x, c in zip(streams, sums, counts)
+        )
+        return replace(per_stream[0], log_probs=joint, reduction=self.reduction, counts=None, streams=per_stream)
 
 
 # ``with rollout(pipe.scheduler, mode="sde") as rec:``: a recorder for a scheduler instance the pipeline

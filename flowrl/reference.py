@@ -46,24 +46,23 @@ def cps_std(sigma_next: torch.Tensor, noise_level: float, dtype: torch.dtype) ->
     return sigma_next * sin_half_pi(noise_level, dtype)
 
 
-def sde_noise_scale(table: torch.Tensor, sigma: torch.Tensor, noise_level: float) -> torch.Tensor:
+def sde_noise_scale(table: torch.Tensor, sigma: torch.Tensor, noise_level: float,
+                    sigma_sub: Optional[torch.Tensor] = None) -> torch.Tensor:
     """sde's per-unit-time noise scale ``s = eta * sqrt(sigma / (1 - sigma_t))`` (the step's std is
     ``s * sqrt(D)``; Flow-GRPO returns ``s`` as ``std_dev_t``), in ``table``'s dtype."""
     # sigma == 1 would divide by zero: use the schedule's second value (Flow-GRPO, SGLang)
     at_one = (sigma - 1).abs() <= SIGMA_ONE_TOL
-    sigma_t = torch.where(at_one, table[1].expand_as(sigma), sigma)
+    sigma_t = torch.where(at_one, (table[1] if sigma_sub is None else sigma_sub).expand_as(sigma), sigma)
     return noise_level * torch.sqrt(sigma / (1 - sigma_t))
 
 
-def mode_coefficients(
-    sigmas: torch.Tensor, step_index: torch.Tensor, mode: Mode, noise_level: float, dtype: torch.dtype
+def coefficients_of(
+    table: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor, mode: Mode, noise_level: float
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample ``(a, c, std)`` with ``mu = a * x + c * v``, each [B] in ``dtype``.
+    """``(a, c, std)`` with ``mu = a * x + c * v`` for steps sigma -> sigma_next (tensors of any one
+    shape, in ``table``'s dtype; ``table`` is the schedule, for sde's sigma == 1 rule).
 
     This is the only place the torch backend writes the modes' math (docs/contract.md, Modes)."""
-    table = sigmas.to(dtype)
-    sigma = table[step_index]
-    sigma_next = table[step_index + 1]
     d = sigma - sigma_next  # D > 0; diffusers' dt is -D
     # eta stays a Python scalar (the ops cast it to ``dtype``): no host-to-device copy, capturable
     if mode is Mode.ODE:
@@ -78,13 +77,33 @@ def mode_coefficients(
         c = -(1 + s2 * (1 - sigma) / (2 * sigma)) * d
         return a, c, s * torch.sqrt(d)
     if mode is Mode.CPS:
-        std = cps_std(sigma_next, noise_level, dtype)
+        std = cps_std(sigma_next, noise_level, table.dtype)
         # clamp: at eta = 1, sigma'^2 - std^2 is 0 up to rounding and may come out a hair negative
         k = torch.sqrt(torch.clamp(sigma_next * sigma_next - std * std, min=0))
         a = (1 - sigma_next) + k
         c = k * (1 - sigma) - (1 - sigma_next) * sigma
         return a, c, std
     raise ValueError(f"mode must be a flowrl.contract.Mode; got {mode!r}")
+
+
+def mode_coefficients(
+    sigmas: torch.Tensor, step_index: torch.Tensor, mode: Mode, noise_level: float, dtype: torch.dtype
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample ``(a, c, std)`` with ``mu = a * x + c * v``, each [B] in ``dtype``."""
+    table = sigmas.to(dtype)
+    return coefficients_of(table, table[step_index], table[step_index + 1], mode, noise_level)
+
+
+def token_coefficients(spec, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token ``(a, c, std)`` in the compact shape of ``spec.token_sigmas``: the modes' math of
+    ``coefficients_of`` on each token's (sigma, sigma'), and a held token (D = 0: sigma 0, or no
+    lower schedule value) gets (1, 0, 0), x' = x (the sde formula would divide 0 by 0 there)."""
+    table = spec.sigmas.to(dtype)
+    sigma, sigma_next = spec.token_sigmas.to(dtype), spec.token_sigmas_next.to(dtype)
+    a, c, std = coefficients_of(table, sigma, sigma_next, spec.mode, spec.noise_level)
+    held = sigma == sigma_next
+    return (torch.where(held, torch.ones_like(a), a), torch.where(held, torch.zeros_like(c), c),
+            torch.where(held, torch.zeros_like(std), std))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -159,14 +178,25 @@ def density_std(std: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return deterministic, torch.where(deterministic, torch.ones_like(std), std.clamp(min=STD_FLOOR))
 
 
+def ordinary_count(std: torch.Tensor, numel: int) -> torch.Tensor:
+    """float32 [B] scored elements of a per-sample step with nothing frozen: every element, or none
+    when the step is deterministic (std 0)."""
+    return torch.where(std > 0, float(numel), 0.0).to(torch.float32)
+
+
 def value_from_total(
-    total: torch.Tensor, std: torch.Tensor, numel: int, kind: LogProbKind, reduction: Reduction
+    total: torch.Tensor, std: torch.Tensor, count: torch.Tensor, kind: LogProbKind, reduction: Reduction,
+    log_term: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """A sample's log-prob (``kind`` gaussian/kernel/sq_err) or KL (``kind`` KL) from its total of
-    squared residuals: the same operations as the kernels' ``value_from_total``."""
+    (weighted) squared residuals over its ``count`` scored elements: the same operations as the
+    kernels' ``value_from_total``. ``std`` is the sample's step std (per-token weights are relative to
+    it); ``log_term`` the per-token schedules' sum of log(std_token / std) over the scored elements
+    (None: 0). A sample with no scored element has value 0 (deterministic, or all frozen)."""
+    none_scored = count == 0
     if reduction is Reduction.MEAN:
-        total = total / numel
-    deterministic, std_d = density_std(std)
+        total = total / torch.where(none_scored, torch.ones_like(count), count)
+    _, std_d = density_std(std)
     var = std_d * std_d
     if kind is LogProbKind.SQ_ERR:
         value = -total
@@ -176,16 +206,59 @@ def value_from_total(
         value = -total / (2 * var)
         if kind is LogProbKind.GAUSSIAN:
             const = -torch.log(std_d) - HALF_LOG_2PI
-            value = value + (const if reduction is Reduction.MEAN else const * numel)
-    return torch.where(deterministic, torch.zeros_like(value), value)
+            if reduction is Reduction.MEAN:
+                if log_term is not None:
+                    const = const - log_term / torch.where(none_scored, torch.ones_like(count), count)
+                value = value + const
+            else:
+                const = const * count
+                value = value + (const if log_term is None else const - log_term)
+    return torch.where(none_scored, torch.zeros_like(value), value)
 
 
 def finalize(
-    partials: torch.Tensor, std: torch.Tensor, numel: int, kind: LogProbKind, reduction: Reduction
+    partials: torch.Tensor, std: torch.Tensor, count: torch.Tensor, kind: LogProbKind, reduction: Reduction,
+    log_term: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Combine a sample's chunk partials of squared residuals (``combine_partials``) and turn the
     total into its log-prob or KL (``value_from_total``)."""
-    return value_from_total(combine_partials(partials), std, numel, kind, reduction)
+    return value_from_total(combine_partials(partials), std, count, kind, reduction, log_term)
+
+
+def scored_statistics(spec, sample_shape, dtype: torch.dtype):
+    """(count float32 [B], log_term [B] or None) of an elementwise step (per-token sigmas and/or a
+    frozen mask), computed once on the compact tensors for both backends: ``count`` = elements
+    scored (not frozen, std > 0), ``log_term`` (gaussian per-token only) = the sum over them of
+    log(std_token_d / std_d), std_d the sample's own step std (density rule). Under sequence
+    parallelism both are the full sample's (summed over shards)."""
+    _, _, std_ref = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
+    ndim = len(sample_shape)
+    column = (-1,) + (1,) * (ndim - 1)
+    std = token_coefficients(spec, dtype)[2] if spec.per_token else std_ref.reshape(column)
+    scored = std > 0
+    if spec.frozen is not None:
+        scored = scored & ~spec.frozen
+    # repetition of the compact tensor over the sample: dims where it is 1 (the batch dim aside)
+    repeat = 1
+    for d in range(1, ndim):
+        if scored.shape[d] == 1:
+            repeat *= sample_shape[d]
+    batch = sample_shape[0]
+    n_local = 1
+    for d in sample_shape[1:]:
+        n_local *= d
+    count = (scored.reshape(scored.shape[0], -1).sum(dim=1) * repeat).to(torch.float32).expand(batch)
+    log_term = None
+    if spec.per_token and spec.kind is LogProbKind.GAUSSIAN:
+        _, ref_d = density_std(std_ref)
+        _, tok_d = density_std(std)
+        ratio = torch.log(tok_d / ref_d.reshape(column))
+        ratio = torch.where(scored, ratio, torch.zeros_like(ratio))
+        rows = ratio.expand(torch.broadcast_shapes(ratio.shape, scored.shape))
+        rows = rows.reshape(rows.shape[0], -1)
+        log_term = (combine_partials(chunk_partials(rows)) * repeat).expand(batch)
+        log_term = spec.gather_sum(log_term.contiguous(), n_local)
+    return spec.gather_sum(count.contiguous(), n_local), log_term
 
 
 # ------------------------------------------------------------- Philox noise (sde_step(noise_seed=))
@@ -282,11 +355,48 @@ def _mean(x: torch.Tensor, v: torch.Tensor, a: torch.Tensor, c: torch.Tensor) ->
     return mu.add_(_col(c) * _rows(v))
 
 
-def _reduce(spec, r: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """[B, N] residuals -> the per-sample value: chunk partials of r^2, gathered across shards
-    (``spec.gather``), then ``finalize`` with the full sample's element count."""
+def _reduce(spec, r: torch.Tensor, std: torch.Tensor):
+    """[B, N] residuals -> (the per-sample value, count): chunk partials of r^2, gathered across
+    shards (``spec.gather``), then ``finalize`` with the full sample's element count."""
     partials = spec.gather(_chunk_partials(r * r, consume=True))
-    return finalize(partials, std, spec.numel, spec.kind, spec.reduction)
+    count = ordinary_count(std, spec.numel)
+    return finalize(partials, std, count, spec.kind, spec.reduction), count
+
+
+class _ElementTerms:
+    """An elementwise step's per-element pieces (docs/contract.md, Per-token schedules; Frozen
+    elements): ``a, c, std`` broadcastable to the sample (per token, or per sample as a column),
+    ``std_ref`` [B] (the sample's own step), ``scored`` (std > 0 and not frozen), ``keep`` (x' = x:
+    frozen, or a held token; None when there is none), ``weight`` (var_ref / var_token for the
+    kinds that divide by the variance: exactly 1 where a token's step is its sample's; None when
+    per sample)."""
+
+    def __init__(self, spec, sample: torch.Tensor, dtype: torch.dtype, with_stats: bool = True):
+        a, c, std_ref = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
+        column = (-1,) + (1,) * (sample.dim() - 1)
+        self.std_ref, self.weight, self.keep = std_ref, None, spec.frozen
+        if spec.per_token:
+            self.a, self.c, self.std = token_coefficients(spec, dtype)
+            held = spec.token_sigmas == spec.token_sigmas_next
+            self.keep = held if spec.frozen is None else held | spec.frozen
+            if spec.kind is not LogProbKind.SQ_ERR:
+                _, ref_d = density_std(std_ref)
+                _, tok_d = density_std(self.std)
+                self.weight = (ref_d * ref_d).reshape(column) / (tok_d * tok_d)
+        else:
+            self.a, self.c, self.std = a.reshape(column), c.reshape(column), std_ref.reshape(column)
+        self.scored = self.std > 0 if spec.frozen is None else (self.std > 0) & ~spec.frozen
+        # the count and log term (a collective under sequence parallelism): forward only
+        self.stats = scored_statistics(spec, sample.shape, dtype) if with_stats else None
+
+    def reduce(self, spec, r: torch.Tensor):
+        """(value [B], count [B]) from the full-shape residuals ``r``: weighted squares of the scored
+        elements only, reduced in the contract's order."""
+        sq = r * r if self.weight is None else r * r * self.weight
+        sq = torch.where(self.scored, sq, torch.zeros_like(sq))
+        partials = spec.gather(_chunk_partials(_rows(sq), consume=True))
+        count, log_term = self.stats
+        return finalize(partials, self.std_ref, count, spec.kind, spec.reduction, log_term), count
 
 
 class _EmittedResidual(torch.autograd.Function):
@@ -304,13 +414,20 @@ class _EmittedResidual(torch.autograd.Function):
         return None, None, grad, None
 
 
-def sde_step(spec, sample: torch.Tensor, model_output: torch.Tensor, noise: Optional[torch.Tensor]):
-    """One stochastic step. Returns ``(prev_sample, log_prob [B], mean or None, std [B])``; the log-prob
-    is of the emitted ``prev_sample`` rounded to ``spec.out_dtype`` (docs/contract.md, Rounding).
-    ``noise`` is eps for a TENSOR noise source; for PHILOX eps is ``philox_normal`` of the spec's seed;
-    for NONE the step is deterministic by its arguments (ode, noise level 0) and x' = mu."""
+def _noise_rows(spec, sample, noise):
     if spec.noise_source is NoiseSource.PHILOX:
-        noise = philox_normal(spec.noise_seed, _rows(sample).shape[1])
+        return philox_normal(spec.noise_seed, _rows(sample).shape[1])
+    return noise
+
+
+def sde_step(spec, sample: torch.Tensor, model_output: torch.Tensor, noise: Optional[torch.Tensor]):
+    """One stochastic step. Returns ``(prev_sample, log_prob [B], mean or None, std [B], count [B])``;
+    the log-prob is of the emitted ``prev_sample`` rounded to ``spec.out_dtype`` (docs/contract.md,
+    Rounding). ``noise`` is eps for a TENSOR noise source; for PHILOX eps is ``philox_normal`` of the
+    spec's seed; for NONE the step is deterministic by its arguments (ode, noise level 0) and x' = mu."""
+    noise = _noise_rows(spec, sample, noise)
+    if spec.elementwise:
+        return _sde_step_elementwise(spec, sample, model_output, noise)
     dtype = compute_dtype(sample, model_output, noise)
     a, c, std = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
     mu = _mean(sample, model_output, a, c)
@@ -321,25 +438,54 @@ def sde_step(spec, sample: torch.Tensor, model_output: torch.Tensor, noise: Opti
         noise_term = _col(std) * _rows(noise)
         prev = (noise_term + mu).to(spec.out_dtype)  # = mu + std * eps, rounded to out_dtype
     r = _EmittedResidual.apply(prev, mu, noise_term, dtype)  # docs/contract.md, Rounding
-    lp = _reduce(spec, r, std)
+    lp, count = _reduce(spec, r, std)
     mean = mu.reshape(sample.shape) if spec.return_mean else None
-    return prev.reshape(sample.shape), lp, mean, std
+    return prev.reshape(sample.shape), lp, mean, std, count
 
 
-def step_log_prob(spec, sample: torch.Tensor, model_output: torch.Tensor, prev_sample: torch.Tensor) -> torch.Tensor:
-    """Log-prob [B] of ``prev_sample`` given ``sample`` under the policy's ``model_output``."""
+def _sde_step_elementwise(spec, sample, model_output, noise):
+    """The rollout with per-token sigmas and/or a frozen mask: the same operations per element as
+    ``sde_step``, in the sample's shape; kept elements (frozen, held tokens) emit x' = x and are not
+    scored, but keep their noise positions."""
+    dtype = compute_dtype(sample, model_output, noise)
+    t = _ElementTerms(spec, sample, dtype)
+    mu = t.a * sample + t.c * model_output
+    if noise is None:
+        noise_term = None
+        prev = mu.to(spec.out_dtype, copy=True)
+    else:
+        noise_term = t.std * noise.reshape(sample.shape)
+        prev = (noise_term + mu).to(spec.out_dtype)
+    if t.keep is not None:
+        prev = torch.where(t.keep, sample.to(spec.out_dtype), prev)
+    # kept elements are not scored (frozen, or held: std 0), so r needs no mask before ``reduce``
+    r = _EmittedResidual.apply(prev, mu, noise_term, dtype)
+    lp, count = t.reduce(spec, r)
+    if spec.return_mean and t.keep is not None:
+        mu = torch.where(t.keep, sample.to(dtype), mu)
+    return prev, lp, (mu if spec.return_mean else None), t.std_ref, count
+
+
+def step_log_prob(spec, sample: torch.Tensor, model_output: torch.Tensor, prev_sample: torch.Tensor):
+    """(log-prob [B], count [B]) of ``prev_sample`` given ``sample`` under the policy's ``model_output``."""
     dtype = compute_dtype(sample, model_output, prev_sample)
+    if spec.elementwise:
+        t = _ElementTerms(spec, sample, dtype)
+        return t.reduce(spec, (prev_sample - (t.a * sample + t.c * model_output)).to(dtype))
     a, c, std = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
     r = (_rows(prev_sample) - _mean(sample, model_output, a, c)).to(dtype)
     return _reduce(spec, r, std)
 
 
-def step_kl(spec, sample: torch.Tensor, model_output: torch.Tensor, ref_model_output: torch.Tensor) -> torch.Tensor:
-    """Exact Gaussian KL [B] between the step's transitions under two policies sharing ``std``:
-    ``(mu_theta - mu_ref)^2 / (2 std^2)`` per element (docs/contract.md, KL)."""
+def step_kl(spec, sample: torch.Tensor, model_output: torch.Tensor, ref_model_output: torch.Tensor):
+    """(KL [B], count [B]): the exact Gaussian KL between the step's transitions under two policies
+    sharing ``std``: ``(mu_theta - mu_ref)^2 / (2 std^2)`` per element (docs/contract.md, KL)."""
     dtype = compute_dtype(sample, model_output, ref_model_output)
-    _, c, std = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
     # mu - mu_ref = c v - c v_ref: the a * x terms cancel exactly, so the KL does not depend on x (its
     # gradient is none, not two opposite terms that can overflow a float16 gradient and give NaN)
+    if spec.elementwise:
+        t = _ElementTerms(spec, sample, dtype)
+        return t.reduce(spec, (t.c * model_output) - (t.c * ref_model_output))
+    _, c, std = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
     r = (_col(c) * _rows(model_output)).sub_(_col(c) * _rows(ref_model_output))
     return _reduce(spec, r, std)

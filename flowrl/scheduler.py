@@ -230,12 +230,19 @@ class FlowMatchEulerDiscreteScheduler(
     def from_config(cls, config: Mapping, **kwargs) -> "FlowMatchEulerDiscreteScheduler":
         """Build from a diffusers scheduler config (dict or FrozenDict). Private ``_...`` keys are
         ignored, ``kwargs`` override config values, and keys this scheduler does not take are ignored
-        with a warning (as diffusers does)."""
+        with a warning (as diffusers does). A ``flow_shift`` (Wan's UniPC and Sana's DPM configs) is
+        used as ``shift`` when no ``shift`` is given, with an info-level log saying so."""
         if not isinstance(config, Mapping):
             hint = " (pass scheduler.config, not the scheduler)" if hasattr(config, "config") else ""
             raise TypeError(f"config must be a dict or FrozenDict{hint}; got {type(config).__name__}")
         merged = {k: v for k, v in config.items() if not str(k).startswith("_")}
         merged.update(kwargs)
+        if merged.get("flow_shift") is not None and "shift" not in merged:
+            # Wan's UniPC and Sana's DPM configs call this scheduler's shift flow_shift; dropping it would
+            # run shift 1.0 silently (diffusers' own from_config does, with only an ignored-keys warning)
+            merged["shift"] = merged.pop("flow_shift")
+            logger.info("from_config: config key flow_shift=%s is used as shift (Wan/Sana UniPC/DPM configs "
+                        "name this scheduler's shift flow_shift)", merged["shift"])
         unknown = sorted(k for k in merged if k not in _DEFAULTS)
         if unknown:
             warnings.warn(f"FlowMatchEulerDiscreteScheduler ignores config keys it does not take: {unknown}")
@@ -540,8 +547,9 @@ class FlowMatchEulerDiscreteScheduler(
     def rollout(self, **options):
         """A ``flowrl.recorder.RolloutRecorder`` for this scheduler: inside ``with recorder:``, every
         ``step`` is a rollout step. ``options`` are the recorder's (``mode``, ``noise_level``,
-        ``log_prob``, ``reduction``, ``sde_steps``, ``return_step_indices``, ``generator``,
-        ``backend``); same as ``flowrl.recorder.rollout(scheduler, **options)``."""
+        ``log_prob``, ``reduction``, ``sde_steps``, ``return_step_indices``, ``generator``, ``frozen``,
+        ``backend``); same as ``flowrl.recorder.rollout(scheduler, **options)``. ``per_token_timesteps``
+        and copies of the scheduler made during the rollout (streams) are recorded too."""
         from .recorder import RolloutRecorder
 
         return RolloutRecorder(self, **options)

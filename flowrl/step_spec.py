@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from . import _validate as V
-from .contract import LogProbKind, Mode, NoiseSource, Op, Reduction  # noqa: F401 (StepSpec field types)
+from .contract import CHUNK_SIZE, LogProbKind, Mode, NoiseSource, Op, Reduction  # noqa: F401 (field types)
 
 GeneratorArg = Union[None, torch.Generator, Sequence[torch.Generator]]
 
@@ -65,6 +65,11 @@ class StepSpec:
     out_dtype, noise_source, noise_seed, return_mean: the rollout's (None / NONE / None / False
         for the other ops).
     shard: the sequence-parallel context, None on one device.
+    token_sigmas, token_sigmas_next: each token's (sigma, sigma'), in the table's dtype, the compact
+        shape the user gave (broadcastable to the sample), from ``token_schedule``; None for a
+        per-sample step (docs/contract.md, Per-token schedules).
+    frozen: bool mask broadcastable to the sample (True: conditioning element, x' = x, not scored);
+        None when nothing is frozen.
     """
 
     op: Op
@@ -80,10 +85,67 @@ class StepSpec:
     noise_seed: Optional[V.NoiseSeed] = None
     return_mean: bool = False
     shard: Optional[ShardContext] = None
+    token_sigmas: Optional[torch.Tensor] = None
+    token_sigmas_next: Optional[torch.Tensor] = None
+    frozen: Optional[torch.Tensor] = None
+
+    @property
+    def per_token(self) -> bool:
+        return self.token_sigmas is not None
+
+    @property
+    def elementwise(self) -> bool:
+        """True when some element's step differs from its sample's (per-token sigmas or a mask): the
+        scored-element count and the per-token log term come from ``reference.scored_statistics``."""
+        return self.token_sigmas is not None or self.frozen is not None
 
     def gather(self, partials: torch.Tensor) -> torch.Tensor:
         """The full sample's chunk partials from this call's (identity on one device)."""
         return partials if self.shard is None else self.shard.gather(partials)
+
+    def gather_sum(self, local: torch.Tensor, n_local: int) -> torch.Tensor:
+        """[B] per-sample values of this shard (integer-valued counts, or a log term) summed over the
+        shards in rank order (identity on one device): carried through ``gather`` as the first
+        column of a [B, P_local] zero block, so no second kind of collective is needed."""
+        if self.shard is None:
+            return local
+        block = local.new_zeros((local.shape[0], -(-n_local // CHUNK_SIZE)))
+        block[:, 0] = local
+        return self.shard.gather(block).sum(dim=1)
+
+
+def token_schedule(sigmas: torch.Tensor, token_sigmas: torch.Tensor):
+    """Each token's (sigma, sigma') in the table's dtype, in ``token_sigmas``' compact shape: sigma'
+    is the largest schedule value strictly below sigma - 1e-6, 0 when there is none (diffusers'
+    FlowMatchEulerDiscreteScheduler.step with per_token_timesteps, the same comparison). A token at
+    sigma 0 gets sigma' = 0: D = 0, held (x' = x). Computed once per op, here, for both backends."""
+    sigma = token_sigmas.detach().to(sigmas.dtype)
+    table = sigmas.reshape((-1,) + (1,) * sigma.dim())
+    lower = table < (sigma - 1e-6).unsqueeze(0)
+    sigma_next = (lower * table).amax(dim=0)
+    return sigma, sigma_next
+
+
+def flat_layout(t: torch.Tensor, sample_shape):
+    """A compact tensor broadcastable to ``sample_shape`` as the kernels index it: ``(table [Bt, G]
+    contiguous, inner, groups, batch_stride)`` with element e of sample b (flattened, in-sample) reading
+    the flat table at ``b * batch_stride + (e // inner) % groups`` (batch_stride 0 when Bt is 1). Dims outside the span of t's non-1
+    dims (after the batch) are pure repetition; only the span is materialised (expanded where t has a
+    1 inside it), never the full sample unless the user passed one."""
+    dims = [d for d in range(1, len(sample_shape)) if t.shape[d] != 1]
+    bt = t.shape[0]
+    if not dims:
+        table, inner, groups = t.reshape(bt, 1), 1, 1
+    else:
+        lo, hi = dims[0], dims[-1]
+        index = tuple(slice(None) if lo <= d <= hi or d == 0 else 0 for d in range(len(sample_shape)))
+        span = t[index].expand((bt,) + tuple(sample_shape[lo: hi + 1]))
+        groups = span[0].numel()
+        table = span.reshape(bt, groups)
+        inner = 1
+        for d in range(hi + 1, len(sample_shape)):
+            inner *= sample_shape[d]
+    return table.contiguous(), inner, groups, 0 if bt == 1 else groups
 
 
 def schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level):
@@ -96,6 +158,18 @@ def schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_lev
     sigmas = V.check_sigmas(sigmas, sample.device)
     idx = V.check_step_index(step_index, sigmas.numel() - 1, sample.shape[0], sample.device)
     return sigmas, idx, mode, eta
+
+
+def elementwise_inputs(sample, sigmas, token_sigmas, frozen):
+    """The checked per-token schedule and frozen mask of an op: ``dict(token_sigmas=, token_sigmas_next=,
+    frozen=)`` for ``StepSpec`` (Nones when not given)."""
+    fields = dict(token_sigmas=None, token_sigmas_next=None, frozen=None)
+    if token_sigmas is not None:
+        V.check_token_sigmas(token_sigmas, sample)
+        fields["token_sigmas"], fields["token_sigmas_next"] = token_schedule(sigmas, token_sigmas)
+    if frozen is not None:
+        fields["frozen"] = V.check_frozen(frozen, sample)
+    return fields
 
 
 def elements_per_sample(sample: torch.Tensor, shard: Optional[ShardContext]) -> int:
@@ -113,5 +187,5 @@ def log_prob_kind(log_prob) -> LogProbKind:
     return LogProbKind.parse("log_prob", log_prob)
 
 
-__all__ = ["StepSpec", "ShardContext", "schedule_and_steps", "elements_per_sample", "log_prob_kind", "draw_noise",
+__all__ = ["StepSpec", "ShardContext", "schedule_and_steps", "token_schedule", "flat_layout", "elementwise_inputs", "elements_per_sample", "log_prob_kind", "draw_noise",
            "GeneratorArg"]

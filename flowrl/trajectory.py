@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from numbers import Real
-from typing import Any, Dict, List, Optional
+from numbers import Integral, Real
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from . import _validate as V
 
-# identifies the wire dict and the safetensors file; bump the version when the layout changes
-FORMAT = "flowrl.RolloutTrajectory/1"
+# identifies the wire dict and the safetensors file; bump the version when the layout changes.
+# /2 adds token_sigmas, frozen, counts and streams (all optional); /1 payloads and files still load.
+FORMAT = "flowrl.RolloutTrajectory/2"
+FORMAT_V1 = "flowrl.RolloutTrajectory/1"
 _TENSOR_FIELDS = ("latents", "log_probs", "timesteps", "sigmas", "latent_step_indices")
+_OPTIONAL_TENSORS = ("sde_steps", "token_sigmas", "frozen", "counts")  # /2 adds the last three
 _SETTING_FIELDS = ("mode", "noise_level", "log_prob", "reduction")
 
 
@@ -29,6 +32,18 @@ class RolloutTrajectory:
         ``arange(T + 1)``; a filtered K must pass it.
     mode, noise_level, log_prob, reduction: the rollout settings, to recompute with the same ones.
     sde_steps: int64 [S] loop steps that were stochastic (the others ran as ``ode``), or None for all.
+    token_sigmas: float32 [B, T, ...] or None: each step's per-token sigmas (``per_token_timesteps /
+        1000`` with a trailing 1, e.g. [B, T, S, 1] for [B, S, C] tokens), when the pipeline passed
+        ``per_token_timesteps``. Tokens at sigma 0 were held (x' = x) and are not in the log-prob.
+    frozen: bool [B, ...] or None: the ``rollout(frozen=)`` mask (the latents' ndim minus K, broadcast
+        to them), the same on every step.
+    counts: float32 [B, T] or None: elements each step scored (set on the per-stream trajectories of a
+        joint rollout, whose ``log_probs`` are sums).
+    streams: None, or for a joint rollout (a copied scheduler recording, LTX-2's audio) every stream's
+        own trajectory in creation order; the top-level fields are then stream 0's, except
+        ``log_probs``, the joint log-prob (``flowrl.combine_streams`` of the streams' sums and counts).
+
+    ``step_inputs(j)`` gives the arguments that recompute loop step ``j``'s log-prob exactly.
     """
 
     latents: torch.Tensor
@@ -41,6 +56,10 @@ class RolloutTrajectory:
     log_prob: str = "gaussian"
     reduction: str = "mean"
     sde_steps: Optional[torch.Tensor] = None
+    token_sigmas: Optional[torch.Tensor] = None
+    frozen: Optional[torch.Tensor] = None
+    counts: Optional[torch.Tensor] = None
+    streams: Optional[Tuple["RolloutTrajectory", ...]] = None
     # recorded with scheduler.rollout(model=..., debug=...): flowrl.denoising_env.DenoisingEnv and
     # flowrl.debug.DebugTensors (in memory only: to_wire / save carry neither)
     denoising_env: Optional[Any] = None
@@ -98,11 +117,21 @@ class RolloutTrajectory:
 
         return env_of(self).step_model_output(j, raw_output)
 
-    def step_log_prob(self, j: int, model_output: torch.Tensor, **kwargs) -> torch.Tensor:
-        """``flowrl.step_log_prob`` of step ``j`` with this trajectory's latents and settings."""
-        from .denoising_env import trajectory_step_log_prob
+    def step_log_prob(self, j: Union[int, torch.Tensor], model_output, **kwargs) -> torch.Tensor:
+        """``flowrl.step_log_prob(model_output=model_output, **self.step_inputs(j), **kwargs)``, the
+        trajectory's tensors moved to ``model_output``'s device (for a joint rollout, a tuple in stream
+        order: the first entry's device)."""
+        from .functional import step_log_prob
 
-        return trajectory_step_log_prob(self, j, model_output, **kwargs)
+        device = (model_output[0] if isinstance(model_output, tuple) else model_output).device
+
+        def to(v):
+            if isinstance(v, tuple):
+                return tuple(to(x) for x in v)
+            return v.to(device) if isinstance(v, torch.Tensor) else v
+
+        inputs = {k: to(v) for k, v in self.step_inputs(j).items()}
+        return step_log_prob(model_output=model_output, **{**inputs, **kwargs})
 
     @classmethod
     def from_sglang(cls, response, **kwargs) -> "RolloutTrajectory":
@@ -125,93 +154,225 @@ class RolloutTrajectory:
         (``latents``, ``log_probs``) are sliced on dim 0; the schedule (``sigmas``, ``timesteps``),
         ``latent_step_indices`` and ``sde_steps`` are shared by all samples and never sliced, even
         when their length happens to equal the batch size."""
-        return [
-            replace(self, latents=self.latents[i:i + 1], log_probs=self.log_probs[i:i + 1])
-            for i in range(self.batch_size)
-        ]
+        return [self._sample(i) for i in range(self.batch_size)]
+
+    def _sample(self, i: int) -> "RolloutTrajectory":
+        def cut(t):
+            return None if t is None else t[i:i + 1]
+
+        return replace(
+            self, latents=self.latents[i:i + 1], log_probs=self.log_probs[i:i + 1], token_sigmas=cut(self.token_sigmas),
+            frozen=cut(self.frozen), counts=cut(self.counts),
+            streams=None if self.streams is None else tuple(s._sample(i) for s in self.streams),
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    # recompute
+
+    @property
+    def num_streams(self) -> int:
+        return 1 if self.streams is None else len(self.streams)
+
+    def step_inputs(self, j: Union[int, torch.Tensor]) -> Dict[str, Any]:
+        """The keyword arguments of ``flowrl.step_log_prob`` (all but ``model_output``) that recompute loop
+        step ``j``'s recorded log-prob: ``flowrl.step_log_prob(model_output=v, **traj.step_inputs(j))``
+        equals ``traj.log_probs[:, j]`` bit for bit when ``v`` is the velocity the rollout stepped with
+        (docs/scheduler.md says, per pipeline, how to rebuild it). Per-token sigmas, the frozen mask,
+        ode steps (``sde_steps``) and the settings are included. ``j``: an int, or an integer tensor [B]
+        of one loop step per sample (``step_index`` is then per sample, and the recorded log-probs to
+        compare with are ``traj.log_probs.gather(1, j[:, None])``). Both ``latents[:, j]`` and
+        ``latents[:, j + 1]`` must have been kept (``return_step_indices``). For a joint rollout
+        (``streams``), ``sample``, ``prev_sample``, ``sigmas``, ``token_sigmas`` and ``frozen`` are
+        tuples in stream order, and ``model_output`` must be one too."""
+        _, mode = self._check_loop_steps(j)
+        if self.streams is None:
+            parts = self._stream_inputs(j)
+        else:
+            per = [s._stream_inputs(j) for s in self.streams]
+            parts = {k: tuple(p[k] for p in per) for k in per[0]}
+            for k in ("token_sigmas", "frozen"):
+                if all(v is None for v in parts[k]):
+                    parts[k] = None
+        out = dict(sample=parts["sample"], prev_sample=parts["prev_sample"], sigmas=parts["sigmas"], step_index=j,
+                   mode=mode, noise_level=self.noise_level, log_prob=self.log_prob, reduction=self.reduction)
+        for k in ("token_sigmas", "frozen"):
+            if parts[k] is not None:
+                out[k] = parts[k]
+        return out
+
+    def _check_loop_steps(self, j):
+        num_steps = self.num_steps
+        if isinstance(j, torch.Tensor):
+            if j.dtype.is_floating_point or j.dtype == torch.bool or j.dim() != 1 or j.numel() != self.batch_size:
+                raise ValueError(f"j must be an int or an integer tensor [B = {self.batch_size}]; got {j.dtype} {tuple(j.shape)}")
+            values = sorted(set(j.tolist()))
+        elif isinstance(j, Integral) and not isinstance(j, bool):
+            values = [int(j)]
+        else:
+            raise TypeError(f"j must be an int or an integer tensor [B]; got {type(j).__name__}")
+        if values[0] < 0 or values[-1] >= num_steps:
+            raise ValueError(f"j must be a loop step in [0, {num_steps - 1}]; got {values[0] if values[0] < 0 else values[-1]}")
+        kept = set(self.latent_step_indices.tolist())
+        missing = sorted({v for v in values for v in (v, v + 1)} - kept)
+        if missing:
+            raise ValueError(
+                f"step j needs latents[:, j] and latents[:, j + 1]; this trajectory did not keep loop step(s) {missing} "
+                f"(latent_step_indices = {sorted(kept)})"
+            )
+        if self.sde_steps is None:
+            return values, self.mode
+        sde = set(self.sde_steps.tolist())
+        stochastic = {v in sde for v in values}
+        if len(stochastic) > 1:
+            raise ValueError("j mixes sde steps and ode steps (sde_steps); recompute them in separate calls")
+        return values, self.mode if stochastic.pop() else "ode"
+
+    def _stream_inputs(self, j) -> Dict[str, Any]:
+        """This stream's tensors for loop step(s) ``j`` (checked by ``_check_loop_steps``)."""
+        position = torch.full((self.num_steps + 1,), -1, dtype=torch.int64, device=self.latent_step_indices.device)
+        position[self.latent_step_indices] = torch.arange(self.latents.shape[1], device=position.device)
+        if isinstance(j, torch.Tensor):
+            rows = torch.arange(self.batch_size, device=self.latents.device)
+            steps = j.to(self.latents.device)
+            k, k1 = position.to(steps.device)[steps], position.to(steps.device)[steps + 1]
+            sample, prev_sample = self.latents[rows, k], self.latents[rows, k1]
+            token_sigmas = None
+            if self.token_sigmas is not None:
+                token_sigmas = self.token_sigmas[rows.to(self.token_sigmas.device), steps.to(self.token_sigmas.device)]
+        else:
+            k, k1 = int(position[j]), int(position[j + 1])
+            sample, prev_sample = self.latents[:, k], self.latents[:, k1]
+            token_sigmas = None if self.token_sigmas is None else self.token_sigmas[:, j]
+        return dict(sample=sample, prev_sample=prev_sample, sigmas=self.sigmas, token_sigmas=token_sigmas,
+                    frozen=self.frozen)
 
     def _tensors(self) -> Dict[str, torch.Tensor]:
         out = {name: getattr(self, name) for name in _TENSOR_FIELDS}
-        if self.sde_steps is not None:
-            out["sde_steps"] = self.sde_steps
+        for name in _OPTIONAL_TENSORS:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
     def to_wire(self) -> Dict[str, Any]:
-        """A JSON-safe dict: tensors as SGLang tensor envelopes, settings as plain values."""
+        """A JSON-safe dict: tensors as SGLang tensor envelopes, settings as plain values; a joint
+        rollout's ``streams`` as a list of such dicts."""
         from .serialization import to_wire
 
         wire = to_wire(self._tensors())
-        wire["sde_steps"] = wire.get("sde_steps")
+        for name in _OPTIONAL_TENSORS:
+            wire[name] = wire.get(name)
         wire.update({name: getattr(self, name) for name in _SETTING_FIELDS})
         wire["noise_level"] = float(self.noise_level)
+        wire["streams"] = None if self.streams is None else [s.to_wire() for s in self.streams]
         wire["format"] = FORMAT
         return wire
 
     @classmethod
-    def from_wire(cls, wire: Any, *, max_bytes: Optional[int] = None, device=None) -> "RolloutTrajectory":
+    def from_wire(cls, wire: Any, *, max_bytes: Optional[int] = None, device=None,
+                  _where: str = "RolloutTrajectory wire payload", _nested: bool = False) -> "RolloutTrajectory":
         """Decode ``to_wire``'s dict strictly (it may come from the network): exact key set, tensors
         checked by ``flowrl.serialization.from_wire``, then shapes, dtypes and settings checked;
-        anything malformed raises ``ValueError``."""
+        anything malformed raises ``ValueError``. Format /1 payloads (before per-token sigmas, masks
+        and streams) still load."""
         from .serialization import DEFAULT_MAX_BYTES, from_wire
 
+        where = _where
         if not isinstance(wire, dict):
-            raise ValueError(f"a RolloutTrajectory wire payload must be an object; got {type(wire).__name__}")
-        expected = set(_TENSOR_FIELDS) | set(_SETTING_FIELDS) | {"sde_steps", "format"}
+            raise ValueError(f"{where} must be an object; got {type(wire).__name__}")
+        version = wire.get("format")
+        if version not in (FORMAT, FORMAT_V1):
+            raise ValueError(f"{where}: format must be {FORMAT!r} (or {FORMAT_V1!r}); got {version!r}")
+        optional = ("sde_steps",) if version == FORMAT_V1 else _OPTIONAL_TENSORS
+        expected = set(_TENSOR_FIELDS) | set(_SETTING_FIELDS) | set(optional) | {"format"}
+        if version == FORMAT:
+            expected.add("streams")
         if set(wire) != expected:
             raise ValueError(
-                f"RolloutTrajectory wire payload: missing keys {sorted(expected - set(wire))}, "
-                f"unexpected keys {sorted(set(wire) - expected)}"
+                f"{where}: missing keys {sorted(expected - set(wire))}, unexpected keys {sorted(set(wire) - expected)}"
             )
-        if wire["format"] != FORMAT:
-            raise ValueError(f"RolloutTrajectory wire payload: format must be {FORMAT!r}; got {wire['format']!r}")
-        tensor_names = list(_TENSOR_FIELDS) + (["sde_steps"] if wire["sde_steps"] is not None else [])
+        tensor_names = list(_TENSOR_FIELDS) + [name for name in optional if wire[name] is not None]
         for name in tensor_names:
             if not isinstance(wire[name], dict) or wire[name].get("__tensor__") is not True:
-                raise ValueError(f"RolloutTrajectory wire payload: {name} must be a tensor envelope")
-        tensors = from_wire(
-            {name: wire[name] for name in tensor_names},
-            max_bytes=DEFAULT_MAX_BYTES if max_bytes is None else max_bytes,
-        )
+                raise ValueError(f"{where}: {name} must be a tensor envelope")
+        max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+        tensors = from_wire({name: wire[name] for name in tensor_names}, max_bytes=max_bytes)
         settings = {name: wire[name] for name in _SETTING_FIELDS}
-        return cls._checked(tensors, settings, "RolloutTrajectory wire payload", device)
+        streams = None
+        if wire.get("streams") is not None:
+            if _nested or not isinstance(wire["streams"], list) or len(wire["streams"]) < 2:
+                raise ValueError(f"{where}: streams must be null or a list of at least 2 stream payloads (not nested)")
+            streams = tuple(
+                cls.from_wire(w, max_bytes=max_bytes, device=device, _where=f"{where}: streams[{k}]", _nested=True)
+                for k, w in enumerate(wire["streams"])
+            )
+        return cls._checked(tensors, settings, where, device, streams)
 
     def save(self, path) -> None:
-        """Write a safetensors file: the tensors under their field names, the settings (and the
-        format tag) as string metadata. Readable by any safetensors reader."""
+        """Write a safetensors file: the tensors under their field names (a joint rollout's streams under
+        ``streams.<k>.<field>``), the settings (and the format tag) as string metadata. Readable by any
+        safetensors reader."""
         from .serialization import save_safetensors
 
         metadata = {name: str(getattr(self, name)) for name in ("mode", "log_prob", "reduction")}
         metadata["noise_level"] = repr(float(self.noise_level))  # repr round-trips a float exactly
         metadata["format"] = FORMAT
-        save_safetensors(path, self._tensors(), metadata)
+        metadata["streams"] = str(self.num_streams if self.streams is not None else 0)
+        tensors = self._tensors()
+        for k, stream in enumerate(self.streams or ()):
+            tensors.update({f"streams.{k}.{name}": t for name, t in stream._tensors().items()})
+        save_safetensors(path, tensors, metadata)
 
     @classmethod
     def load(cls, path, *, max_bytes: Optional[int] = None, device=None) -> "RolloutTrajectory":
-        """Read a file written by ``save``, validated as strictly as ``from_wire``."""
+        """Read a file written by ``save`` (format /2, or /1), validated as strictly as ``from_wire``."""
         from .serialization import DEFAULT_MAX_BYTES, load_safetensors
 
         where = f"RolloutTrajectory file {str(path)!r}"
         tensors, metadata = load_safetensors(path, max_bytes=DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
-        if metadata.get("format") != FORMAT:
-            raise ValueError(f"{where}: metadata format must be {FORMAT!r}; got {metadata.get('format')!r}")
+        version = metadata.get("format")
+        if version not in (FORMAT, FORMAT_V1):
+            raise ValueError(f"{where}: metadata format must be {FORMAT!r} (or {FORMAT_V1!r}); got {version!r}")
         expected = set(_SETTING_FIELDS) | {"format"}
-        if set(metadata) != expected:
-            raise ValueError(f"{where}: metadata keys must be {sorted(expected)}; got {sorted(metadata)}")
-        allowed = set(_TENSOR_FIELDS) | {"sde_steps"}
-        if not set(_TENSOR_FIELDS) <= set(tensors) <= allowed:
-            raise ValueError(
-                f"{where}: tensors must be {sorted(_TENSOR_FIELDS)} plus optional 'sde_steps'; got {sorted(tensors)}"
-            )
+        if set(metadata) - {"streams"} != expected or (version == FORMAT_V1 and "streams" in metadata):
+            extra = " plus optional 'streams'" if version == FORMAT else ""
+            raise ValueError(f"{where}: metadata keys must be {sorted(expected)}{extra}; got {sorted(metadata)}")
+        num_streams = 0
+        if "streams" in metadata:
+            if not metadata["streams"].isdigit() or int(metadata["streams"]) == 1 or int(metadata["streams"]) > 64:
+                raise ValueError(f"{where}: metadata streams must be 0 or a count in [2, 64]; got {metadata['streams']!r}")
+            num_streams = int(metadata["streams"])
+        optional = {"sde_steps"} if version == FORMAT_V1 else set(_OPTIONAL_TENSORS)
+        allowed = set(_TENSOR_FIELDS) | optional
+        groups: List[Dict[str, torch.Tensor]] = [dict() for _ in range(num_streams + 1)]
+        for name, t in tensors.items():
+            parts = name.split(".")
+            if len(parts) == 3 and parts[0] == "streams" and parts[1].isdigit() and int(parts[1]) < num_streams:
+                groups[1 + int(parts[1])][parts[2]] = t
+            else:
+                groups[0][name] = t
+        for k, group in enumerate(groups):
+            if not set(_TENSOR_FIELDS) <= set(group) <= allowed:
+                label = "tensors" if k == 0 else f"stream {k - 1} tensors"
+                raise ValueError(
+                    f"{where}: {label} must be {sorted(_TENSOR_FIELDS)} plus optional {sorted(optional)}; got {sorted(group)}"
+                )
         try:
             noise_level = float(metadata["noise_level"])
         except ValueError:
             raise ValueError(f"{where}: noise_level {metadata['noise_level']!r} is not a number") from None
         settings = {name: metadata[name] for name in ("mode", "log_prob", "reduction")}
         settings["noise_level"] = noise_level
-        return cls._checked(tensors, settings, where, device)
+        streams = None
+        if num_streams:
+            streams = tuple(
+                cls._checked(g, dict(settings, reduction="sum"), f"{where}: stream {k}", device)
+                for k, g in enumerate(groups[1:])
+            )
+        return cls._checked(groups[0], settings, where, device, streams)
 
     @classmethod
-    def _checked(cls, tensors: Dict[str, torch.Tensor], settings: Dict[str, Any], where: str, device):
+    def _checked(cls, tensors: Dict[str, torch.Tensor], settings: Dict[str, Any], where: str, device,
+                 streams: Optional[Tuple["RolloutTrajectory", ...]] = None):
         """Build a trajectory from untrusted parts, checking what the fields' docs promise."""
         mode, noise_level = settings["mode"], settings["noise_level"]
         try:
@@ -227,6 +388,7 @@ class RolloutTrajectory:
         latents, log_probs = tensors["latents"], tensors["log_probs"]
         timesteps, sigmas, steps = tensors["timesteps"], tensors["sigmas"], tensors["latent_step_indices"]
         sde_steps = tensors.get("sde_steps")
+        token_sigmas, frozen, counts = tensors.get("token_sigmas"), tensors.get("frozen"), tensors.get("counts")
 
         def fail(msg: str):
             raise ValueError(f"{where}: {msg}")
@@ -243,6 +405,23 @@ class RolloutTrajectory:
             fail(f"log_probs must be float32 [B, T] = [{batch}, {num_steps}]; got {log_probs.dtype} {tuple(log_probs.shape)}")
         if timesteps.dim() != 1 or timesteps.numel() != num_steps or timesteps.dtype == torch.bool:
             fail(f"timesteps must be 1-D numeric of length T = {num_steps}; got {timesteps.dtype} {tuple(timesteps.shape)}")
+        if counts is not None and (counts.dtype != torch.float32 or tuple(counts.shape) != (batch, num_steps)):
+            fail(f"counts must be float32 [B, T] = [{batch}, {num_steps}]; got {counts.dtype} {tuple(counts.shape)}")
+        latent = latents.shape[2:]
+
+        def broadcasts(t: torch.Tensor, lead: tuple) -> bool:
+            return (t.dim() == len(lead) + len(latent) and tuple(t.shape[:len(lead)]) == lead
+                    and all(d in (1, s) for d, s in zip(t.shape[len(lead):], latent)))
+
+        if token_sigmas is not None:
+            if token_sigmas.dtype != torch.float32 or not broadcasts(token_sigmas, (batch, num_steps)):
+                fail(f"token_sigmas must be float32 [B, T, ...] broadcastable to a latent {tuple(latent)}; got "
+                     f"{token_sigmas.dtype} {tuple(token_sigmas.shape)}")
+            lo, hi = (float(token_sigmas.min()), float(token_sigmas.max())) if token_sigmas.numel() else (0.0, 0.0)
+            if not (0.0 <= lo and hi <= 1.0):
+                fail(f"token_sigmas must lie in [0, 1]; got values in [{lo}, {hi}]")
+        if frozen is not None and (frozen.dtype != torch.bool or not broadcasts(frozen, (batch,))):
+            fail(f"frozen must be bool [B, ...] broadcastable to a latent {tuple(latent)}; got {frozen.dtype} {tuple(frozen.shape)}")
 
         def check_index(name: str, t: torch.Tensor, length: Optional[int], upper: int):
             if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() != 1:
@@ -256,11 +435,16 @@ class RolloutTrajectory:
         steps = check_index("latent_step_indices", steps, kept, num_steps)
         if sde_steps is not None:
             sde_steps = check_index("sde_steps", sde_steps, None, num_steps - 1)
+        if streams is not None:
+            if any(st.batch_size != batch or st.num_steps != num_steps for st in streams):
+                fail("every stream must have the batch size and step count of the trajectory")
+            if not torch.equal(streams[0].latents.to(latents.device), latents):
+                fail("streams[0] must be the trajectory's own stream (the same latents)")
         fields = dict(
             latents=latents, log_probs=log_probs, timesteps=timesteps, sigmas=sigmas, latent_step_indices=steps,
-            sde_steps=sde_steps,
+            sde_steps=sde_steps, token_sigmas=token_sigmas, frozen=frozen, counts=counts,
         )
         if device is not None:
             fields = {k: (v.to(device) if v is not None else None) for k, v in fields.items()}
         return cls(**fields, mode=mode, noise_level=noise_level, log_prob=settings["log_prob"],
-                   reduction=settings["reduction"])
+                   reduction=settings["reduction"], streams=streams)

@@ -62,50 +62,70 @@ def _unaligned_philox_config():
     return UNALIGNED_PHILOX_CONFIG
 
 
-def _partials(storage, mode, op, noise, write_mean, philox_aligned, group, warps, aligned=True):
+# the compact per-token (sigma, sigma') table and frozen mask of an elementwise step, with their index math
+_ELEMENTWISE_SIG = {"tok_ptr": "*fp32", "tok_inner": "i32", "tok_groups": "i32", "tok_stride": "i32",
+                    "frozen_ptr": "*u8", "frozen_inner": "i32", "frozen_groups": "i32", "frozen_stride": "i32"}
+
+
+def _elementwise(elementwise):
+    """The switches of an elementwise step: () for none, or a subset of ("token", "frozen")."""
+    per_token = "token" in elementwise
+    return {"PER_TOKEN": per_token, "HAS_FROZEN": "frozen" in elementwise, "WEIGHTED": per_token}
+
+
+def _elementwise_label(elementwise):
+    return "".join(" +" + name for name in elementwise)
+
+
+def _partials(storage, mode, op, noise, write_mean, philox_aligned, group, warps, aligned=True, elementwise=()):
     sig = {
         "x_ptr": "*" + storage, "v_ptr": "*" + storage, "third_ptr": "*" + ("fp32" if op is Op.ROLLOUT else storage),
         "prev_out_ptr": "*" + storage, "mean_out_ptr": "*fp32", "partials_ptr": "*fp32", "sigmas_ptr": "*fp32",
         "step_ptr": "*i64", "seeds_ptr": "*i64", "stream_stride": "i32", "elem_offset": "i32", "n_per_sample": "i32",
         "n_chunks": "i32", "n_blocks": "i32", "sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32",
+        **_ELEMENTWISE_SIG,
     }
     cx = {"MODE": int(mode), "OP": int(op), "WRITE_MEAN": write_mean, "CHUNK": CHUNK_SIZE, "LOG2_CHUNK": LOG2_CHUNK_SIZE,
-          "GROUP": group, "NOISE": int(noise), "PHILOX_ALIGNED": philox_aligned}
+          "GROUP": group, "NOISE": int(noise), "PHILOX_ALIGNED": philox_aligned, **_elementwise(elementwise)}
     ptrs = tuple(k for k in sig if k.endswith("_ptr"))
     label = f"{op.label}" + (f" noise={noise.label}" + (" unaligned" if noise is NoiseSource.PHILOX and not philox_aligned
                                                         else "") + (" +mean" if write_mean else "")
-                             if op is Op.ROLLOUT else "")
+                             if op is Op.ROLLOUT else "") + _elementwise_label(elementwise)
     return Specialization("step_partials_kernel", sig, cx, (ptrs + ("n_per_sample",)) if aligned else (), warps,
                           f"{mode.label} {label} g{group}w{warps}" + ("" if aligned else " unaligned-tensors"),
                           group * CHUNK_SIZE)
 
 
-def _finalize(mode, kind, mean, width):
+def _finalize(mode, kind, mean, width, count_given=False, has_log=False):
     sig = {"partials_ptr": "*fp32", "sigmas_ptr": "*fp32", "step_ptr": "*i64", "value_ptr": "*fp32", "std_ptr": "*fp32",
+           "count_ptr": "*fp32", "log_ptr": "*fp32",
            "n_partials": "i32", "numel_f": "fp32", "sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32"}
-    cx = {"MODE": int(mode), "KIND": int(kind), "MEAN": mean, "WIDTH": width, "LOG2_WIDTH": width.bit_length() - 1}
+    cx = {"MODE": int(mode), "KIND": int(kind), "MEAN": mean, "WIDTH": width, "LOG2_WIDTH": width.bit_length() - 1,
+          "COUNT_GIVEN": count_given, "HAS_LOG": has_log}
     from flowrl._triton_ops import finalize_warps
 
     warps = finalize_warps(width)
+    label = f"{mode.label} {kind.label} {'mean' if mean else 'sum'} width={width}" + (
+        " +count" if count_given else "") + (" +log" if has_log else "")
     return Specialization("finalize_kernel", sig, cx, ("partials_ptr", "sigmas_ptr", "step_ptr", "value_ptr", "std_ptr"),
-                          warps, f"{mode.label} {kind.label} {'mean' if mean else 'sum'} width={width}", width)
+                          warps, label, width)
 
 
-def _backward(storage, mode, kind, mean, needs, group, warps):
+def _backward(storage, mode, kind, mean, needs, group, warps, elementwise=()):
     sig = {
         "x_ptr": "*" + storage, "v_ptr": "*" + storage, "third_ptr": "*" + storage, "grad_ptr": "*fp32",
         "grad_x_ptr": "*" + storage, "grad_v_ptr": "*" + storage, "grad_third_ptr": "*" + storage,
-        "sigmas_ptr": "*fp32", "step_ptr": "*i64", "n_per_sample": "i32", "n_blocks": "i32", "numel_f": "fp32",
-        "sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32",
+        "sigmas_ptr": "*fp32", "step_ptr": "*i64", "count_ptr": "*fp32", "n_per_sample": "i32", "n_blocks": "i32",
+        "sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32", **_ELEMENTWISE_SIG,
     }
     need_x, need_v, need_third = needs
     cx = {"MODE": int(mode), "KIND": int(kind), "MEAN": mean, "IS_KL": kind is LogProbKind.KL, "NEED_X": need_x,
-          "NEED_V": need_v, "NEED_THIRD": need_third, "BLOCK": group * CHUNK_SIZE}
+          "NEED_V": need_v, "NEED_THIRD": need_third, "BLOCK": group * CHUNK_SIZE, **_elementwise(elementwise)}
     ptrs = tuple(k for k in sig if k.endswith("_ptr"))
     grads = "+".join(n for n, on in zip(("x", "v", "third"), needs) if on)
     return Specialization("step_backward_kernel", sig, cx, ptrs + ("n_per_sample",), warps,
-                          f"{mode.label} {kind.label} {'mean' if mean else 'sum'} grads={grads} g{group}w{warps}",
-                          group * CHUNK_SIZE)
+                          f"{mode.label} {kind.label} {'mean' if mean else 'sum'} grads={grads} g{group}w{warps}"
+                          + _elementwise_label(elementwise), group * CHUNK_SIZE)
 
 
 def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind=LogProbKind.GAUSSIAN, mean=True):
@@ -205,7 +225,16 @@ def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Spec
         yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (True, True, True), *config)
     yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False), *largest)  # training's usual
     yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *largest, aligned=False)
+    # elementwise steps (per-token schedules, frozen masks): the heaviest rollout (Philox, the mean,
+    # per-token coefficients and a mask), the recompute with both and with a mask alone, its backward
+    both = ("token", "frozen")
+    yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *largest, elementwise=both)
+    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *largest, elementwise=both)
+    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *largest, elementwise=("frozen",))
+    yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False), *largest, elementwise=both)
     if storage == STORAGES[0]:  # the finalize reads float32 partials whatever the latents' dtype
+        yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, True, 64, count_given=True, has_log=True)
+        yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, False, 64, count_given=True)
         for mode in Mode:
             for kind in LogProbKind:
                 for mean in (True, False):

@@ -37,13 +37,11 @@ STD_FLOOR = tl.constexpr(_STD_FLOOR)
 
 
 @triton.jit
-def mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE: tl.constexpr):
-    """Per-sample ``(a, c, std)`` with ``mu = a * x + c * v`` (SPEC, Modes), from the float32 table.
-
-    ``step`` is the sample's step index; ``sin_half_pi_eta`` is ``sin(eta * pi / 2)`` computed once on
-    the host in float32 (only cps reads it; it depends on the scalar ``eta`` alone)."""
-    sigma = tl.load(sigmas_ptr + step)
-    sigma_next = tl.load(sigmas_ptr + step + 1)
+def coefficients_of(sigma, sigma_next, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE: tl.constexpr):
+    """``(a, c, std)`` with ``mu = a * x + c * v`` (SPEC, Modes) for steps sigma -> sigma_next (scalars
+    or blocks), as flowrl.reference.coefficients_of computes them. ``sigmas_ptr`` is the float32
+    table (sde's sigma == 1 rule reads its second value); ``sin_half_pi_eta`` is ``sin(eta * pi / 2)``
+    computed once on the host in float32 (only cps reads it; it depends on the scalar ``eta`` alone)."""
     d = sigma - sigma_next  # D > 0; diffusers' dt is -D
     if MODE == MODE_ODE:
         a = sigma * 0.0 + 1.0
@@ -72,6 +70,33 @@ def mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MOD
 
 
 @triton.jit
+def mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE: tl.constexpr):
+    """Per-sample ``(a, c, std)`` of the sample's step ``step`` in the float32 table."""
+    sigma = tl.load(sigmas_ptr + step)
+    sigma_next = tl.load(sigmas_ptr + step + 1)
+    return coefficients_of(sigma, sigma_next, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE)
+
+
+@triton.jit
+def compact_index(row, in_row, inner, groups, batch_stride):
+    """Index into a compact per-token table (flowrl.step_spec.flat_layout) of in-sample element
+    ``in_row`` (int64) of sample ``row``: row * batch_stride + (in_row // inner) % groups."""
+    return row * batch_stride + (in_row // inner) % groups
+
+
+@triton.jit
+def token_coefficients(tok_ptr, index, mask, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE: tl.constexpr):
+    """Per-element ``(a, c, std, held)`` of per-token steps: the token's (sigma, sigma') pair read from
+    the compact [Bt, G, 2] table at ``index``, ``coefficients_of`` on it, and a held token (D = 0)
+    given (1, 0, 0) (flowrl.reference.token_coefficients)."""
+    sigma = tl.load(tok_ptr + 2 * index, mask=mask, other=0.0)
+    sigma_next = tl.load(tok_ptr + 2 * index + 1, mask=mask, other=0.0)
+    a, c, std = coefficients_of(sigma, sigma_next, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE)
+    held = sigma == sigma_next
+    return tl.where(held, 1.0, a), tl.where(held, 0.0, c), tl.where(held, 0.0, std), held
+
+
+@triton.jit
 def step_mean(a, c, x, v):
     """mu = a * x + c * v in float32 (x, v already upcast)."""
     return a * x + c * v
@@ -94,11 +119,15 @@ def density_std(std):
 
 
 @triton.jit
-def value_from_total(total, std, numel_f, KIND: tl.constexpr, MEAN: tl.constexpr):
-    """A sample's log-prob (KIND gaussian/kernel/sq_err) or KL (KIND_KL) from its total of squared
-    residuals, as flowrl.reference.value_from_total computes it."""
+def value_from_total(total, std, count, log_term, KIND: tl.constexpr, MEAN: tl.constexpr, HAS_LOG: tl.constexpr):
+    """A sample's log-prob (KIND gaussian/kernel/sq_err) or KL (KIND_KL) from its total of (weighted)
+    squared residuals over its ``count`` scored elements, as flowrl.reference.value_from_total
+    computes it (``log_term``: the per-token schedules' sum of log(std_token / std), read when HAS_LOG).
+    No scored element: 0."""
+    none_scored = count == 0.0
+    safe_count = tl.where(none_scored, 1.0, count)
     if MEAN:
-        total = tl.div_rn(total, numel_f)
+        total = tl.div_rn(total, safe_count)
     deterministic, std_d = density_std(std)
     var = std_d * std_d
     if KIND == KIND_SQ_ERR:
@@ -110,19 +139,25 @@ def value_from_total(total, std, numel_f, KIND: tl.constexpr, MEAN: tl.constexpr
         if KIND == KIND_GAUSSIAN:
             const = -tl.log(std_d) - HALF_LOG_2PI
             if MEAN:
+                if HAS_LOG:
+                    const = const - tl.div_rn(log_term, safe_count)
                 value = value + const
             else:
-                value = value + const * numel_f
-    return tl.where(deterministic, 0.0, value)
+                const = const * count
+                if HAS_LOG:
+                    const = const - log_term
+                value = value + const
+    return tl.where(none_scored, 0.0, value)
 
 
 @triton.jit
-def total_grad(grad, std, numel_f, KIND: tl.constexpr, MEAN: tl.constexpr):
-    """d value / d total times the incoming ``grad``: the backward of value_from_total (0 on
-    deterministic steps)."""
+def total_grad(grad, std, count, KIND: tl.constexpr, MEAN: tl.constexpr):
+    """d value / d total times the incoming ``grad``: the backward of value_from_total (0 when no
+    element is scored)."""
+    none_scored = count == 0.0
     deterministic, std_d = density_std(std)
     var = std_d * std_d
-    g = tl.where(deterministic, 0.0, grad)
+    g = tl.where(none_scored, 0.0, grad)
     if KIND == KIND_SQ_ERR:
         coef = -g
     elif KIND == KIND_KL:
@@ -130,7 +165,7 @@ def total_grad(grad, std, numel_f, KIND: tl.constexpr, MEAN: tl.constexpr):
     else:
         coef = -tl.div_rn(g, 2.0 * var)
     if MEAN:
-        coef = tl.div_rn(coef, numel_f)
+        coef = tl.div_rn(coef, tl.where(none_scored, 1.0, count))
     return coef
 
 

@@ -24,14 +24,26 @@ flowrl.reference.value_from_total).
 Backward: same grid as forward; from the per-sample incoming grad it writes the input grads
 directly (autograd of the reference, reproduced operation for operation).
 
+Elementwise steps (docs/contract.md, Per-token schedules; Frozen elements and counts): PER_TOKEN reads
+each element's (sigma, sigma') from a compact [Bt, G, 2] table by index math on the element's
+in-sample offset (common.compact_index; flowrl.step_spec.flat_layout builds the table), computes its
+coefficients (common.token_coefficients) and, when WEIGHTED (every kind but sq_err), weights its
+squared residual by var_sample / var_token, so the partials stay sums of squares divided by the
+sample's variance in finalize (bit for bit the per-sample step's when every token is at its
+sample's sigma). HAS_FROZEN reads a compact uint8 mask the same way. Frozen and held elements (and
+elements of std 0) add 0 to the partials; frozen and held ones emit x' = x. The scored-element count
+and the per-token log term are computed on the host (flowrl.reference.scored_statistics) and read
+by finalize (COUNT_GIVEN, HAS_LOG) and backward.
+
 No atomics anywhere: every sum is a fixed tree of IEEE adds (see common.halving_tree_rows).
 """
 import triton
 import triton.language as tl
 
 from .common import (
-    NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, halving_tree_rows, mode_coefficients,
-    philox_key, philox_normal_block, policy_difference, round_to, step_mean, total_grad, value_from_total,
+    NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, compact_index, density_std,
+    halving_tree_rows, mode_coefficients, philox_key, philox_normal_block, policy_difference, round_to, step_mean,
+    token_coefficients, total_grad, value_from_total,
 )
 
 
@@ -46,7 +58,35 @@ def _block_offsets(n_per_sample, n_blocks, BLOCK: tl.constexpr):
     first = (pid - row * n_blocks) * BLOCK
     in_row = first + tl.arange(0, BLOCK)
     mask = in_row < n_per_sample
-    return row, first, row * n_per_sample + in_row, mask
+    return row, first, in_row, row * n_per_sample + in_row, mask
+
+
+@triton.jit
+def _element_terms(a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride,
+                   frozen_ptr, frozen_inner, frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta,
+                   sin_half_pi_eta, MODE: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_FROZEN: tl.constexpr,
+                   WEIGHTED: tl.constexpr):
+    """Per-element (a, c, std, keep, scored, weight) of an elementwise step from the sample's own
+    (a, c, std): per-token coefficients (PER_TOKEN), the frozen mask (HAS_FROZEN). keep: x' = x
+    (frozen or held); scored: std > 0 and not frozen; weight var_sample_d / var_token_d (WEIGHTED)."""
+    keep = in_row < 0  # all False
+    weight = 1.0
+    if PER_TOKEN:
+        tok = compact_index(row, in_row, tok_inner, tok_groups, tok_stride)
+        std_ref = std
+        a, c, std, held = token_coefficients(tok_ptr, tok, mask, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE)
+        keep = keep | held
+        if WEIGHTED:
+            _, ref_d = density_std(std_ref)
+            _, tok_d = density_std(std)
+            weight = tl.div_rn(ref_d * ref_d, tok_d * tok_d)
+    scored = std > 0.0
+    if HAS_FROZEN:
+        fidx = compact_index(row, in_row, frozen_inner, frozen_groups, frozen_stride)
+        frozen = tl.load(frozen_ptr + fidx, mask=mask, other=1) != 0
+        keep = keep | frozen
+        scored = tl.where(frozen, False, scored)
+    return a, c, std, keep, tl.where(mask, scored, False), weight
 
 
 @triton.jit
@@ -63,13 +103,22 @@ def step_partials_kernel(
     x_ptr, v_ptr, third_ptr, prev_out_ptr, mean_out_ptr, partials_ptr, sigmas_ptr, step_ptr,
     seeds_ptr, stream_stride, elem_offset,
     n_per_sample, n_chunks, n_blocks, sigma_one_tol, eta, sin_half_pi_eta,
+    tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner, frozen_groups, frozen_stride,
     MODE: tl.constexpr, OP: tl.constexpr, WRITE_MEAN: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
     GROUP: tl.constexpr, NOISE: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
+    PER_TOKEN: tl.constexpr, HAS_FROZEN: tl.constexpr, WEIGHTED: tl.constexpr,
 ):
-    """Chunk partials [B, n_chunks] of r * r; each program covers GROUP consecutive chunks."""
-    row, first, offs, mask = _block_offsets(n_per_sample, n_blocks, GROUP * CHUNK)
+    """Chunk partials [B, n_chunks] of r * r (weighted per token when WEIGHTED); each program covers
+    GROUP consecutive chunks."""
+    ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
+    row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, GROUP * CHUNK)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
+    if ELEMENTWISE:
+        a, c, std, keep, scored, weight = _element_terms(
+            a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
+            frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, PER_TOKEN,
+            HAS_FROZEN, WEIGHTED)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if NOISE == NOISE_PHILOX:  # rollout only: the noise never touches memory
         third = _philox_eps(seeds_ptr, row, first, stream_stride, elem_offset, GROUP * CHUNK, PHILOX_ALIGNED)
@@ -83,6 +132,9 @@ def step_partials_kernel(
             prev = round_to(mu, prev_out_ptr.dtype.element_ty)
         else:
             prev = round_to(mu + std * third, prev_out_ptr.dtype.element_ty)
+        if ELEMENTWISE:  # frozen and held elements emit x' = x, their mean is x
+            prev = tl.where(keep, round_to(x, prev_out_ptr.dtype.element_ty), prev)
+            mu = tl.where(keep, x, mu)
         tl.store(prev_out_ptr + offs, prev, mask=mask)
         r = prev.to(tl.float32) - mu
         if WRITE_MEAN:
@@ -91,47 +143,75 @@ def step_partials_kernel(
         r = third - mu
     else:  # OP_KL
         r = policy_difference(c, v, third)
-    r = tl.where(mask, r, 0.0)  # the tail of the last chunk adds exact zeros, as the reference's padding
-    partial = halving_tree_rows(r * r, GROUP, CHUNK, LOG2_CHUNK)  # one partial per chunk
+    if ELEMENTWISE:
+        sq = r * r
+        if WEIGHTED:
+            sq = sq * weight
+        sq = tl.where(scored, sq, 0.0)  # frozen, held, std-0 elements and the tail add exact zeros
+    else:
+        r = tl.where(mask, r, 0.0)  # the tail of the last chunk adds exact zeros, as the reference's padding
+        sq = r * r
+    partial = halving_tree_rows(sq, GROUP, CHUNK, LOG2_CHUNK)  # one partial per chunk
     chunk = first // CHUNK + tl.arange(0, GROUP)
     tl.store(partials_ptr + row * n_chunks + chunk, partial, mask=chunk < n_chunks)
 
 
 @triton.jit
 def finalize_kernel(
-    partials_ptr, sigmas_ptr, step_ptr, value_ptr, std_ptr,
+    partials_ptr, sigmas_ptr, step_ptr, value_ptr, std_ptr, count_ptr, log_ptr,
     n_partials, numel_f, sigma_one_tol, eta, sin_half_pi_eta,
     MODE: tl.constexpr, KIND: tl.constexpr, MEAN: tl.constexpr,
-    WIDTH: tl.constexpr, LOG2_WIDTH: tl.constexpr,
+    WIDTH: tl.constexpr, LOG2_WIDTH: tl.constexpr, COUNT_GIVEN: tl.constexpr, HAS_LOG: tl.constexpr,
 ):
     """value[b] from the [B, n_partials] chunk partials; the combine order is the halving tree over
-    the partials zero-padded to WIDTH (a power of two), i.e. flowrl.reference.combine_partials."""
+    the partials zero-padded to WIDTH (a power of two), i.e. flowrl.reference.combine_partials. The
+    scored count is read from count_ptr (COUNT_GIVEN: an elementwise step's) or written there
+    (numel_f, or 0 for a deterministic step: reference.ordinary_count)."""
     row = tl.program_id(0).to(tl.int64)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
     offs = tl.arange(0, WIDTH)
     partials = tl.load(partials_ptr + row * n_partials + offs, mask=offs < n_partials, other=0.0)
     total = tl.sum(halving_tree_rows(partials, 1, WIDTH, LOG2_WIDTH), axis=0)
-    tl.store(value_ptr + row, value_from_total(total, std, numel_f, KIND, MEAN))
+    if COUNT_GIVEN:
+        count = tl.load(count_ptr + row)
+    else:
+        count = tl.where(std > 0.0, numel_f, 0.0)
+        tl.store(count_ptr + row, count)
+    log_term = 0.0
+    if HAS_LOG:
+        log_term = tl.load(log_ptr + row)
+    tl.store(value_ptr + row, value_from_total(total, std, count, log_term, KIND, MEAN, HAS_LOG))
     tl.store(std_ptr + row, std)
 
 
 @triton.jit
 def step_backward_kernel(
-    x_ptr, v_ptr, third_ptr, grad_ptr, grad_x_ptr, grad_v_ptr, grad_third_ptr, sigmas_ptr, step_ptr,
-    n_per_sample, n_blocks, numel_f, sigma_one_tol, eta, sin_half_pi_eta,
+    x_ptr, v_ptr, third_ptr, grad_ptr, grad_x_ptr, grad_v_ptr, grad_third_ptr, sigmas_ptr, step_ptr, count_ptr,
+    n_per_sample, n_blocks, sigma_one_tol, eta, sin_half_pi_eta,
+    tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner, frozen_groups, frozen_stride,
     MODE: tl.constexpr, KIND: tl.constexpr, MEAN: tl.constexpr, IS_KL: tl.constexpr,
     NEED_X: tl.constexpr, NEED_V: tl.constexpr, NEED_THIRD: tl.constexpr, BLOCK: tl.constexpr,
+    PER_TOKEN: tl.constexpr, HAS_FROZEN: tl.constexpr, WEIGHTED: tl.constexpr,
 ):
     """Input grads of step_log_prob (third = x') or step_kl (third = v_ref) from grad [B].
 
     Per sample: coef = d value / d total (common.total_grad); per element d value / d r = 2 * coef * r,
     then dmu/dx = a, dmu/dv = c, and r = x' - mu or mu - mu_ref = c v - c v_ref. The KL does not
     depend on x (a * x cancels), so it has no x grad (NEED_X is False for it)."""
-    row, first, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
+    ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
+    row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
-    coef = total_grad(tl.load(grad_ptr + row), std, numel_f, KIND, MEAN)
+    coef = total_grad(tl.load(grad_ptr + row), std, tl.load(count_ptr + row), KIND, MEAN)
+    if ELEMENTWISE:
+        a, c, std, keep, scored, weight = _element_terms(
+            a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
+            frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, PER_TOKEN,
+            HAS_FROZEN, WEIGHTED)
+        if WEIGHTED:
+            coef = coef * weight
+        coef = tl.where(scored, coef, 0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if IS_KL:

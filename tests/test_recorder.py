@@ -1,6 +1,8 @@
 """flowrl.recorder: recording rollouts with a scheduler instance the user already has (diffusers' own
 FlowMatchEulerDiscreteScheduler, a framework's subclass, or flowrl's), and restoring it afterwards."""
+import copy
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -151,7 +153,7 @@ def test_step_arguments_it_cannot_honor_raise():
     with rollout(sched):
         with pytest.raises(TypeError, match="eta"):
             sched.step(x, sched.timesteps[0], x, eta=0.5)
-        with pytest.raises(ValueError, match="per_token_timesteps"):
+        with pytest.raises(ValueError, match="per_token_timesteps"):  # [B, S] per token needs [B, S, C] latents
             sched.step(x, sched.timesteps[0], x, per_token_timesteps=torch.full((2, 8), 1000.0))
         with pytest.raises(ValueError, match="integer index"):
             sched.step(x, 3, x)
@@ -174,3 +176,204 @@ def test_generator_falls_back_to_steps_own_and_ode_steps_draw_none():
     state = g.get_state()
     record(theirs, x, sde_steps=[], generator=g)  # all ode: no noise drawn
     assert torch.equal(g.get_state(), state)
+
+
+
+# ---------------------------------------------------------------------------------------------------
+# joint streams: a scheduler copied during a rollout (LTX-2's audio_scheduler = copy.deepcopy(...))
+
+
+def joint_loop(sched, video, audio, copier=copy.deepcopy, steps=4, generator=None):
+    """LTX-2's loop shape: copy the scheduler, set both schedules, step video then audio each iteration."""
+    audio_sched = copier(sched)
+    audio_sched.set_timesteps(steps)
+    sched.set_timesteps(steps)
+    sched.set_begin_index(0)
+    audio_sched.set_begin_index(0)
+    outs = []
+    for t in sched.timesteps:
+        v, a = toy_velocity(video, t), toy_velocity(audio, t)
+        outs.append((v, a))
+        video = sched.step(v, t, video, return_dict=False, generator=generator)[0]
+        audio = audio_sched.step(a, t, audio, return_dict=False, generator=generator)[0]
+    return video, audio, outs, audio_sched
+
+
+@pytest.mark.parametrize("copier", [copy.deepcopy, copy.copy], ids=["deepcopy", "copy"])
+@pytest.mark.parametrize("make", [lambda: diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), lambda: Sched(shift=3.0)],
+                         ids=["diffusers", "flowrl"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_copy_made_during_a_rollout_records_as_a_second_stream(make, copier, reduction):
+    sched = make()
+    video = torch.randn(2, 12, 4, generator=torch.Generator().manual_seed(0))
+    audio = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(1))
+    gens = [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
+    with rollout(sched, mode="sde", reduction=reduction, generator=gens) as rec:
+        v_out, a_out, outs, audio_sched = joint_loop(sched, video, audio, copier)
+    assert rec.num_streams == 2
+    traj = rec.trajectory()
+    assert traj.num_streams == 2 and traj.streams[1].latents.shape == (2, 5, 5, 3)
+    assert torch.equal(traj.streams[1].latents[:, -1], a_out) and torch.equal(traj.latents[:, -1], v_out)
+    for j, (v, a) in enumerate(outs):
+        lp = flowrl.step_log_prob(model_output=(v, a), **traj.step_inputs(j))
+        assert torch.equal(lp, traj.log_probs[:, j]), j
+    # the audio's noise is its own: not the video's first values, and sample 1's not sample 0's
+    eps_v = traj.latents[:, 1] - traj.latents[:, 0]
+    eps_a = traj.streams[1].latents[:, 1] - traj.streams[1].latents[:, 0]
+    assert not torch.allclose(eps_a.flatten(1), eps_v.flatten(1)[:, :eps_a[0].numel()], atol=1e-3)
+    # after the block both are plain schedulers: the copy steps with diffusers' Euler step again
+    for s in (sched, audio_sched):
+        assert not any(name in s.__dict__ for name in ("step", "set_timesteps", "__deepcopy__", "__reduce_ex__"))
+    assert type(copy.deepcopy(audio_sched)) is type(sched)
+
+
+def test_joint_rollout_is_deterministic_and_per_sample_noise_is_batch_invariant():
+    video = torch.randn(2, 12, 4, generator=torch.Generator().manual_seed(0))
+    audio = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(1))
+
+    def run(rows, seeds):
+        sched = Sched(shift=3.0)
+        with rollout(sched, generator=[torch.Generator().manual_seed(s) for s in seeds]) as rec:
+            joint_loop(sched, video[rows], audio[rows])
+        return rec.trajectory()
+
+    both, again, second = run(slice(0, 2), [7, 8]), run(slice(0, 2), [7, 8]), run(slice(1, 2), [8])
+    assert torch.equal(both.log_probs, again.log_probs)
+    assert torch.equal(both.streams[1].latents[1:], second.streams[1].latents)
+    assert torch.equal(both.log_probs[1:], second.log_probs)
+
+
+def test_copies_outside_a_rollout_are_plain_and_late_copies_are_refused():
+    sched = Sched(shift=3.0)
+    plain = copy.deepcopy(sched)
+    assert "step" not in plain.__dict__
+    x = torch.randn(2, 8)
+    sched.set_timesteps(3)
+    with rollout(sched) as rec:
+        sched.step(x, sched.timesteps[0], x)
+        with pytest.raises(RuntimeError, match="copied after this rollout recorded steps"):
+            copy.deepcopy(sched)
+    # a copy that never steps (made, then dropped) is no stream of the rollout
+    sched.set_timesteps(3)
+    with rollout(sched) as rec:
+        copy.deepcopy(sched)
+        run_loop(sched, x)
+    assert rec.trajectory().num_streams == 1 and rec.trajectory().streams is None
+
+
+def test_stream_noise_derives_from_the_step_generator_when_the_recorder_has_none():
+    video, audio = torch.randn(2, 12, 4), torch.randn(2, 5, 3)
+
+    def run():
+        sched = Sched(shift=3.0)
+        with rollout(sched) as rec:
+            joint_loop(sched, video, audio, generator=torch.Generator().manual_seed(3))
+        return rec.trajectory()
+
+    a, b = run(), run()
+    assert torch.equal(a.streams[1].latents, b.streams[1].latents)
+    eps_v, eps_a = a.latents[:, 1] - a.latents[:, 0], a.streams[1].latents[:, 1] - a.streams[1].latents[:, 0]
+    assert not torch.allclose(eps_a.flatten(1), eps_v.flatten(1)[:, :15], atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# per-token timesteps (LTXConditionPipeline) and frozen masks (Wan 2.2 TI2V)
+
+
+def ltx_condition_loop(sched, x, conditioning, steps=4, dtype=torch.float32):
+    """pipeline_ltx_condition.py's loop, operation for operation: per-token timesteps min(t, (1 - mask) *
+    1000) as [B, S], ``step(-noise_pred, ..., per_token_timesteps=)``, then torch.where keeping the
+    conditioning tokens."""
+    sched.set_timesteps(steps)
+    outs = []
+    for t in sched.timesteps:
+        timestep = t.expand(x.shape[0]).unsqueeze(-1).float()
+        timestep = torch.min(timestep, (1 - conditioning) * 1000.0)
+        noise_pred = toy_velocity(x, t).to(dtype)
+        outs.append(noise_pred)
+        denoised = sched.step(-noise_pred, t, x, per_token_timesteps=timestep, return_dict=False)[0]
+        keep = (t / 1000 - 1e-6 < (1.0 - conditioning)).unsqueeze(-1)
+        x = torch.where(keep, denoised, x)
+    return x, outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("conditioned", [False, True], ids=["uniform", "image"])
+def test_per_token_timesteps_ode_rollout_is_diffusers_bits_and_sde_recomputes(dtype, conditioned):
+    x = torch.randn(2, 10, 6, generator=torch.Generator().manual_seed(0))
+    conditioning = torch.zeros(2, 10)
+    if conditioned:
+        conditioning[:, :3] = 1.0  # tokens 0..2 hold the image: per-token timestep 0
+    expected, _ = ltx_condition_loop(diffusers.FlowMatchEulerDiscreteScheduler(shift=2.0), x, conditioning, dtype=dtype)
+    sched = Sched(shift=2.0)
+    with rollout(sched, mode="ode"):
+        got, _ = ltx_condition_loop(sched, x, conditioning, dtype=dtype)
+    assert got.dtype == expected.dtype == torch.float32 and torch.equal(got, expected)
+    assert torch.equal(got[:, :3], x[:, :3]) == conditioned  # conditioning tokens unchanged
+
+    with rollout(sched, mode="sde", generator=torch.Generator().manual_seed(4)) as rec:
+        got, outs = ltx_condition_loop(sched, x, conditioning, dtype=dtype)
+    traj = rec.trajectory()
+    assert traj.token_sigmas.shape == (2, 4, 10, 1) and torch.equal(traj.latents[:, -1], got)
+    if conditioned:
+        assert torch.equal(got[:, :3], x[:, :3])  # held: no noise either
+    for j, noise_pred in enumerate(outs):
+        inputs = traj.step_inputs(j)
+        assert torch.equal(flowrl.step_log_prob(model_output=noise_pred, **inputs), traj.log_probs[:, j])
+        if conditioned:  # the velocity on held tokens does not enter the log-prob
+            changed = noise_pred.clone()
+            changed[:, :3] = 5.0
+            assert torch.equal(flowrl.step_log_prob(model_output=changed, **inputs), traj.log_probs[:, j])
+
+
+def test_per_token_timesteps_given_on_some_steps_only_raise():
+    sched = Sched()
+    sched.set_timesteps(3)
+    x = torch.randn(2, 4, 3)
+    with rollout(sched):
+        sched.step(x, sched.timesteps[0], x, per_token_timesteps=torch.full((2, 1), float(sched.timesteps[0])))
+        with pytest.raises(ValueError, match="every step or on none"):
+            sched.step(x, sched.timesteps[1], x)
+
+
+def test_frozen_mask_holds_elements_and_keeps_them_out_of_the_log_prob():
+    x = torch.randn(2, 4, 3, 2, 2, generator=torch.Generator().manual_seed(0))  # [B, C, F, H, W]
+    frozen = torch.zeros(1, 1, 3, 1, 1, dtype=torch.bool)
+    frozen[:, :, 0] = True
+    sched = Sched(shift=3.0)
+    traj, out, outputs = record(sched, x, frozen=frozen, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(out[:, :, 0], x[:, :, 0]) and not torch.equal(out[:, :, 1], x[:, :, 1])
+    assert traj.frozen.shape == (2, 1, 3, 1, 1) and traj.frozen.dtype == torch.bool
+    for j, v in enumerate(outputs):
+        changed = v.clone()
+        changed[:, :, 0] += 3.0
+        inputs = traj.step_inputs(j)
+        assert torch.equal(flowrl.step_log_prob(model_output=changed, **inputs), traj.log_probs[:, j])
+    with pytest.raises(TypeError, match="frozen must be a bool tensor"):
+        rollout(sched, frozen=frozen.float())
+    sched.set_timesteps(2)
+    with rollout(sched, frozen=torch.zeros(1, 1, 5, 1, 1, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="frozen"):
+            sched.step(x, sched.timesteps[0], x)
+
+
+def test_pipeline_overwriting_scored_elements_warns_but_not_held_ones():
+    x = torch.randn(2, 4, 3)
+    sched = Sched()
+    frozen = torch.zeros(1, 4, 1, dtype=torch.bool)
+    frozen[:, 0] = True
+    sched.set_timesteps(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # overwriting a frozen element is the pipeline's right
+        with rollout(sched, frozen=frozen):
+            y = x
+            for t in sched.timesteps:
+                y = sched.step(toy_velocity(y, t), t, y, return_dict=False)[0].clone()
+                y[:, 0] = 7.0
+    sched.set_timesteps(3)
+    with rollout(sched):
+        with pytest.warns(UserWarning, match="pass their mask as rollout\\(frozen=...\\)"):
+            y = x
+            for t in sched.timesteps:
+                y = sched.step(toy_velocity(y, t), t, y, return_dict=False)[0].clone()
+                y[:, 0] = 7.0

@@ -547,3 +547,26 @@ def test_cuda_parity_and_default_backend_rollout(dtype):
         lp = flowrl.step_log_prob(traj.latents[:, i], v, traj.latents[:, i + 1], traj.sigmas, i)
         assert torch.equal(lp, traj.log_probs[:, i]), i
     assert ours.indices_for_timesteps(ours.timesteps.to(BF16)).tolist() == list(range(5))
+
+
+@pytest.mark.parametrize("family", ["wan-unipc", "sana-dpm"])
+def test_flow_shift_of_wan_and_sana_configs_becomes_shift(family, caplog):
+    """Wan's shipped scheduler is UniPCMultistepScheduler(flow_shift=3.0 for 480p, 5.0 for 720p,
+    use_flow_sigmas=True, prediction_type="flow_prediction"); Sana's is DPMSolverMultistepScheduler with the
+    same keys. Their shift is ``flow_shift`` (diffusers' scheduling_unipc_multistep.py: ``sigmas =
+    flow_shift * sigmas / (1 + (flow_shift - 1) * sigmas)``), which a plain from_config would drop."""
+    import logging
+
+    diffusers = pytest.importorskip("diffusers")
+    make = {"wan-unipc": diffusers.UniPCMultistepScheduler, "sana-dpm": diffusers.DPMSolverMultistepScheduler}[family]
+    shipped = make(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0).config
+    assert "shift" not in shipped and shipped["flow_shift"] == 5.0
+    with caplog.at_level(logging.INFO, logger="flowrl.scheduler"):
+        ours = Sched.from_config(shipped)
+    assert ours.config.shift == 5.0
+    assert [r.levelno for r in caplog.records if "flow_shift" in r.getMessage()] == [logging.INFO]
+    ours.set_timesteps(6)
+    ref = diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0)
+    ref.set_timesteps(6)
+    assert torch.equal(ours.sigmas, ref.sigmas)
+    assert Sched.from_config(shipped, shift=2.0).config.shift == 2.0  # an explicit shift wins

@@ -484,6 +484,12 @@ def _bad_wire(**changes):
     (dict(latent_step_indices=S.to_wire(torch.tensor([0, 1, 2]))), "latent_step_indices"),
     (dict(sde_steps=S.to_wire(torch.tensor([0.0]))), "sde_steps"),
     (dict(sde_steps=S.to_wire(torch.tensor([3]))), "sde_steps"),
+    (dict(token_sigmas=S.to_wire(torch.zeros(4, 3, 1, 1))), "token_sigmas"),
+    (dict(token_sigmas=S.to_wire(torch.full((4, 3, 1, 1, 1), 2.0))), r"token_sigmas must lie in \[0, 1\]"),
+    (dict(frozen=S.to_wire(torch.zeros(4, 1, 1, 1))), "frozen must be bool"),
+    (dict(counts=S.to_wire(torch.zeros(4, 2))), "counts"),
+    (dict(streams=[]), "streams must be null or a list of at least 2"),
+    (dict(token_sigmas=KeyError), "missing keys"),
 ])
 def test_trajectory_from_wire_rejects(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -512,3 +518,73 @@ def test_trajectory_load_rejects(tmp_path):
                        "log_prob": "gaussian", "reduction": "mean"})
     with pytest.raises(ValueError, match="noise_level"):
         RolloutTrajectory.load(tmp_path / "nl")
+
+
+
+def _joint_trajectory():
+    """A recorded joint rollout (two streams) with a frozen mask and per-token sigmas on the first stream."""
+    import copy
+
+    diffusers = pytest.importorskip("diffusers")
+    from flowrl.recorder import rollout
+
+    sched = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    video, audio = torch.randn(2, 6, 4).to(torch.bfloat16), torch.randn(2, 5, 3)
+    frozen = torch.zeros(1, 6, 1, dtype=torch.bool)
+    frozen[:, 0] = True
+    velocities = []
+    with rollout(sched, frozen=frozen, generator=torch.Generator().manual_seed(0)) as rec:
+        audio_sched = copy.deepcopy(sched)
+        audio_sched.set_timesteps(3)
+        sched.set_timesteps(3)
+        for t in sched.timesteps:
+            ptt = torch.full((2, 6), float(t))
+            ptt[:, 5] = 0.0  # token 5 at t = 0: held
+            velocities.append((torch.sin(video.float()), torch.cos(audio)))
+            video = sched.step(-velocities[-1][0], t, video, per_token_timesteps=ptt, return_dict=False)[0]
+            audio = audio_sched.step(velocities[-1][1], t, audio, return_dict=False)[0]
+    return rec.trajectory(), velocities
+
+
+def test_trajectory_format_2_round_trips_masks_token_sigmas_and_streams(tmp_path):
+    traj, velocities = _joint_trajectory()
+    assert traj.frozen is not None and traj.token_sigmas.shape == (2, 3, 6, 1) and traj.num_streams == 2
+
+    def same(a, b):
+        _same_trajectory(a, b)
+        for name in ("token_sigmas", "frozen", "counts"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None) == (y is None) and (x is None or _bits_equal(x, y)), name
+        assert (a.streams is None) == (b.streams is None)
+        for sa, sb in zip(a.streams or (), b.streams or ()):
+            same(sa, sb)
+
+    wire = _over_json(traj.to_wire())
+    assert wire["format"] == "flowrl.RolloutTrajectory/2" and len(wire["streams"]) == 2
+    same(RolloutTrajectory.from_wire(wire), traj)
+    traj.save(tmp_path / "joint.safetensors")
+    loaded = RolloutTrajectory.load(tmp_path / "joint.safetensors")
+    same(loaded, traj)
+    import flowrl
+
+    for j, v in enumerate(velocities):  # what came back recomputes every step
+        assert torch.equal(flowrl.step_log_prob(model_output=v, **loaded.step_inputs(j)), traj.log_probs[:, j])
+    for part, whole in zip(traj.split(), (0, 1)):
+        same(RolloutTrajectory.from_wire(_over_json(part.to_wire())), part)
+        assert torch.equal(part.streams[1].latents, traj.streams[1].latents[whole:whole + 1])
+
+
+def test_trajectory_format_1_payloads_and_files_still_load(tmp_path):
+    traj = _trajectory(sde_steps=True)
+    wire = _over_json(traj.to_wire())
+    for name in ("token_sigmas", "frozen", "counts", "streams"):
+        del wire[name]
+    wire["format"] = "flowrl.RolloutTrajectory/1"
+    _same_trajectory(RolloutTrajectory.from_wire(wire), traj)
+    metadata = {"format": "flowrl.RolloutTrajectory/1", "mode": traj.mode, "noise_level": repr(float(traj.noise_level)),
+                "log_prob": traj.log_prob, "reduction": traj.reduction}
+    S.save_safetensors(tmp_path / "v1.safetensors", traj._tensors(), metadata)
+    _same_trajectory(RolloutTrajectory.load(tmp_path / "v1.safetensors"), traj)
+    wire["token_sigmas"] = None  # /2 keys in a /1 payload are refused
+    with pytest.raises(ValueError, match="unexpected keys"):
+        RolloutTrajectory.from_wire(wire)

@@ -109,3 +109,56 @@ def test_default_needs_batched_latents_and_a_schedule():
         RolloutTrajectory(**dict(parts, sigmas=[1.0, 0.0]))
     with pytest.raises(ValueError, match=r"sigmas must be 1-D \[T \+ 1\] .* got shape \(1,\)"):
         RolloutTrajectory(**dict(parts, sigmas=torch.ones(1)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# step_inputs(j): the one recompute entry point
+
+
+def _recorded(**options):
+    """A recorded rollout (toy velocity) and the velocity of every step."""
+    import diffusers
+
+    from flowrl.recorder import rollout
+
+    sched = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    sched.set_timesteps(STEPS)
+    x = torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(0))
+    velocities = []
+    with rollout(sched, generator=torch.Generator().manual_seed(1), **options) as rec:
+        for t in sched.timesteps:
+            velocities.append(torch.sin(3 * x) + t / 1000)
+            x = sched.step(velocities[-1], t, x, return_dict=False)[0]
+    return rec.trajectory(), velocities
+
+
+def test_step_inputs_recompute_filtered_and_ode_steps_and_per_sample_indices():
+    import flowrl
+
+    traj, velocities = _recorded(sde_steps=[1, 2], return_step_indices=[0, 1, 2, 3], mode="dance", noise_level=0.5)
+    for j in (0, 1, 2):  # step 0 is an ode step: log-prob 0, recomputed as one
+        inputs = traj.step_inputs(j)
+        assert inputs["mode"] == ("ode" if j == 0 else "dance") and inputs["noise_level"] == 0.5
+        assert torch.equal(flowrl.step_log_prob(model_output=velocities[j], **inputs), traj.log_probs[:, j])
+    with pytest.raises(ValueError, match=r"did not keep loop step\(s\) \[4\]"):
+        traj.step_inputs(3)  # the final output was filtered out
+    with pytest.raises(ValueError, match=r"loop step in \[0, 3\]"):
+        traj.step_inputs(4)
+    # one loop step per sample: step_index per sample, the velocities gathered the same way
+    j = torch.tensor([2, 1, 2])
+    v = torch.stack([velocities[int(k)][b] for b, k in enumerate(j)])
+    lp = flowrl.step_log_prob(model_output=v, **traj.step_inputs(j))
+    assert torch.equal(lp, traj.log_probs.gather(1, j[:, None])[:, 0])
+    with pytest.raises(ValueError, match="mixes sde steps and ode steps"):
+        traj.step_inputs(torch.tensor([0, 1, 2]))
+    with pytest.raises(TypeError, match="int or an integer tensor"):
+        traj.step_inputs(1.0)
+
+
+def test_per_sample_split_keeps_masks_and_streams_per_sample():
+    frozen = torch.zeros(1, 4, 1, dtype=torch.bool)
+    frozen[:, 0] = True
+    traj, _ = _recorded(frozen=frozen)
+    parts = traj.split()
+    assert [p.frozen.shape for p in parts] == [(1, 4, 1)] * 3 and all(torch.equal(p.frozen, frozen) for p in parts)
+    assert torch.equal(parts[2].latents, traj.latents[2:3])
