@@ -16,7 +16,8 @@ from . import _dispatch
 from . import _validate as V
 from .contract import LogProbKind, Mode, NoiseSource, Op, Reduction
 from .step_spec import (
-    GeneratorArg, ShardContext, StepSpec, draw_noise, elements_per_sample, log_prob_kind, schedule_and_steps,
+    GeneratorArg, ShardContext, StepSpec, ddim_options, draw_noise, elements_per_sample, log_prob_kind,
+    schedule_and_steps,
 )
 
 
@@ -39,6 +40,18 @@ class SDEStepOutput:
         return iter((self.prev_sample, self.log_prob, self.prev_sample_mean, self.std_dev))
 
 
+def second_order(prev_x0_pred, mode: Mode, sample: torch.Tensor) -> dict:
+    """The backend ops' keyword for a second-order dpm_sde step: ``{"prev_x0_pred": x0_prev}``, or
+    ``{}`` (first order). ``prev_x0_pred`` is the previous step's data prediction ``x_{i-1} -
+    sigma_{i-1} v_{i-1}`` (what diffusers' DPM solvers and MixGRPO keep as ``model_outputs``), x's
+    shape; only mode='dpm_sde' reads one (docs/contract.md, dpm_sde)."""
+    if prev_x0_pred is None:
+        return {}
+    if mode is not Mode.DPM_SDE:
+        raise ValueError(f"prev_x0_pred is mode='dpm_sde''s (its second order); got mode={mode.label!r}")
+    return {"prev_x0_pred": V.check_batch_tensor("prev_x0_pred", prev_x0_pred, sample)}
+
+
 def sde_step(
     sample: torch.Tensor,
     model_output: torch.Tensor,
@@ -56,6 +69,9 @@ def sde_step(
     return_prev_sample_mean: bool = True,
     noise_seed: Union[None, int, torch.Tensor] = None,
     shard: Optional[ShardContext] = None,
+    prediction_type: Optional[str] = None,
+    clip_sample_range: Optional[float] = None,
+    prev_x0_pred: Optional[torch.Tensor] = None,
 ) -> SDEStepOutput:
     """Sample x' ~ N(mu, std^2) for one step of ``mode`` and return it with its log-prob.
 
@@ -66,10 +82,15 @@ def sde_step(
     integer tensor [B] of per-sample seeds (a sample's noise then depends on its seed only); see
     docs/kernels.md. The log-prob is of ``prev_sample`` as emitted in ``out_dtype`` (default:
     model_output's dtype). ``shard``: the sequence-parallel context (``flowrl.distributed`` passes
-    it; None on one device).
+    it; None on one device). ``prediction_type`` ("epsilon", "sample", "v_prediction") and
+    ``clip_sample_range`` (None: no clipping) are mode='ddim''s, whose ``sigmas`` is the alpha-bar
+    table [2T] of (alpha_bar_t, alpha_bar_prev) pairs (docs/contract.md, ddim).
     """
-    sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
+    extra = ddim_options(mode, prediction_type, clip_sample_range)
+    sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level,
+                                                extra.get("prediction"))
     kind, reduction = log_prob_kind(log_prob), Reduction.parse("reduction", reduction)
+    prev = second_order(prev_x0_pred, mode, sample)
     out_dtype = V.check_out_dtype(out_dtype, model_output.dtype)
     seed = None
     if noise_seed is not None:  # noise, generator and noise_seed are exclusive
@@ -89,15 +110,16 @@ def sde_step(
         source = NoiseSource.NONE if mode is Mode.ODE or eta == 0 else NoiseSource.TENSOR
     spec = StepSpec(Op.ROLLOUT, sigmas, idx, mode, eta, kind, reduction, elements_per_sample(sample, shard),
                     out_dtype=out_dtype, noise_source=source, noise_seed=seed,
-                    return_mean=bool(return_prev_sample_mean), shard=shard)
+                    return_mean=bool(return_prev_sample_mean), shard=shard, **extra)
     # the backend is chosen (and a bad one refused) before any noise is drawn: a drawn noise is float32,
     # so only a given noise tensor enters the choice
-    ops = _dispatch.select(backend, *((sample, model_output) if noise is None else (sample, model_output, noise)))
+    given = (sample, model_output) if noise is None else (sample, model_output, noise)
+    ops = _dispatch.select(backend, *given, *prev.values())
     if ops.name == "triton" and spec.out_dtype == torch.float64:
         raise TypeError("out_dtype=float64 runs on backend='torch' only")
     if noise is None and source is NoiseSource.TENSOR:
         noise = (draw_noise if shard is None else shard.draw_noise)(sample.shape, generator, sample.device)
-    return SDEStepOutput(*ops.sde_step(spec, sample, model_output, noise))
+    return SDEStepOutput(*ops.sde_step(spec, sample, model_output, noise, **prev))
 
 
 def step_log_prob(
@@ -113,16 +135,22 @@ def step_log_prob(
     reduction: str = "mean",
     backend: str = "auto",
     shard: Optional[ShardContext] = None,
+    prediction_type: Optional[str] = None,
+    clip_sample_range: Optional[float] = None,
+    prev_x0_pred: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Log-prob [B] of the stored ``prev_sample`` under the current ``model_output``; differentiable
     with respect to ``model_output``, ``sample`` and ``prev_sample``. On the same backend and inputs it
     reproduces ``sde_step``'s log-prob bit for bit."""
-    sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
+    extra = ddim_options(mode, prediction_type, clip_sample_range)
+    sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level,
+                                                extra.get("prediction"))
     V.check_batch_tensor("prev_sample", prev_sample, sample)
     spec = StepSpec(Op.LOG_PROB, sigmas, idx, mode, eta, log_prob_kind(log_prob), Reduction.parse("reduction", reduction),
-                    elements_per_sample(sample, shard), shard=shard)
-    return _dispatch.select(backend, sample, model_output, prev_sample).step_log_prob(
-        spec, sample, model_output, prev_sample)
+                    elements_per_sample(sample, shard), shard=shard, **extra)
+    prev = second_order(prev_x0_pred, mode, sample)
+    return _dispatch.select(backend, sample, model_output, prev_sample, *prev.values()).step_log_prob(
+        spec, sample, model_output, prev_sample, **prev)
 
 
 def step_kl(
@@ -137,15 +165,21 @@ def step_kl(
     reduction: str = "mean",
     backend: str = "auto",
     shard: Optional[ShardContext] = None,
+    prediction_type: Optional[str] = None,
+    clip_sample_range: Optional[float] = None,
+    prev_x0_pred: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Exact KL [B] between this step's transitions under ``model_output`` and ``ref_model_output``
     (same std): ``(mu - mu_ref)^2 / (2 std^2)`` reduced like the log-prob; 0 on deterministic steps."""
-    sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
+    extra = ddim_options(mode, prediction_type, clip_sample_range)
+    sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level,
+                                                extra.get("prediction"))
     V.check_batch_tensor("ref_model_output", ref_model_output, sample)
     spec = StepSpec(Op.KL, sigmas, idx, mode, eta, LogProbKind.KL, Reduction.parse("reduction", reduction),
-                    elements_per_sample(sample, shard), shard=shard)
-    return _dispatch.select(backend, sample, model_output, ref_model_output).step_kl(
-        spec, sample, model_output, ref_model_output)
+                    elements_per_sample(sample, shard), shard=shard, **extra)
+    prev = second_order(prev_x0_pred, mode, sample)
+    return _dispatch.select(backend, sample, model_output, ref_model_output, *prev.values()).step_kl(
+        spec, sample, model_output, ref_model_output, **prev)
 
 
 __all__: List[str] = ["SDEStepOutput", "sde_step", "step_log_prob", "step_kl", "draw_noise", "ShardContext"]

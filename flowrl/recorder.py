@@ -45,10 +45,13 @@ _STEP_SIGNATURE = inspect.signature(FlowMatchEulerDiscreteScheduler.step)
 _STEP_SIGNATURE = _STEP_SIGNATURE.replace(parameters=list(_STEP_SIGNATURE.parameters.values())[1:])
 
 
-def check_scheduler(scheduler) -> None:
+def check_scheduler(scheduler, mode: Optional[str] = None, noise_level: Optional[float] = None,
+                    sde_steps=None) -> None:
     """Raise ``TypeError`` / ``ValueError`` (naming ``scheduler``) unless a rollout can drive this
     scheduler: a ``FlowMatchEulerDiscreteScheduler`` instance (diffusers', flowrl's or a subclass) whose
-    plain step is the Euler step on a decreasing sigma table."""
+    plain step is the Euler step on a decreasing sigma table, or, with ``stochastic_sampling=True``,
+    the step x' = (1 - sigma') x0_hat + sigma' eps, which is cps at noise_level 1: then the rollout's
+    ``mode``, ``noise_level`` and ``sde_steps`` must be that process (docs/contract.md, Variants)."""
     if isinstance(scheduler, type):
         raise TypeError(f"scheduler must be a scheduler instance, not the class {scheduler.__name__}")
     classes = tuple(c for c in (FlowMatchEulerDiscreteScheduler, DiffusersFlowMatchEulerDiscreteScheduler) if c)
@@ -58,12 +61,16 @@ def check_scheduler(scheduler) -> None:
             f"{type(scheduler).__name__}. A rollout replaces the Euler step x + (sigma' - sigma) v of that "
             "scheduler; other schedulers (Heun, LCM, multistep, DDIM) step differently"
         )
+    if mode == "ddim":
+        raise ValueError("mode='ddim' steps an alpha-bar (DDPM) schedule, not this scheduler's sigma table: record it "
+                         "with flowrl.DDIMScheduler(...).rollout() (or flowrl.ddim.DDIMRolloutRecorder)")
     config = scheduler.config
-    if config.get("stochastic_sampling", False):
+    if config.get("stochastic_sampling", False) and (mode != "cps" or noise_level != 1 or sde_steps is not None):
         raise ValueError(
-            "scheduler has config.stochastic_sampling=True: its step re-noises a predicted x0, a different "
-            "process than the rollout's, so its ode steps and plain runs would not match the recorded ones. "
-            "Use type(scheduler).from_config(scheduler.config, stochastic_sampling=False)"
+            "scheduler has config.stochastic_sampling=True: its step x' = (1 - sigma') x0_hat + sigma' eps is "
+            "cps at noise_level 1 on every step, so record it with mode='cps', noise_level=1.0 and sde_steps=None "
+            f"(got mode={mode!r}, noise_level={noise_level!r}, sde_steps={sde_steps!r}), or use "
+            "type(scheduler).from_config(scheduler.config, stochastic_sampling=False)"
         )
     if config.get("invert_sigmas", False):
         raise ValueError(
@@ -77,6 +84,19 @@ def check_scheduler(scheduler) -> None:
             f"scheduler ({type(scheduler).__name__}) lacks {missing or '__dict__'}, which a rollout reads and "
             "sets as diffusers' FlowMatchEulerDiscreteScheduler has them"
         )
+
+
+def _solver_order(mode: str, solver_order) -> Optional[int]:
+    """dpm_sde's solver order (1 or 2; default 2, diffusers' DPM solvers' default); None for other modes."""
+    if mode != "dpm_sde":
+        if solver_order is not None:
+            raise ValueError(f"solver_order is mode='dpm_sde''s; got it with mode={mode!r}")
+        return None
+    if solver_order is None:
+        return 2
+    if isinstance(solver_order, bool) or solver_order not in (1, 2):
+        raise ValueError(f"solver_order must be 1 or 2 for mode='dpm_sde'; got {solver_order!r}")
+    return int(solver_order)
 
 
 def _index_set(name: str, values, upper: Optional[int] = None) -> Optional[List[int]]:
@@ -112,6 +132,10 @@ class RolloutRecorder:
     noise comes from generator i only, so it does not depend on the batch); when None, ``step``'s own
     generator is used. ``sde_steps``: loop steps that are stochastic (None: all).
     ``return_step_indices``: which latents to keep, index T being the final output (None: all T + 1).
+    ``solver_order`` (mode='dpm_sde' only; 1 or 2, default 2): at 2 the recorder keeps each step's data
+    prediction ``x - sigma v`` for the next step's mean, as diffusers' DPM solvers keep their
+    model_outputs, and the trajectory stores it (``prev_x0_preds``) so the recompute scores the same
+    transition.
     """
 
     def __init__(
@@ -126,8 +150,9 @@ class RolloutRecorder:
         return_step_indices: Optional[Iterable[int]] = None,
         generator: GeneratorArg = None,
         backend: str = "auto",
+        solver_order: Optional[int] = None,
     ):
-        check_scheduler(scheduler)
+        self._check_scheduler(scheduler, mode, noise_level, sde_steps)
         V.check_choice("mode", mode, V.MODES)
         self.noise_level = V.check_noise_level(noise_level, mode)
         V.check_choice("log_prob", log_prob, V.LOG_PROB_KINDS)
@@ -139,6 +164,7 @@ class RolloutRecorder:
         self.mode, self.log_prob, self.reduction, self.backend = mode, log_prob, reduction, backend
         self.generator = list(generator) if isinstance(generator, (list, tuple)) else generator
         self.sde_steps = _index_set("sde_steps", sde_steps)
+        self.solver_order = _solver_order(mode, solver_order)
         self.return_step_indices = _index_set("return_step_indices", return_step_indices)
         self._saved: Dict[str, object] = {}
         self._reset()
@@ -151,14 +177,28 @@ class RolloutRecorder:
         self._latents: Dict[int, torch.Tensor] = {}
         self._log_probs: List[torch.Tensor] = []
         self._last_prev: Optional[torch.Tensor] = None
+        self._x0_pred: Optional[torch.Tensor] = None  # dpm_sde order 2: the last step's data prediction
+        self._prev_x0_preds: List[torch.Tensor] = []
         self._batch: Optional[int] = None
+
+    # ------------------------------------------------------- what a scheduler family changes (flowrl.ddim)
+    # A recorder for another scheduler family (flowrl.ddim.DDIMRolloutRecorder) overrides these, and
+    # _step / _start (its step's arguments, its schedule table); the recording itself is shared.
+    _check_scheduler = staticmethod(check_scheduler)
+
+    def _scheduler_step_index(self) -> Optional[int]:
+        return self.scheduler.step_index
+
+    def _step_options(self, stochastic: bool) -> dict:
+        """sde_step's mode options for a loop step: the rollout's mode, or ode on a deterministic step."""
+        return {"mode": self.mode if stochastic else "ode", "noise_level": self.noise_level}
 
     # ------------------------------------------------------------------ patching the scheduler instance
     def __enter__(self) -> "RolloutRecorder":
         sched = self.scheduler
         if getattr(sched.step, "_flowrl_recorder", None) is not None:
             raise RuntimeError("this scheduler is already recording a rollout; rollouts do not nest")
-        check_scheduler(sched)  # the config may have been replaced since construction
+        self._check_scheduler(sched, self.mode, self.noise_level, self.sde_steps)  # the config may have changed
         self._reset()
         # an instance attribute the scheduler already had (another wrapper) comes back on exit
         self._saved = {name: sched.__dict__[name] for name in _PATCHED if name in sched.__dict__}
@@ -261,7 +301,7 @@ class RolloutRecorder:
             raise RuntimeError(f"this rollout already recorded all {self._num_steps} steps of its loop")
         if sample.shape[0] != self._batch:
             raise ValueError(f"sample has batch size {sample.shape[0]}; this rollout started with B = {self._batch}")
-        if self.scheduler.step_index != self._begin + i:
+        if self._scheduler_step_index() != self._begin + i:
             raise RuntimeError(
                 f"the scheduler is at step index {self.scheduler.step_index} but the rollout expects "
                 f"{self._begin + i}: steps were skipped or repeated"
@@ -276,11 +316,13 @@ class RolloutRecorder:
                 f"{i - 1}'s log-prob from latents[:, {i}] will not reproduce it"
             )
         stochastic = self.sde_steps is None or i in self.sde_steps
+        prev_x0 = self._second_order_input(sample, model_output, i)
         # an ode step draws no noise (sde_step skips the draw), so the generators advance on sde steps only
         out = sde_step(
-            sample, model_output, self._sigmas, i, mode=self.mode if stochastic else "ode",
-            noise_level=self.noise_level, log_prob=self.log_prob, reduction=self.reduction, backend=self.backend,
+            sample, model_output, self._sigmas, i, **self._step_options(stochastic),
+            log_prob=self.log_prob, reduction=self.reduction, backend=self.backend,
             generator=(self.generator if self.generator is not None else step_generator) if stochastic else None,
+            prev_x0_pred=prev_x0 if stochastic else None,
         )
         if self._keep(i):
             self._latents[i] = sample.detach()
@@ -289,6 +331,19 @@ class RolloutRecorder:
         if i + 1 == self._num_steps and self._keep(i + 1):
             self._latents[i + 1] = out.prev_sample.detach()
         return FlowMatchEulerDiscreteSchedulerOutput(out.prev_sample, out.log_prob, out.prev_sample_mean, out.std_dev)
+
+    def _second_order_input(self, sample, model_output, i: int) -> Optional[torch.Tensor]:
+        """dpm_sde at solver order 2: the data prediction of the previous step (zeros at step 0, which
+        reads none), stored for replay; then keeps this step's ``x - sigma v`` (float32, float64 for a
+        float64 rollout) for the next, as diffusers' DPM solvers keep their model_outputs."""
+        if self.solver_order != 2:
+            return None
+        dtype = torch.float64 if torch.float64 in (sample.dtype, model_output.dtype) else torch.float32
+        x, v = sample.detach().to(dtype), model_output.detach().to(dtype)
+        prev_x0 = torch.zeros_like(x) if self._x0_pred is None else self._x0_pred
+        self._prev_x0_preds.append(prev_x0)
+        self._x0_pred = x - self._sigmas[i].to(dtype) * v
+        return prev_x0
 
     def trajectory(self) -> RolloutTrajectory:
         """The recorded ``RolloutTrajectory`` (after the loop has run all its steps)."""
@@ -315,6 +370,7 @@ class RolloutRecorder:
             log_prob=self.log_prob,
             reduction=self.reduction,
             sde_steps=None if self.sde_steps is None else torch.tensor(self.sde_steps, dtype=torch.int64, device=device),
+            prev_x0_preds=torch.stack(self._prev_x0_preds, dim=1) if self._prev_x0_preds else None,
         )
 
 

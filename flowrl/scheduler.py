@@ -541,7 +541,9 @@ class FlowMatchEulerDiscreteScheduler(
         """A ``flowrl.recorder.RolloutRecorder`` for this scheduler: inside ``with recorder:``, every
         ``step`` is a rollout step. ``options`` are the recorder's (``mode``, ``noise_level``,
         ``log_prob``, ``reduction``, ``sde_steps``, ``return_step_indices``, ``generator``,
-        ``backend``); same as ``flowrl.recorder.rollout(scheduler, **options)``."""
+        ``backend``, ``solver_order`` for mode='dpm_sde'); same as ``flowrl.recorder.rollout(scheduler,
+        **options)``. With ``stochastic_sampling=True`` in the config the step is cps at noise_level 1:
+        record it with ``mode="cps", noise_level=1.0``."""
         from .recorder import RolloutRecorder
 
         return RolloutRecorder(self, **options)
