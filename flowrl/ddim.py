@@ -100,8 +100,7 @@ class DDIMRolloutRecorder(RolloutRecorder):
     _check_scheduler = staticmethod(check_scheduler)
 
     def __init__(self, scheduler, *, mode: str = "ddim", noise_level: float = 1.0, **options):
-        check_scheduler(scheduler, mode)
-        super().__init__(scheduler, mode=mode, noise_level=noise_level, **options)
+        super().__init__(scheduler, mode=mode, noise_level=noise_level, **options)  # checks via _check_scheduler
 
     def _reset(self) -> None:
         super()._reset()
