@@ -84,7 +84,9 @@ def sde_step(
     model_output's dtype). ``shard``: the sequence-parallel context (``flowrl.distributed`` passes
     it; None on one device). ``prediction_type`` ("epsilon", "sample", "v_prediction") and
     ``clip_sample_range`` (None: no clipping) are mode='ddim''s, whose ``sigmas`` is the alpha-bar
-    table [2T] of (alpha_bar_t, alpha_bar_prev) pairs (docs/contract.md, ddim).
+    table [2T] of (alpha_bar_t, alpha_bar_prev) pairs (docs/contract.md, ddim). ``prev_x0_pred``
+    (mode='dpm_sde' only): the previous step's data prediction ``x_{i-1} - sigma_{i-1} v_{i-1}``, x's
+    shape, which makes the step second order (docs/contract.md, dpm_sde); differentiable.
     """
     extra = ddim_options(mode, prediction_type, clip_sample_range)
     sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level,
@@ -141,7 +143,8 @@ def step_log_prob(
 ) -> torch.Tensor:
     """Log-prob [B] of the stored ``prev_sample`` under the current ``model_output``; differentiable
     with respect to ``model_output``, ``sample`` and ``prev_sample``. On the same backend and inputs it
-    reproduces ``sde_step``'s log-prob bit for bit."""
+    reproduces ``sde_step``'s log-prob bit for bit; a second-order dpm_sde step needs the rollout's
+    ``prev_x0_pred`` (``RolloutTrajectory.prev_x0_preds[:, i]``), also differentiable."""
     extra = ddim_options(mode, prediction_type, clip_sample_range)
     sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level,
                                                 extra.get("prediction"))

@@ -74,8 +74,8 @@ def dpm_sde_coefficients(
     ``mu = (sigma'/sigma) q x + (B + B2) x0_hat - B2 x0_prev``, ``B = alpha' (1 - q^2)``,
     ``std = sigma' sqrt(1 - q^2)``; ``B2 = B h / (2 h_prev)`` (midpoint D1 = (x0_hat - x0_prev) / r,
     r = h_prev / h) when ``second_order``, else 0. The second-order term is 0 (the step is first
-    order, as MixGRPO and diffusers' lower_order_final) at step 0, at sigma' = 0 and after a step
-    from sigma = 1 (h_prev = inf)."""
+    order, as MixGRPO and diffusers' lower_order_final) at step 0, at sigma' = 0, after a step
+    from sigma = 1 (h_prev = inf) and where h_prev rounds to 0 (q_prev == 1)."""
     table = sigmas.to(dtype)
     sigma = table[step_index]
     sigma_next = table[step_index + 1]
@@ -90,7 +90,9 @@ def dpm_sde_coefficients(
     sigma_prev = table[(step_index - 1).clamp(min=0)]
     alpha = 1 - sigma  # 0 only at sigma = 1, i.e. step 0 (first order): 1 there keeps q_prev finite
     q_prev = ((1 - sigma_prev) * sigma) / (sigma_prev * torch.where(alpha > 0, alpha, torch.ones_like(alpha)))
-    first_order = (step_index == 0) | (q == 0) | (q_prev == 0)
+    # first order also where h_prev rounds to 0 (q_prev == 1: adjacent sigmas an ulp apart), whose
+    # finite difference D1 = (x0_hat - x0_prev) h / h_prev would be inf
+    first_order = (step_index == 0) | (q == 0) | (q_prev == 0) | (q_prev == 1)
     half = torch.full_like(q, 0.5)  # any q in (0, 1) keeps the unused branch finite
     h_ratio = torch.log(torch.where(first_order, half, q)) / torch.log(torch.where(first_order, half, q_prev))
     b2 = torch.where(first_order, torch.zeros_like(b), 0.5 * b * h_ratio)

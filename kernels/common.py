@@ -103,7 +103,8 @@ def dpm_sde_coefficients(sigmas_ptr, step, SECOND_ORDER: tl.constexpr):
         sigma_prev = tl.load(sigmas_ptr + tl.maximum(step - 1, 0))
         alpha = 1.0 - sigma  # 0 only at sigma = 1, i.e. step 0 (first order): 1 there keeps q_prev finite
         q_prev = tl.div_rn((1.0 - sigma_prev) * sigma, sigma_prev * tl.where(alpha > 0.0, alpha, 1.0))
-        first_order = (step == 0) | (q == 0.0) | (q_prev == 0.0)
+        # (q_prev == 1: h_prev rounds to 0, where D1's h / h_prev would be inf)
+        first_order = (step == 0) | (q == 0.0) | (q_prev == 0.0) | (q_prev == 1.0)
         # any q in (0, 1) keeps the unused branch finite
         h_ratio = tl.div_rn(tl.log(tl.where(first_order, 0.5, q)), tl.log(tl.where(first_order, 0.5, q_prev)))
         b2 = tl.where(first_order, 0.0, 0.5 * b * h_ratio)

@@ -31,9 +31,8 @@ import triton.language as tl
 
 from .common import (
     MODE_DDIM, NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, ddim_coefficients, ddim_mean,
-    dpm_sde_coefficients,
-    ddim_mean_grads, halving_tree_rows, mode_coefficients, philox_key, philox_normal_block, policy_difference,
-    round_to, step_mean, total_grad, value_from_total,
+    ddim_mean_grads, dpm_sde_coefficients, halving_tree_rows, mode_coefficients, philox_key, philox_normal_block,
+    policy_difference, round_to, step_mean, total_grad, value_from_total,
 )
 
 

@@ -46,14 +46,14 @@ def test_diffusers_stochastic_sampling_is_cps_at_noise_level_one(backend, dtype)
     at most one such bf16 ulp of the emitted bf16 sample in bf16."""
     sched = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True)
     sched.set_timesteps(8)
-    x = torch.randn(4, 3000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x = torch.randn(3, 1500, generator=torch.Generator().manual_seed(0)).to(dtype)
     for i, t in enumerate(sched.timesteps):
         v = torch.randn(x.shape, generator=torch.Generator().manual_seed(100 + i)).to(dtype)
         theirs = sched.step(v, t, x, generator=torch.Generator().manual_seed(i)).prev_sample
         noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(i))  # randn_tensor's draw
         ours = sde_step(x, v, sched.sigmas, i, mode="cps", noise_level=1.0, noise=noise, backend=backend)
         assert ours.prev_sample.dtype == theirs.dtype == dtype
-        assert torch.equal(ours.std_dev, sched.sigmas[i + 1].expand(4))
+        assert torch.equal(ours.std_dev, sched.sigmas[i + 1].expand(3))
         assert ulps_apart(ours.prev_sample, theirs, dtype) <= (2 if dtype == torch.float32 else 1), i
         if dtype == torch.float32 and i == len(sched.timesteps) - 1:
             assert torch.equal(ours.prev_sample, theirs)
@@ -177,7 +177,7 @@ def test_flash_sde_rollout_equals_recompute_bitwise(backend, dtype):
     sigmas = wan_schedule()
     x, v, _ = latents(shape=(3, 2, 600), dtype=dtype)
     g = torch.Generator().manual_seed(4)
-    for i in range(sigmas.numel() - 1):
+    for i in range(sigmas.numel() - 1) if backend == "torch" else (0, 3, sigmas.numel() - 2):  # interpreter: 3
         out = sde_step(x, v, sigmas, i, mode="flash_sde", noise_level=0.8, generator=g, backend=backend)
         lp = step_log_prob(x, v, out.prev_sample, sigmas, i, mode="flash_sde", noise_level=0.8, backend=backend)
         assert torch.equal(out.log_prob, lp), i
