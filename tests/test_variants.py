@@ -245,3 +245,22 @@ def test_flash_sde_sampler_reproduces_a_gaussian_target():
                      return_prev_sample_mean=False).prev_sample
     assert abs(x.mean().item() - m) < 0.01, x.mean().item()
     assert abs(x.std().item() - s) < 0.01, x.std().item()
+
+
+def test_flash_sde_scheduler_rollout_replays_bitwise():
+    """The drop-in scheduler records flash_sde like any mode; the recompute gives the recorded bits."""
+    sched = flowrl.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    sched.set_timesteps(5)
+    x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    outputs = []
+    with sched.rollout(mode="flash_sde", noise_level=0.8, generator=torch.Generator().manual_seed(1)) as rec:
+        for t in sched.timesteps:
+            v = (torch.sin(3 * x.float()) + t.float() / 1000).to(x.dtype)
+            outputs.append(v)
+            x = sched.step(v, t, x, return_dict=False)[0]
+    traj = rec.trajectory()
+    assert traj.mode == "flash_sde" and (traj.log_probs != 0).all()
+    for i, v in enumerate(outputs):
+        lp = step_log_prob(traj.latents[:, i], v, traj.latents[:, i + 1], traj.sigmas, i, mode=traj.mode,
+                           noise_level=traj.noise_level)
+        assert torch.equal(lp, traj.log_probs[:, i]), i
