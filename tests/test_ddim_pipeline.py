@@ -134,6 +134,10 @@ def test_rollout_recomputes_with_ratio_exactly_one(dtype, backend, tmp_path):
     # the trajectory survives the wire and a file with its ddim settings
     again = flowrl.RolloutTrajectory.from_wire(traj.to_wire())
     assert again.step_options() == traj.step_options() and torch.equal(again.sigmas, traj.sigmas)
+    wire = traj.to_wire()
+    del wire["prediction_type"]
+    with pytest.raises(ValueError, match="missing keys \\['prediction_type'\\]"):
+        flowrl.RolloutTrajectory.from_wire(wire)
     traj.save(tmp_path / "traj.safetensors")
     again = flowrl.RolloutTrajectory.load(tmp_path / "traj.safetensors")
     assert again.step_options() == traj.step_options() and torch.equal(again.log_probs, traj.log_probs)
