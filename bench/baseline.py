@@ -14,6 +14,11 @@ Two deliberate departures, neither changing the op count:
 - the KL divides by the transition's exact variance ``(std_dev_t * sqrt(-dt)) ** 2`` for ``sde`` where
   Flow-GRPO divides by ``std_dev_t ** 2``, so it can be checked against flowrl's exact KL (SPEC, KL).
 
+``mode="ddim"`` follows DDPO's ``ddim_step_with_logprob`` (kvablack/ddpo-pytorch,
+``ddpo_pytorch/diffusers_patch/ddim_with_logprob.py``) the same way (epsilon-prediction, no clip, per-sample
+timesteps gathered from the alpha-bar table ``ddim_alpha_bar_table`` builds), with the same upcast; its KL
+is the exact one, ``(mean - mean_ref)^2 / (2 std^2)`` (DDPO trains without a KL).
+
 It is not part of the flowrl package: it is what flowrl is measured against, and the bench checks that
 both agree numerically before timing either.
 """
@@ -24,9 +29,10 @@ from typing import Optional, Tuple
 
 import torch
 
-MODES = ("sde", "cps")
-# flowrl's log_prob= kind that matches each mode's Flow-GRPO log-prob
-LOG_PROB_KIND = {"sde": "gaussian", "cps": "sq_err"}
+MODES = ("sde", "cps", "ddim", "flash_sde", "dpm_sde")
+# flowrl's log_prob= kind that matches each mode's Flow-GRPO (ddim: DDPO; flash_sde: Flash-GRPO; dpm_sde:
+# MixGRPO) log-prob
+LOG_PROB_KIND = {"sde": "gaussian", "cps": "sq_err", "ddim": "gaussian", "flash_sde": "gaussian", "dpm_sde": "gaussian"}
 
 
 def _step_sigmas(sigmas: torch.Tensor, step_index: torch.Tensor, ndim: int):
@@ -54,6 +60,14 @@ def flow_grpo_mean(
     dt = sigma_prev - sigma
     if mode == "sde":
         std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * noise_level
+        prev_sample_mean = (
+            sample * (1 + std_dev_t**2 / (2 * sigma) * dt)
+            + model_output * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+        )
+        return prev_sample_mean, std_dev_t, std_dev_t * torch.sqrt(-1 * dt)
+    if mode == "flash_sde":  # Flash-GRPO's sde_step_with_logprob (times noise_level; theirs is 1)
+        sigma_min = sigmas[-1]
+        std_dev_t = (sigma_min + (sigma_max - sigma_min) * sigma) * noise_level
         prev_sample_mean = (
             sample * (1 + std_dev_t**2 / (2 * sigma) * dt)
             + model_output * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
@@ -96,7 +110,7 @@ def flow_grpo_step(
         prev_sample = mean + step_std * noise
     else:
         prev_sample = prev_sample.float()
-    if mode == "sde":
+    if mode in ("sde", "flash_sde"):
         log_prob = (
             -((prev_sample.detach() - mean) ** 2) / (2 * (step_std**2))
             - torch.log(step_std)
@@ -130,4 +144,97 @@ def flow_grpo_kl(
             sample, ref_model_output, sigmas, step_index, sigma_max, mode=mode, noise_level=noise_level
         )
     kl = ((mean - mean_ref) ** 2).mean(dim=tuple(range(1, mean.ndim)), keepdim=True) / (2 * step_std**2)
+    return kl.reshape(-1)
+
+
+def ddim_alpha_bar_table(num_steps: int = 10) -> torch.Tensor:
+    """Stable Diffusion's DDIM schedule as flowrl's mode='ddim' takes it: float32 [2T] of
+    (alphas_cumprod[t], alphas_cumprod[t - 1000 // T]) pairs at diffusers' 'leading' timesteps with
+    steps_offset 1, final_alpha_cumprod = alphas_cumprod[0] (set_alpha_to_one=False)."""
+    betas = torch.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000, dtype=torch.float32) ** 2
+    alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
+    ratio = 1000 // num_steps
+    pairs = []
+    for t in [(num_steps - 1 - k) * ratio + 1 for k in range(num_steps)]:
+        pairs += [alphas_cumprod[t], alphas_cumprod[max(t - ratio, 0)]]
+    return torch.stack(pairs)
+
+
+def ddpo_mean(sample, model_output, table, step_index, noise_level):
+    """DDPO's ``prev_sample_mean`` and ``std_dev_t`` ([B, 1, ...]) for epsilon-prediction without clip."""
+    model_output, sample = model_output.float(), sample.float()
+    shape = (-1,) + (1,) * (sample.ndim - 1)
+    alpha_prod_t = table[2 * step_index].view(shape)
+    alpha_prod_t_prev = table[2 * step_index + 1].view(shape)
+    beta_prod_t = 1 - alpha_prod_t
+    pred_original_sample = (sample - beta_prod_t ** (0.5) * model_output) / alpha_prod_t ** (0.5)
+    variance = ((1 - alpha_prod_t_prev) / beta_prod_t) * (1 - alpha_prod_t / alpha_prod_t_prev)
+    std_dev_t = noise_level * variance ** (0.5)
+    pred_sample_direction = (1 - alpha_prod_t_prev - std_dev_t**2) ** (0.5) * model_output
+    return alpha_prod_t_prev ** (0.5) * pred_original_sample + pred_sample_direction, std_dev_t
+
+
+def ddpo_step(sample, model_output, table, step_index, *, noise_level, prev_sample=None, noise=None, out_dtype=None):
+    """DDPO's ``ddim_step_with_logprob``: ``(prev_sample, log_prob [B])``; rollout with ``noise``,
+    recompute with ``prev_sample``."""
+    if (prev_sample is None) == (noise is None):
+        raise ValueError("pass exactly one of prev_sample (recompute) and noise (rollout)")
+    mean, std_dev_t = ddpo_mean(sample, model_output, table, step_index, noise_level)
+    prev_sample = mean + std_dev_t * noise if prev_sample is None else prev_sample.float()
+    log_prob = (-((prev_sample.detach() - mean) ** 2) / (2 * (std_dev_t**2)) - torch.log(std_dev_t)
+                - math.log(math.sqrt(2 * math.pi)))
+    log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+    return (prev_sample if out_dtype is None else prev_sample.to(out_dtype)), log_prob
+
+
+def ddpo_kl(sample, model_output, ref_model_output, table, step_index, *, noise_level):
+    """The exact KL per sample [B] between DDPO's step under the policy and under the reference."""
+    mean, std_dev_t = ddpo_mean(sample, model_output, table, step_index, noise_level)
+    with torch.no_grad():
+        mean_ref, _ = ddpo_mean(sample, ref_model_output, table, step_index, noise_level)
+    kl = ((mean - mean_ref) ** 2).mean(dim=tuple(range(1, mean.ndim)), keepdim=True) / (2 * std_dev_t**2)
+    return kl.reshape(-1)
+
+
+def mixgrpo_dpm_mean(sample, model_output, x0_prev, sigmas, step_index):
+    """MixGRPO's SDE-DPM-Solver++ mean and std ([B, 1, ...]), fastvideo/utils/sampling_utils.py
+    (Tencent-Hunyuan/MixGRPO): ``multistep_dpm_solver_second_order_update`` (dpmsolver++, midpoint,
+    sde_solver) with ``x0_prev`` the previous step's x0 prediction, for steps past the first (the bench's
+    step); the same upcast as the flow modes."""
+    model_output, sample = model_output.float(), sample.float()
+    shape = (-1,) + (1,) * (sample.ndim - 1)
+    sigma_t, sigma_s0 = sigmas[step_index + 1].view(shape), sigmas[step_index].view(shape)
+    sigma_s1 = sigmas[step_index - 1].view(shape)
+    alpha_t, alpha_s0, alpha_s1 = 1 - sigma_t, 1 - sigma_s0, 1 - sigma_s1
+    lambda_t = torch.log(alpha_t) - torch.log(sigma_t)
+    lambda_s0 = torch.log(alpha_s0) - torch.log(sigma_s0)
+    lambda_s1 = torch.log(alpha_s1) - torch.log(sigma_s1)
+    m0 = sample - sigma_s0 * model_output  # convert_model_output
+    h, h_0 = lambda_t - lambda_s0, lambda_s0 - lambda_s1
+    r0 = h_0 / h
+    d1 = (1.0 / r0) * (m0 - x0_prev.float())
+    mean = ((sigma_t / sigma_s0 * torch.exp(-h)) * sample + (alpha_t * (1 - torch.exp(-2.0 * h))) * m0
+            + 0.5 * (alpha_t * (1 - torch.exp(-2.0 * h))) * d1)
+    return mean, sigma_t * torch.sqrt(1.0 - torch.exp(-2 * h))
+
+
+def mixgrpo_dpm_step(sample, model_output, x0_prev, sigmas, step_index, *, prev_sample=None, noise=None,
+                     out_dtype=None):
+    """MixGRPO's ``dpm_step`` with its gaussian log-prob: ``(prev_sample, log_prob [B])``."""
+    if (prev_sample is None) == (noise is None):
+        raise ValueError("pass exactly one of prev_sample (recompute) and noise (rollout)")
+    mean, std = mixgrpo_dpm_mean(sample, model_output, x0_prev, sigmas, step_index)
+    prev_sample = mean + std * noise if prev_sample is None else prev_sample.float()
+    log_prob = (-((prev_sample.detach() - mean) ** 2) / (2 * std**2) - torch.log(std)
+                - math.log(math.sqrt(2 * math.pi)))
+    log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+    return (prev_sample if out_dtype is None else prev_sample.to(out_dtype)), log_prob
+
+
+def mixgrpo_dpm_kl(sample, model_output, ref_model_output, x0_prev, sigmas, step_index):
+    """The exact KL per sample [B] between two policies' MixGRPO steps sharing x0_prev."""
+    mean, std = mixgrpo_dpm_mean(sample, model_output, x0_prev, sigmas, step_index)
+    with torch.no_grad():
+        mean_ref, _ = mixgrpo_dpm_mean(sample, ref_model_output, x0_prev, sigmas, step_index)
+    kl = ((mean - mean_ref) ** 2).mean(dim=tuple(range(1, mean.ndim)), keepdim=True) / (2 * std**2)
     return kl.reshape(-1)

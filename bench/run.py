@@ -107,7 +107,8 @@ def _check_variant(op: str, noise: str, write_mean: bool) -> None:
         raise ValueError(f"noise= and write_mean= are rollout options; got them for {op!r}")
 
 
-def min_bytes(op: str, numel: int, batch: int, itemsize: int, noise: str = "tensor", write_mean: bool = False) -> int:
+def min_bytes(op: str, numel: int, batch: int, itemsize: int, noise: str = "tensor", write_mean: bool = False,
+              second_order: bool = False) -> int:
     """Bytes an ideal kernel moves: each input read once, each output written once (N = numel
     elements of ``itemsize`` = s bytes, B = batch samples).
 
@@ -117,20 +118,22 @@ def min_bytes(op: str, numel: int, batch: int, itemsize: int, noise: str = "tens
     grad_output [B], writes the value [B] and grad_v (4Ns + 8B). kl_fwd_bwd: reads v and v_ref, which
     is all the KL depends on (mu - mu_ref = c v - c v_ref: x cancels), and the grad_output [B], writes
     the value [B] and grad_v (3Ns + 8B). The table recorded on 2026-11-29 (bench/results/) counted x for the
-    KL too (4Ns + 8B)."""
+    KL too (4Ns + 8B). ``second_order`` (dpm_sde with prev_x0_pred): the rollout and the log-prob also
+    read the previous x0 prediction (+Ns; the KL does not: it cancels)."""
     _check_variant(op, noise, write_mean)
     op = base_op(op)
+    extra = numel * itemsize if second_order and op != "kl_fwd_bwd" else 0
     if op == "rollout":
-        return numel * (3 * itemsize + (4 if noise == "tensor" else 0) + (4 if write_mean else 0)) + 4 * batch
+        return numel * (3 * itemsize + (4 if noise == "tensor" else 0) + (4 if write_mean else 0)) + 4 * batch + extra
     if op == "recompute_fwd":
-        return numel * 3 * itemsize + 4 * batch
+        return numel * 3 * itemsize + 4 * batch + extra
     if op == "recompute_fwd_bwd":
-        return numel * 4 * itemsize + 8 * batch
+        return numel * 4 * itemsize + 8 * batch + extra
     return numel * 3 * itemsize + 8 * batch  # kl_fwd_bwd
 
 
 def kernel_bytes(op: str, numel: int, batch: int, itemsize: int, noise: str = "tensor",
-                 write_mean: bool = False) -> int:
+                 write_mean: bool = False, second_order: bool = False) -> int:
     """Bytes flowrl's Triton kernels move for ``op`` by their launch design (flowrl/_triton_ops.py,
     kernels/step.py), the traffic model set beside ``min_bytes``: GB/s over these bytes, against the
     copy bandwidth, says how close the kernels run to the bandwidth limit; GB/s over ``min_bytes``
@@ -163,17 +166,19 @@ def kernel_bytes(op: str, numel: int, batch: int, itemsize: int, noise: str = "t
     Not counted, as in ``min_bytes``: the sigma table, the step indices and Philox seeds (a few bytes
     per sample, read from cache after the first program), and, above MAX_FINALIZE_WIDTH (16384)
     partials per sample (16M elements), the torch adds that pre-combine them (under 1% of the
-    element traffic)."""
+    element traffic). ``second_order`` (dpm_sde with prev_x0_pred): the element kernels of the rollout
+    and the log-prob also read the previous x0 prediction (Ns forward, Ns again in the backward)."""
     _check_variant(op, noise, write_mean)
     op = base_op(op)
     s, n, b = itemsize, numel, batch
+    extra = n * s if second_order and op != "kl_fwd_bwd" else 0
     chunks = b * -(-(n // b) // CHUNK_SIZE)  # B * P, P = ceil(N / B / CHUNK_SIZE)
     partials = 4 * chunks + 4 * chunks  # written by the element kernel, read by finalize
     finalize = 8 * b  # value and std, float32 [B]
     if op == "rollout":
-        forward = n * (2 * s + (4 if noise == "tensor" else 0) + s + (4 if write_mean else 0))
+        forward = n * (2 * s + (4 if noise == "tensor" else 0) + s + (4 if write_mean else 0)) + extra
         return forward + partials + finalize
-    forward = n * (2 * s if op == "kl_fwd_bwd" else 3 * s)
+    forward = n * (2 * s if op == "kl_fwd_bwd" else 3 * s) + extra
     if op == "recompute_fwd":
         return forward + partials + finalize
     backward = 4 * b + forward + n * s  # grad [B] in, the forward's inputs again, grad_v out
@@ -202,6 +207,7 @@ class Case:
     token_sigmas: Optional[torch.Tensor] = None
     frozen: Optional[torch.Tensor] = None
     prev_cond: Optional[torch.Tensor] = None
+    x0_prev: Optional[torch.Tensor] = None  # dpm_sde: the previous step's x0 prediction (second order)
 
     @property
     def log_prob(self) -> str:
@@ -214,20 +220,22 @@ def make_case(shape, dtype, mode, device, seed: int = 0) -> Case:
     x, v = rand().to(dtype), rand().to(dtype)
     v_ref = (v.float() + 0.05 * rand()).to(dtype)
     noise = rand()
-    sigmas = make_sigmas().to(device)
+    # the schedule table: ddim's alpha-bar pairs (Stable Diffusion's), the flow modes' sigmas
+    sigmas = (baseline.ddim_alpha_bar_table(NUM_STEPS) if mode == "ddim" else make_sigmas()).to(device)
+    x0_prev = rand().to(dtype) if mode == "dpm_sde" else None  # dpm_sde runs its second order
     prev = flowrl.sde_step(
-        x, v, sigmas, STEP_INDEX, mode=mode, noise_level=NOISE_LEVEL, noise=noise,
-        log_prob=baseline.LOG_PROB_KIND[mode], backend="torch", return_prev_sample_mean=False,
+        x, v, sigmas, STEP_INDEX, mode=mode, noise_level=noise_level(mode), noise=noise,
+        log_prob=baseline.LOG_PROB_KIND[mode], backend="torch", return_prev_sample_mean=False, prev_x0_pred=x0_prev,
     ).prev_sample
     cond = {}
-    if len(shape) == 5:
+    if len(shape) == 5 and mode not in ("ddim", "dpm_sde"):  # masks are the flow modes' (first order)
         frames = shape[2]
         token_sigmas = sigmas[STEP_INDEX].expand(shape[0], 1, frames, 1, 1).clone()
         token_sigmas[:, :, 0] = 0.0  # the conditioning frame: held
         frozen = torch.zeros(1, 1, frames, 1, 1, dtype=torch.bool, device=device)
         frozen[:, :, 0] = True
         prev_cond = flowrl.sde_step(
-            x, v, sigmas, STEP_INDEX, mode=mode, noise_level=NOISE_LEVEL, noise=noise, log_prob=baseline.LOG_PROB_KIND[mode],
+            x, v, sigmas, STEP_INDEX, mode=mode, noise_level=noise_level(mode), noise=noise, log_prob=baseline.LOG_PROB_KIND[mode],
             backend="torch", return_prev_sample_mean=False, token_sigmas=token_sigmas, frozen=frozen,
         ).prev_sample
         cond = dict(token_sigmas=token_sigmas, frozen=frozen, prev_cond=prev_cond)
@@ -235,8 +243,13 @@ def make_case(shape, dtype, mode, device, seed: int = 0) -> Case:
         shape=tuple(shape), dtype=dtype, mode=mode, sigmas=sigmas,
         step_index=torch.full((shape[0],), STEP_INDEX, dtype=torch.int64, device=device),
         sigma_max=float(sigmas[1]), x=x, v=v, v_grad=v.detach().clone().requires_grad_(True), v_ref=v_ref,
-        noise=noise, prev=prev, grad_out=torch.ones(shape[0], device=device), **cond,
+        noise=noise, prev=prev, grad_out=torch.ones(shape[0], device=device), x0_prev=x0_prev, **cond,
     )
+
+
+def noise_level(mode: str) -> float:
+    """The bench's noise level: NOISE_LEVEL, except dpm_sde's, which has none (1.0)."""
+    return 1.0 if mode == "dpm_sde" else NOISE_LEVEL
 
 
 # ---- the implementations: each builds a no-argument callable returning the op's outputs ----------
@@ -247,7 +260,7 @@ def _check_cond(case: Case, op: str) -> None:
 
 
 def _flowrl_cond_fn(case: Case, op: str, backend: str) -> Callable[[], Tuple[torch.Tensor, ...]]:
-    common = dict(mode=case.mode, noise_level=NOISE_LEVEL, backend=backend, token_sigmas=case.token_sigmas,
+    common = dict(mode=case.mode, noise_level=noise_level(case.mode), backend=backend, token_sigmas=case.token_sigmas,
                   frozen=case.frozen, log_prob=case.log_prob)
     if op == "rollout_cond":
         def fn():
@@ -270,7 +283,7 @@ def _flowrl_fn(case: Case, op: str, backend: str) -> Callable[[], Tuple[torch.Te
     if op in COND_OPS:
         _check_cond(case, op)
         return _flowrl_cond_fn(case, op, backend)
-    common = dict(mode=case.mode, noise_level=NOISE_LEVEL, backend=backend)
+    common = dict(mode=case.mode, noise_level=noise_level(case.mode), backend=backend, prev_x0_pred=case.x0_prev)
     if op == "rollout":
         def fn():
             out = flowrl.sde_step(
@@ -300,18 +313,30 @@ def _flowrl_fn(case: Case, op: str, backend: str) -> Callable[[], Tuple[torch.Te
 
 
 # Module-level so torch.compile keys its cache on a few code objects; mode/out_dtype are constants.
-def _baseline_rollout(x, v, noise, sigmas, step_index, sigma_max, mode, out_dtype):
+def _baseline_rollout(x, v, noise, sigmas, step_index, sigma_max, mode, x0_prev, out_dtype):
+    if mode == "dpm_sde":
+        return baseline.mixgrpo_dpm_step(x, v, x0_prev, sigmas, step_index, noise=noise, out_dtype=out_dtype)
+    if mode == "ddim":  # sigmas: the alpha-bar table (baseline.ddim_alpha_bar_table)
+        return baseline.ddpo_step(x, v, sigmas, step_index, noise_level=NOISE_LEVEL, noise=noise, out_dtype=out_dtype)
     prev, lp, _, _ = baseline.flow_grpo_step(
         x, v, sigmas, step_index, sigma_max, mode=mode, noise_level=NOISE_LEVEL, noise=noise, out_dtype=out_dtype)
     return prev, lp
 
 
-def _baseline_log_prob(x, v, prev, sigmas, step_index, sigma_max, mode):
+def _baseline_log_prob(x, v, prev, sigmas, step_index, sigma_max, mode, x0_prev):
+    if mode == "dpm_sde":
+        return baseline.mixgrpo_dpm_step(x, v, x0_prev, sigmas, step_index, prev_sample=prev)[1]
+    if mode == "ddim":
+        return baseline.ddpo_step(x, v, sigmas, step_index, noise_level=NOISE_LEVEL, prev_sample=prev)[1]
     return baseline.flow_grpo_step(
         x, v, sigmas, step_index, sigma_max, mode=mode, noise_level=NOISE_LEVEL, prev_sample=prev)[1]
 
 
-def _baseline_kl(x, v, v_ref, sigmas, step_index, sigma_max, mode):
+def _baseline_kl(x, v, v_ref, sigmas, step_index, sigma_max, mode, x0_prev):
+    if mode == "dpm_sde":
+        return baseline.mixgrpo_dpm_kl(x, v, v_ref, x0_prev, sigmas, step_index)
+    if mode == "ddim":
+        return baseline.ddpo_kl(x, v, v_ref, sigmas, step_index, noise_level=NOISE_LEVEL)
     return baseline.flow_grpo_kl(x, v, v_ref, sigmas, step_index, sigma_max, mode=mode, noise_level=NOISE_LEVEL)
 
 
@@ -334,7 +359,8 @@ def _baseline_fn(case: Case, op: str, compiled: bool) -> Callable[[], Tuple[torc
     else:
         flat = lambda t: t  # noqa: E731
         rollout, log_prob, kl = _baseline_rollout, _baseline_log_prob, _baseline_kl
-    scalars = (case.sigmas, case.step_index, case.sigma_max, case.mode)
+    x0_prev = None if case.x0_prev is None else flat(case.x0_prev)
+    scalars = (case.sigmas, case.step_index, case.sigma_max, case.mode, x0_prev)
     if op in COND_OPS:  # the conditioning frame sliced off by hand, as trainers do it today
         _check_cond(case, op)
         cut = lambda t: flat(t[:, :, 1:])  # noqa: E731
@@ -529,13 +555,14 @@ class Row:
 def set_bytes(row: Row, numel: int, batch: int, itemsize: int) -> None:
     """The row's bytes per element: the minimum, and the traffic model for the implementations it
     models (the others' traffic is not designed, so they get none)."""
+    second_order = row.mode == "dpm_sde"  # the bench runs dpm_sde at order 2 (Case.x0_prev)
     if row.op in LOSS_OPS:  # the losses suite (below)
-        minimum, model = loss_min_bytes, loss_kernel_bytes
+        minimum, model, extra = loss_min_bytes, loss_kernel_bytes, {}
     else:
-        minimum, model = min_bytes, kernel_bytes
-    row.min_b_elem = minimum(row.op, numel, batch, itemsize) / numel
+        minimum, model, extra = min_bytes, kernel_bytes, {"second_order": second_order}
+    row.min_b_elem = minimum(row.op, numel, batch, itemsize, **extra) / numel
     modelled = row.impl in MODELLED_IMPLS
-    row.model_b_elem = model(row.op, numel, batch, itemsize) / numel if modelled else math.nan
+    row.model_b_elem = model(row.op, numel, batch, itemsize, **extra) / numel if modelled else math.nan
 
 
 def set_rates(row: Row, ms: float, numel: int, copy: float) -> None:

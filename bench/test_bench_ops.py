@@ -51,9 +51,10 @@ def test_op(benchmark, op, mode, impl):
     fn = bench.build(impl, case, op)
     bench.check(fn(), expected)  # never time a wrong formula
     sizes = (case.x.numel(), BENCH_SHAPE[0], case.x.element_size())
-    benchmark.extra_info["min_bytes"] = bench.min_bytes(op, *sizes)
+    second_order = case.x0_prev is not None
+    benchmark.extra_info["min_bytes"] = bench.min_bytes(op, *sizes, second_order=second_order)
     if impl in bench.MODELLED_IMPLS:
-        benchmark.extra_info["kernel_bytes"] = bench.kernel_bytes(op, *sizes)
+        benchmark.extra_info["kernel_bytes"] = bench.kernel_bytes(op, *sizes, second_order=second_order)
     benchmark(_synced(fn))
 
 
@@ -80,7 +81,7 @@ def test_flowrl_torch_agrees_with_baseline(op, mode, dtype):
     assert err <= 2 * bench.check(eager, truth, rtol=1.0) + 1e-7
 
 
-@pytest.mark.parametrize("mode", baseline.MODES)
+@pytest.mark.parametrize("mode", [m for m in baseline.MODES if m not in ("ddim", "dpm_sde")])
 def test_baseline_per_sample_steps_including_sigma_one(mode):
     """Per-sample step indices, with step 0 (sigma = 1, Flow-GRPO's sigma_max substitution for sde)."""
     sigmas = bench.make_sigmas()
@@ -93,6 +94,17 @@ def test_baseline_per_sample_steps_including_sigma_one(mode):
         x, v, prev, sigmas, steps, mode=mode, noise_level=0.7, log_prob=baseline.LOG_PROB_KIND[mode], backend="torch")
     torch.testing.assert_close(lp, want, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(mean).all()
+
+
+def test_baseline_ddim_is_ddpo_and_flowrl_per_sample():
+    """DDPO's eager step (baseline.ddpo_step) and flowrl's mode='ddim' agree per sample, last step included."""
+    table = baseline.ddim_alpha_bar_table()
+    gen = torch.Generator().manual_seed(4)
+    x, v, prev = (torch.randn(3, 2, 64, generator=gen) for _ in range(3))
+    steps = torch.tensor([0, 4, 9])
+    _, lp = baseline.ddpo_step(x, v, table, steps, noise_level=0.7, prev_sample=prev)
+    want = flowrl.step_log_prob(x, v, prev, table, steps, mode="ddim", noise_level=0.7, backend="torch")
+    torch.testing.assert_close(lp, want, rtol=1e-5, atol=1e-5)
 
 
 def test_baseline_sde_mean_is_flow_grpo_formula():
@@ -172,6 +184,7 @@ def test_kernel_bytes_by_hand():
 
 VARIANTS = [("rollout", dict(noise=noise, write_mean=mean)) for noise in bench.NOISE_SOURCES for mean in (False, True)]
 VARIANTS += [(op, {}) for op in bench.OPS if op != "rollout"]
+VARIANTS += [(op, dict(second_order=True)) for op in bench.OPS]  # dpm_sde's order 2 reads x0_prev
 
 
 @pytest.mark.parametrize("dtype", list(bench.DTYPES))
@@ -179,13 +192,15 @@ VARIANTS += [(op, {}) for op in bench.OPS if op != "rollout"]
 def test_kernel_bytes_against_minimum(shape, dtype):
     """The model is never below the minimum. rollout and recompute_fwd are minimal up to the
     partials (8 B per chunk) and the std finalize also writes (4 B per sample); the fwd+bwd ops add
-    the backward's second read of their inputs (3Ns, the KL 2Ns), nothing else."""
+    the backward's second read of their inputs (3Ns, 4Ns with dpm_sde's x0_prev, the KL 2Ns), nothing
+    else."""
     numel, b, s = math.prod(shape), shape[0], torch.empty((), dtype=bench.DTYPES[dtype]).element_size()
     p = math.ceil(numel / b / 1024)
     for op, kw in VARIANTS:
         model, least = bench.kernel_bytes(op, numel, b, s, **kw), bench.min_bytes(op, numel, b, s, **kw)
         assert model >= least
-        reread = {"recompute_fwd_bwd": 3 * numel * s, "kl_fwd_bwd": 2 * numel * s}.get(op, 0)
+        reread = {"recompute_fwd_bwd": (4 if kw.get("second_order") else 3) * numel * s,
+                  "kl_fwd_bwd": 2 * numel * s}.get(op, 0)
         assert model - least == reread + 8 * b * p + 4 * b, (op, kw)
         if numel >= 1 << 16 and not reread:  # the issue's sizes: within 8 / 1024 / 6 B of the minimum
             assert model / least - 1 < 1.5e-3

@@ -17,6 +17,8 @@ __version__ = "0.1.0"
 # Heavier parts load on first use, so `import flowrl` stays light.
 _LAZY = {
     "FlowMatchEulerDiscreteScheduler": ("flowrl.scheduler", "FlowMatchEulerDiscreteScheduler"),
+    "DDIMScheduler": ("flowrl.ddim", "DDIMScheduler"),  # needs diffusers (its base class)
+    "ddim": ("flowrl.ddim", None),
     "RolloutRecorder": ("flowrl.recorder", "RolloutRecorder"),
     "recorder": ("flowrl.recorder", None),
     "RolloutTrajectory": ("flowrl.trajectory", "RolloutTrajectory"),
@@ -24,6 +26,8 @@ _LAZY = {
     "distributed": ("flowrl.distributed", None),
     "reference": ("flowrl.reference", None),
     "losses": ("flowrl.losses", None),
+    "step_weights": ("flowrl.weights", "step_weights"),
+    "StepWeights": ("flowrl.weights", "StepWeights"),
 }
 
 
@@ -45,5 +49,6 @@ def available_backends():
 __all__ = [
     "SDEStepOutput", "LogProbWithCount", "combine_streams", "sde_step", "step_log_prob", "step_kl", "draw_noise", "CHUNK_SIZE", "StepSpec",
     "no_value_checks",
-    "FlowMatchEulerDiscreteScheduler", "RolloutRecorder", "RolloutTrajectory", "available_backends",
+    "FlowMatchEulerDiscreteScheduler", "DDIMScheduler", "RolloutRecorder", "RolloutTrajectory", "available_backends",
+    "step_weights", "StepWeights",
 ]

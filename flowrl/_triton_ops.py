@@ -33,7 +33,7 @@ from triton.runtime import errors as runtime_errors
 from flowrl.kernels.step import finalize_kernel, step_backward_kernel, step_partials_kernel
 
 from . import reference
-from .contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, SIGMA_ONE_TOL, LogProbKind, NoiseSource, Op, Reduction
+from .contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, SIGMA_ONE_TOL, LogProbKind, Mode, NoiseSource, Op, Reduction
 from .step_spec import flat_layout
 
 # Largest partial count combined by the finalize kernel in one program (16M elements per sample at
@@ -106,7 +106,7 @@ class _KernelScalars:
     compact tables (per-token (sigma, sigma') pairs, the frozen mask) with their index math
     (``flat_layout``), the scored count and the per-token log term (``reference.scored_statistics``)."""
 
-    def __init__(self, spec, sample_shape):
+    def __init__(self, spec, sample_shape, prev_x0_pred=None):
         # the contract's float32 table (a float64 schedule is read as float32, as the reference does)
         self.sigmas = spec.sigmas.to(torch.float32).contiguous()
         self.step_index = spec.step_index.contiguous()
@@ -126,11 +126,24 @@ class _KernelScalars:
                              WEIGHTED=spec.per_token and spec.kind is not LogProbKind.SQ_ERR)
         self.count, self.log_term = (reference.scored_statistics(spec, sample_shape, torch.float32)
                                      if spec.elementwise else (None, None))
+        # ddim's mean switches (every kernel takes them; other modes ignore them)
+        clip = spec.clip_sample_range
+        self.ddim = dict(clip_range=1.0 if clip is None else clip, PRED=int(spec.prediction), CLIP=clip is not None)
+        # flash_sde reads sigmas[T] (sigma_min); dpm_sde's second order reads the previous data prediction
+        self.last_index = spec.sigmas.numel() - 1
+        self.prev_x0 = None if prev_x0_pred is None else prev_x0_pred.contiguous()
 
 
 def _rows_shape(t: torch.Tensor):
     b = t.shape[0]
     return b, t.numel() // b
+
+
+def _second_order(ks: _KernelScalars, x) -> dict:
+    """The element kernels' dpm_sde arguments: the previous data prediction (x as a placeholder when
+    there is none: HAS_PREV then compiles its read away) and the table's last index."""
+    return dict(prev_x0_ptr=x if ks.prev_x0 is None else ks.prev_x0, last_index=ks.last_index,
+                HAS_PREV=ks.prev_x0 is not None)
 
 
 def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=None) -> torch.Tensor:
@@ -154,7 +167,7 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
         GROUP=group, **ks.switches,
         # CHUNK_SIZE is a multiple of 4: every block starts on a Philox quad when the offset does
         NOISE=int(noise_from), PHILOX_ALIGNED=philox and elem_offset % 4 == 0,
-        num_warps=num_warps, **_LAUNCH,
+        num_warps=num_warps, **ks.ddim, **_second_order(ks, x), **_LAUNCH,
     )
     return partials
 
@@ -184,6 +197,7 @@ def _finalize(spec, ks: _KernelScalars, partials: torch.Tensor):
         partials, ks.sigmas, ks.step_index, value, std, count, log_term, p, float(spec.numel), *ks.args,
         MODE=int(spec.mode), KIND=int(spec.kind), MEAN=spec.reduction is Reduction.MEAN, WIDTH=width,
         LOG2_WIDTH=width.bit_length() - 1, COUNT_GIVEN=given, HAS_LOG=has_log, num_warps=finalize_warps(width),
+        **ks.ddim, last_index=ks.last_index,
         **_LAUNCH,
     )
     return value, std, count
@@ -191,17 +205,22 @@ def _finalize(spec, ks: _KernelScalars, partials: torch.Tensor):
 
 def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Optional[LogProbKind] = None,
               third_dtype=None):
-    """(grad_x, grad_v, grad_third) of the log-prob (third = x') or the KL (third = v_ref); None where
-    ``need`` is False. Grads are written in their input's dtype (``third_dtype`` overrides third's)."""
-    need_x, need_v, need_third = need
+    """(grad_x, grad_v, grad_third, grad_prev_x0) of the log-prob (third = x') or the KL (third = v_ref);
+    None where ``need`` (three or four flags) is False. Grads are written in their input's dtype
+    (``third_dtype`` overrides third's)."""
+    need_x, need_v, need_third = need[:3]
+    # dpm_sde's second order: dmu/dx0_prev = p (the KL's shared p * x0_prev cancels: no grad)
+    need_prev = len(need) > 3 and need[3] and ks.prev_x0 is not None and kind is not LogProbKind.KL
     kind = spec.kind if kind is None else kind
     b, n = _rows_shape(x)
     is_kl = kind is LogProbKind.KL
-    need_x = need_x and not is_kl  # mu - mu_ref = c v - c v_ref does not depend on x: no x grad
+    # mu - mu_ref = c v - c v_ref does not depend on x: no x grad (ddim's clipped mean is not linear)
+    need_x = need_x and (not is_kl or spec.mode is Mode.DDIM)
     grad_x = torch.empty_like(x) if need_x else None
     grad_v = torch.empty_like(v) if need_v else None
     grad_third = torch.empty_like(third, dtype=third_dtype or third.dtype) if need_third else None
-    kernel_needs = (need_x, need_v, need_third)
+    grad_prev = torch.empty_like(ks.prev_x0) if need_prev else None
+    kernel_needs = (need_x, need_v, need_third, need_prev)
     if any(kernel_needs):
         dummy = grad.new_empty(1)
         group, num_warps = launch_config(n)
@@ -215,9 +234,10 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Op
             *ks.elementwise_args,
             MODE=int(spec.mode), KIND=int(kind), MEAN=spec.reduction is Reduction.MEAN, IS_KL=is_kl,
             NEED_X=kernel_needs[0], NEED_V=need_v, NEED_THIRD=need_third, BLOCK=block, **ks.switches,
-            num_warps=num_warps, **_LAUNCH,
+            num_warps=num_warps, **ks.ddim, **_second_order(ks, x), grad_prev_ptr=grad_prev if need_prev else dummy,
+            NEED_PREV=need_prev, **_LAUNCH,
         )
-    return grad_x, grad_v, grad_third
+    return grad_x, grad_v, grad_third, grad_prev
 
 
 def _needs_grad(*tensors) -> bool:
@@ -235,13 +255,31 @@ def _sde_step_forward(spec, ks, x, v, noise):
     return prev, lp, mean, std, count
 
 
+def _ddim_mean_vjp(spec, ks, x, v, grad_mu, need_x, need_v):
+    """(std [B], grad_x, grad_v) of a ddim rollout's x' through its mean: autograd of
+    reference.ddim_mean (the clip's gradient is 0 outside its range)."""
+    b = x.shape[0]
+    sqrt_a, sqrt_b, sqrt_a_prev, k, std = reference.ddim_coefficients(ks.sigmas, ks.step_index, spec.noise_level,
+                                                                       torch.float32)
+    with torch.enable_grad():
+        xr = x.detach().reshape(b, -1).to(torch.float32).requires_grad_(need_x)
+        vr = v.detach().reshape(b, -1).to(torch.float32).requires_grad_(need_v)
+        cols = [t.reshape(-1, 1) for t in (sqrt_a, sqrt_b, sqrt_a_prev, k)]
+        mu = reference.ddim_mean(xr, vr, *cols, spec.prediction, spec.clip_sample_range)
+        wrt = [t for t, need in ((xr, need_x), (vr, need_v)) if need]
+        grads = iter(torch.autograd.grad(mu, wrt, grad_mu)) if wrt else iter(())
+    grad_x = next(grads).reshape(x.shape).to(x.dtype) if need_x else None
+    grad_v = next(grads).reshape(v.shape).to(v.dtype) if need_v else None
+    return std, grad_x, grad_v
+
+
 class _SDEStep(torch.autograd.Function):
     """Differentiable rollout step, with the reference's autograd semantics: x' = mu + std * eps is
     differentiable in x, v (through mu) and eps; the log-prob of the emitted sample depends on r =
     x' - mu, whose derivative in mu is exactly 0 (the rounding is a constant), so it only reaches eps."""
 
     @staticmethod
-    def forward(ctx, x, v, noise, spec, ks):
+    def forward(ctx, x, v, noise, prev_x0, spec, ks):  # prev_x0: ks.prev_x0 (dpm_sde's second order) or None
         prev, lp, mean, std, count = _sde_step_forward(spec, ks, x, v, noise)
         ctx.save_for_backward(x, v, noise, prev, count)
         ctx.spec, ctx.ks = spec, ks
@@ -252,40 +290,51 @@ class _SDEStep(torch.autograd.Function):
     def backward(ctx, grad_prev, grad_lp, grad_mean, _grad_std, _grad_count):
         x, v, noise, prev, count = ctx.saved_tensors
         spec = ctx.spec
-        need_x, need_v, need_noise = ctx.needs_input_grad[:3]
+        need_x, need_v, need_noise, need_prev_x0 = ctx.needs_input_grad[:4]
+        b = x.shape[0]
+        grad_prev_x0, keep = None, None
         grad_mu = grad_prev.to(torch.float32).reshape(x.shape)
         if grad_mean is not None:
             grad_mu = grad_mu + grad_mean.reshape(x.shape)
-        if spec.elementwise:  # per-element coefficients; kept elements (x' = x) pass the grad to x
-            terms = reference._ElementTerms(spec, x, torch.float32, with_stats=False)
-            a, c, std, keep = terms.a, terms.c, terms.std, terms.keep
-        else:
-            a, c, std = (t.reshape((-1,) + (1,) * (x.dim() - 1)) for t in reference.mode_coefficients(
-                ctx.ks.sigmas, ctx.ks.step_index, spec.mode, spec.noise_level, torch.float32))
-            keep = None
 
         def unless_kept(value, kept_value):
             return value if keep is None else torch.where(keep, kept_value, value)
 
-        grad_x = unless_kept(a * grad_mu, grad_mu).to(x.dtype) if need_x else None
-        grad_v = unless_kept(c * grad_mu, torch.zeros_like(grad_mu)).to(v.dtype) if need_v else None
+        if spec.mode is Mode.DDIM:  # nonlinear mean: the reference's vector-Jacobian product
+            std, grad_x, grad_v = _ddim_mean_vjp(spec, ctx.ks, x, v, grad_mu.reshape(b, -1), need_x, need_v)
+            std = std.reshape((b,) + (1,) * (x.dim() - 1))
+        else:
+            if spec.elementwise:  # per-element coefficients; kept elements (x' = x) pass the grad to x
+                terms = reference._ElementTerms(spec, x, torch.float32, with_stats=False)
+                a, c, std, keep = terms.a, terms.c, terms.std, terms.keep
+            elif ctx.ks.prev_x0 is not None:  # dpm_sde's second order: mu = a x + c v + p x0_prev
+                a, c, p, std = (t.reshape((b,) + (1,) * (x.dim() - 1)) for t in reference.dpm_sde_coefficients(
+                    ctx.ks.sigmas, ctx.ks.step_index, True, torch.float32))
+                if need_prev_x0:
+                    grad_prev_x0 = (p * grad_mu).to(ctx.ks.prev_x0.dtype)
+            else:
+                a, c, std = (t.reshape((b,) + (1,) * (x.dim() - 1)) for t in reference.mode_coefficients(
+                    ctx.ks.sigmas, ctx.ks.step_index, spec.mode, spec.noise_level, torch.float32))
+            grad_x = unless_kept(a * grad_mu, grad_mu).to(x.dtype) if need_x else None
+            grad_v = unless_kept(c * grad_mu, torch.zeros_like(grad_mu)).to(v.dtype) if need_v else None
         grad_noise = None
         if need_noise:
             # d log-prob / d x' from the fused log-prob backward, evaluated at the emitted sample
-            _, _, grad_prev_lp = _backward(spec, ctx.ks, x, v, prev, grad_lp, count, (False, False, True),
-                                           third_dtype=torch.float32)
+            _, _, grad_prev_lp, _ = _backward(spec, ctx.ks, x, v, prev, grad_lp, count, (False, False, True),
+                                              third_dtype=torch.float32)
             total = grad_prev.to(torch.float32) + grad_prev_lp
             grad_noise = unless_kept(std * total, torch.zeros_like(total)).to(noise.dtype)
-        return grad_x, grad_v, grad_noise, None, None
+        return grad_x, grad_v, grad_noise, grad_prev_x0, None, None
 
 
-def sde_step(spec, sample: torch.Tensor, model_output: torch.Tensor, noise: Optional[torch.Tensor]):
+def sde_step(spec, sample: torch.Tensor, model_output: torch.Tensor, noise: Optional[torch.Tensor],
+             prev_x0_pred: Optional[torch.Tensor] = None):
     """The rollout step of ``spec``: ``(prev_sample, log_prob [B], mean or None, std [B], count [B])``."""
-    ks = _KernelScalars(spec, sample.shape)
+    ks = _KernelScalars(spec, sample.shape, prev_x0_pred)
     x, v = sample.contiguous(), model_output.contiguous()
     eps = noise.contiguous() if noise is not None else None  # None: Philox noise, or a deterministic step
-    if _needs_grad(x, v, eps):
-        return _SDEStep.apply(x, v, eps, spec, ks)
+    if _needs_grad(x, v, eps, ks.prev_x0):
+        return _SDEStep.apply(x, v, eps, ks.prev_x0, spec, ks)
     return _sde_step_forward(spec, ks, x, v, eps)
 
 
@@ -302,7 +351,7 @@ class _StepValue(torch.autograd.Function):
     only the inputs (and the count [B])."""
 
     @staticmethod
-    def forward(ctx, x, v, third, spec, ks):
+    def forward(ctx, x, v, third, prev_x0, spec, ks):  # prev_x0: ks.prev_x0 (dpm_sde's second order) or None
         value, count = _value_forward(spec, ks, x, v, third)
         ctx.save_for_backward(x, v, third, count)
         ctx.spec, ctx.ks = spec, ks
@@ -312,26 +361,28 @@ class _StepValue(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _grad_count):
         x, v, third, count = ctx.saved_tensors
-        grads = _backward(ctx.spec, ctx.ks, x, v, third, grad, count, ctx.needs_input_grad[:3])
+        grads = _backward(ctx.spec, ctx.ks, x, v, third, grad, count, ctx.needs_input_grad[:4])
         return (*grads, None, None)
 
 
-def _value(spec, x, v, third):
-    ks = _KernelScalars(spec, x.shape)
+def _value(spec, x, v, third, prev_x0_pred=None):
+    ks = _KernelScalars(spec, x.shape, prev_x0_pred)
     x, v, third = x.contiguous(), v.contiguous(), third.contiguous()
-    if _needs_grad(x, v, third):
-        return _StepValue.apply(x, v, third, spec, ks)
+    if _needs_grad(x, v, third, ks.prev_x0):
+        return _StepValue.apply(x, v, third, ks.prev_x0, spec, ks)
     return _value_forward(spec, ks, x, v, third)
 
 
-def step_log_prob(spec, sample: torch.Tensor, model_output: torch.Tensor, prev_sample: torch.Tensor):
+def step_log_prob(spec, sample: torch.Tensor, model_output: torch.Tensor, prev_sample: torch.Tensor,
+                  prev_x0_pred: Optional[torch.Tensor] = None):
     """(log-prob [B], count [B]) of the stored ``prev_sample`` (spec.op LOG_PROB)."""
-    return _value(spec, sample, model_output, prev_sample)
+    return _value(spec, sample, model_output, prev_sample, prev_x0_pred)
 
 
-def step_kl(spec, sample: torch.Tensor, model_output: torch.Tensor, ref_model_output: torch.Tensor):
+def step_kl(spec, sample: torch.Tensor, model_output: torch.Tensor, ref_model_output: torch.Tensor,
+            prev_x0_pred: Optional[torch.Tensor] = None):
     """(KL [B], count [B]) between the policies' transitions (spec.op KL)."""
-    return _value(spec, sample, model_output, ref_model_output)
+    return _value(spec, sample, model_output, ref_model_output, prev_x0_pred)
 
 
 __all__ = ["sde_step", "step_log_prob", "step_kl", "KernelCompileError", "MAX_FINALIZE_WIDTH"]

@@ -129,8 +129,12 @@ def check_noise_level(noise_level, mode: str, name: str = "noise_level") -> floa
         raise ValueError(f"{name} must be finite; got {eta}")
     if eta < 0:
         raise ValueError(f"{name} must be >= 0; got {eta}")
-    if mode == "cps" and eta > 1:
-        raise ValueError(f"{name} must be in [0, 1] for mode='cps'; got {eta}")
+    if mode in ("cps", "ddim") and eta > 1:
+        raise ValueError(f"{name} must be in [0, 1] for mode={mode!r}; got {eta}")
+    if mode == "dpm_sde" and eta != 1:
+        # SDE-DPM-Solver++ has no noise level (MixGRPO): its std is fixed by the schedule
+        raise ValueError(f"{name} must be 1.0 for mode='dpm_sde' (its std sigma' sqrt(1 - e^(-2h)) has no "
+                         f"noise level); got {eta}")
     return eta
 
 
@@ -169,6 +173,56 @@ def check_sigmas(sigmas, device: torch.device) -> torch.Tensor:
         )
     _checked_schedules.add(sigmas)
     return sigmas
+
+
+_checked_alpha_bar_tables = {True: _CheckedValues(), False: _CheckedValues()}  # by "a_t may be 0"
+
+
+def check_alpha_bar_table(table, device: torch.device, *, allow_zero_alpha: bool) -> torch.Tensor:
+    """ddim's schedule (passed as ``sigmas``): a 1-D float32 (or float64) table [2T] holding, for each
+    loop step i, ``table[2i] = alpha_bar_t`` and ``table[2i + 1] = alpha_bar_prev`` (diffusers'
+    ``alphas_cumprod[t]`` and ``alphas_cumprod[t - ratio]`` or ``final_alpha_cumprod``), with
+    ``0 <= alpha_bar_t < 1``, ``alpha_bar_t <= alpha_bar_prev <= 1`` and ``alpha_bar_prev > 0``.
+    ``alpha_bar_t == 0`` (a zero-terminal-SNR schedule's first step) only when ``allow_zero_alpha``
+    (v- and sample-prediction; epsilon-prediction divides by sqrt(alpha_bar_t))."""
+    name = "sigmas (mode='ddim': the alpha-bar table [2T] of (alpha_bar_t, alpha_bar_prev) pairs)"
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"{name} must be a 1-D torch.Tensor; got {type(table).__name__}")
+    if table.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{name} must be float32 (or float64); got {table.dtype}")
+    if table.dim() != 1 or table.numel() < 2 or table.numel() % 2:
+        raise ValueError(f"{name} must be 1-D of even length >= 2; got shape {tuple(table.shape)}")
+    if table.device != device:
+        raise ValueError(f"sigmas is on {table.device} but sample is on {device}; move them to one device")
+    checked = _checked_alpha_bar_tables[bool(allow_zero_alpha)]
+    if table in checked or _skip_value_reads():
+        return table
+    pairs = table.detach().double().cpu().reshape(-1, 2)
+    a_t, a_prev = pairs[:, 0], pairs[:, 1]
+    if not bool(torch.isfinite(pairs).all()):
+        raise ValueError(f"{name} must be finite")
+    if not bool(((a_prev > 0) & (a_prev <= 1)).all()):
+        raise ValueError(f"{name}: every alpha_bar_prev (odd entries) must be in (0, 1]; got {a_prev.tolist()}")
+    if not bool(((a_t >= 0) & (a_t < 1) & (a_t <= a_prev)).all()):
+        raise ValueError(f"{name}: every alpha_bar_t (even entries) must be in [0, 1) and <= its alpha_bar_prev; "
+                         f"got pairs {pairs.tolist()}")
+    if not allow_zero_alpha and not bool((a_t > 0).all()):
+        raise ValueError(f"{name}: alpha_bar_t = 0 (zero terminal SNR) needs prediction_type 'v_prediction' or "
+                         "'sample': epsilon-prediction divides by sqrt(alpha_bar_t)")
+    checked.add(table)
+    return table
+
+
+def check_clip_sample_range(clip_sample_range):
+    """None (no clipping) or a finite real > 0, as a float."""
+    if clip_sample_range is None:
+        return None
+    if isinstance(clip_sample_range, bool) or not isinstance(clip_sample_range, Real):
+        raise TypeError(f"clip_sample_range must be None or a real number; got {type(clip_sample_range).__name__}")
+    value = float(clip_sample_range)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"clip_sample_range must be finite and > 0 (or None: no clipping); got {value}")
+    return value
 
 
 def check_step_index(step_index, num_steps: int, batch: int, device: torch.device,
@@ -310,6 +364,7 @@ Scalar = Union[int, float]
 StepIndex = Union[int, torch.Tensor]
 __all__ = [
     "MODES", "LOG_PROB_KINDS", "REDUCTIONS", "check_bool", "check_choice", "check_float_tensor", "check_batch_tensor",
-    "check_sample", "check_noise_level", "check_sigmas", "check_step_index", "check_out_dtype",
-    "check_generator", "check_noise_seed", "check_broadcastable", "check_token_sigmas", "check_frozen", "NoiseSeed", "capturing", "no_value_checks",
+    "check_sample", "check_noise_level", "check_sigmas", "check_alpha_bar_table", "check_clip_sample_range",
+    "check_step_index", "check_out_dtype", "check_generator", "check_noise_seed", "check_broadcastable",
+    "check_token_sigmas", "check_frozen", "NoiseSeed", "capturing", "no_value_checks",
 ]

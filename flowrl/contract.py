@@ -41,6 +41,9 @@ class Mode(_Named):
     SDE = 1
     DANCE = 2
     CPS = 3
+    DDIM = 4
+    DPM_SDE = 5
+    FLASH_SDE = 6
 
 
 class LogProbKind(_Named):
@@ -77,6 +80,15 @@ class NoiseSource(_Named):
     TENSOR = 0
     PHILOX = 1
     NONE = 2
+
+
+class Prediction(_Named):
+    """What a ddim model outputs (diffusers' ``prediction_type``): the noise, the clean sample, or
+    the velocity ``sqrt(a) eps - sqrt(1 - a) x0`` (docs/contract.md, ddim)."""
+
+    EPSILON = 0
+    SAMPLE = 1
+    V_PREDICTION = 2
 
 
 # Elements per reduction chunk: the unit of the deterministic, shard-invariant reduction order. Each
@@ -120,6 +132,6 @@ COSPI_C10 = -2.755731998149713e-07
 COSPI_C12 = 2.0876755879584152e-09
 
 __all__ = [
-    "Mode", "LogProbKind", "LOG_PROB_KINDS", "Reduction", "Op", "NoiseSource", "CHUNK_SIZE",
+    "Mode", "Prediction", "LogProbKind", "LOG_PROB_KINDS", "Reduction", "Op", "NoiseSource", "CHUNK_SIZE",
     "LOG2_CHUNK_SIZE", "HALF_LOG_2PI", "SIGMA_ONE_RTOL", "SIGMA_ONE_ATOL", "SIGMA_ONE_TOL", "STD_FLOOR",
 ]

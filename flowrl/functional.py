@@ -16,7 +16,8 @@ from . import _dispatch
 from . import _validate as V
 from .contract import LogProbKind, Mode, NoiseSource, Op, Reduction
 from .step_spec import (
-    GeneratorArg, ShardContext, StepSpec, draw_noise, elements_per_sample, elementwise_inputs, log_prob_kind,
+    GeneratorArg, ShardContext, StepSpec, ddim_options, draw_noise, elements_per_sample, elementwise_inputs,
+    log_prob_kind,
     schedule_and_steps,
 )
 
@@ -80,6 +81,18 @@ def combine_streams(sums: Sequence[torch.Tensor], counts: Sequence[torch.Tensor]
     return torch.where(none_scored, torch.zeros_like(value), value)
 
 
+def second_order(prev_x0_pred, mode: Mode, sample: torch.Tensor) -> dict:
+    """The backend ops' keyword for a second-order dpm_sde step: ``{"prev_x0_pred": x0_prev}``, or
+    ``{}`` (first order). ``prev_x0_pred`` is the previous step's data prediction ``x_{i-1} -
+    sigma_{i-1} v_{i-1}`` (what diffusers' DPM solvers and MixGRPO keep as ``model_outputs``), x's
+    shape; only mode='dpm_sde' reads one (docs/contract.md, dpm_sde)."""
+    if prev_x0_pred is None:
+        return {}
+    if mode is not Mode.DPM_SDE:
+        raise ValueError(f"prev_x0_pred is mode='dpm_sde''s (its second order); got mode={mode.label!r}")
+    return {"prev_x0_pred": V.check_batch_tensor("prev_x0_pred", prev_x0_pred, sample)}
+
+
 def sde_step(
     sample: torch.Tensor,
     model_output: torch.Tensor,
@@ -99,6 +112,9 @@ def sde_step(
     shard: Optional[ShardContext] = None,
     token_sigmas: Optional[torch.Tensor] = None,
     frozen: Optional[torch.Tensor] = None,
+    prediction_type: Optional[str] = None,
+    clip_sample_range: Optional[float] = None,
+    prev_x0_pred: Optional[torch.Tensor] = None,
 ) -> SDEStepOutput:
     """Sample x' ~ N(mu, std^2) for one step of ``mode`` and return it with its log-prob.
 
@@ -111,15 +127,24 @@ def sde_step(
     model_output's dtype). ``shard``: the sequence-parallel context (``flowrl.distributed`` passes
     it; None on one device).
 
+    ``prediction_type`` ("epsilon", "sample", "v_prediction") and
+    ``clip_sample_range`` (None: no clipping) are mode='ddim''s, whose ``sigmas`` is the alpha-bar
+    table [2T] of (alpha_bar_t, alpha_bar_prev) pairs (docs/contract.md, ddim). ``prev_x0_pred``
+    (mode='dpm_sde' only): the previous step's data prediction ``x_{i-1} - sigma_{i-1} v_{i-1}``, x's
+    shape, which makes the step second order (docs/contract.md, dpm_sde); differentiable.
+
     ``token_sigmas`` (float, the sample's ndim, broadcastable to it, e.g. [B, S, 1]): each token's
     current sigma; its next is the largest schedule value strictly below it (diffusers' per-token
     rule), a token at sigma 0 is held (x' = x). ``frozen`` (bool, broadcastable): conditioning
     elements, emitted unchanged (x' = x), not scored, zero gradient; the noise keeps its element
     positions. See docs/contract.md, Per-token schedules and Frozen elements and counts.
     """
-    sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
-    elementwise = elementwise_inputs(sample, sigmas, token_sigmas, frozen)
+    extra = ddim_options(mode, prediction_type, clip_sample_range)
+    sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level,
+                                                extra.get("prediction"))
+    elementwise = elementwise_inputs(sample, sigmas, token_sigmas, frozen, mode, prev_x0_pred is not None)
     kind, reduction = log_prob_kind(log_prob), Reduction.parse("reduction", reduction)
+    prev = second_order(prev_x0_pred, mode, sample)
     out_dtype = V.check_out_dtype(out_dtype, model_output.dtype)
     seed = None
     if noise_seed is not None:  # noise, generator and noise_seed are exclusive
@@ -139,15 +164,16 @@ def sde_step(
         source = NoiseSource.NONE if mode is Mode.ODE or eta == 0 else NoiseSource.TENSOR
     spec = StepSpec(Op.ROLLOUT, sigmas, idx, mode, eta, kind, reduction, elements_per_sample(sample, shard),
                     out_dtype=out_dtype, noise_source=source, noise_seed=seed,
-                    return_mean=bool(return_prev_sample_mean), shard=shard, **elementwise)
+                    return_mean=bool(return_prev_sample_mean), shard=shard, **extra, **elementwise)
     # the backend is chosen (and a bad one refused) before any noise is drawn: a drawn noise is float32,
     # so only a given noise tensor enters the choice
-    ops = _dispatch.select(backend, *((sample, model_output) if noise is None else (sample, model_output, noise)))
+    given = (sample, model_output) if noise is None else (sample, model_output, noise)
+    ops = _dispatch.select(backend, *given, *prev.values())
     if ops.name == "triton" and spec.out_dtype == torch.float64:
         raise TypeError("out_dtype=float64 runs on backend='torch' only")
     if noise is None and source is NoiseSource.TENSOR:
         noise = (draw_noise if shard is None else shard.draw_noise)(sample.shape, generator, sample.device)
-    return SDEStepOutput(*ops.sde_step(spec, sample, model_output, noise))
+    return SDEStepOutput(*ops.sde_step(spec, sample, model_output, noise, **prev))
 
 
 def _per_stream(name: str, value, n: int) -> list:
@@ -201,6 +227,9 @@ def step_log_prob(
     token_sigmas: Optional[torch.Tensor] = None,
     frozen: Optional[torch.Tensor] = None,
     return_count: bool = False,
+    prediction_type: Optional[str] = None,
+    clip_sample_range: Optional[float] = None,
+    prev_x0_pred=None,
 ):
     """Log-prob [B] of the stored ``prev_sample`` under the current ``model_output``; differentiable
     with respect to ``model_output``, ``sample`` and ``prev_sample``. On the same backend and inputs it
@@ -209,20 +238,29 @@ def step_log_prob(
 
     Joint streams: ``sample``, ``model_output`` and ``prev_sample`` as tuples (one tensor per stream,
     same batch); ``sigmas``, ``step_index``, ``token_sigmas`` and ``frozen`` a tuple with one entry
-    per stream or one shared value. The value is ``combine_streams`` of the streams' sums and counts."""
+    per stream or one shared value. The value is ``combine_streams`` of the streams' sums and counts.
+
+    ``prediction_type`` and ``clip_sample_range``: mode='ddim''s, as in ``sde_step``. A second-order
+    dpm_sde step needs the rollout's ``prev_x0_pred`` (``RolloutTrajectory.prev_x0_preds[:, i]``),
+    also differentiable (for streams: a tuple, one per stream, or None)."""
     if isinstance(sample, tuple):
         return _joint(step_log_prob, sample, dict(model_output=model_output, prev_sample=prev_sample),
                       dict(sigmas=sigmas, step_index=step_index, token_sigmas=token_sigmas, frozen=frozen,
-                           mode=mode, noise_level=noise_level, log_prob=log_prob, backend=backend, shard=shard),
+                           mode=mode, noise_level=noise_level, log_prob=log_prob, backend=backend, shard=shard,
+                           prediction_type=prediction_type, clip_sample_range=clip_sample_range,
+                           prev_x0_pred=prev_x0_pred),
                       reduction, V.check_bool("return_count", return_count))
-    sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
+    extra = ddim_options(mode, prediction_type, clip_sample_range)
+    sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level,
+                                                extra.get("prediction"))
     V.check_batch_tensor("prev_sample", prev_sample, sample)
     return_count = V.check_bool("return_count", return_count)
     spec = StepSpec(Op.LOG_PROB, sigmas, idx, mode, eta, log_prob_kind(log_prob), Reduction.parse("reduction", reduction),
-                    elements_per_sample(sample, shard), shard=shard,
-                    **elementwise_inputs(sample, sigmas, token_sigmas, frozen))
-    value, count = _dispatch.select(backend, sample, model_output, prev_sample).step_log_prob(
-        spec, sample, model_output, prev_sample)
+                    elements_per_sample(sample, shard), shard=shard, **extra,
+                    **elementwise_inputs(sample, sigmas, token_sigmas, frozen, mode, prev_x0_pred is not None))
+    prev = second_order(prev_x0_pred, mode, sample)
+    value, count = _dispatch.select(backend, sample, model_output, prev_sample, *prev.values()).step_log_prob(
+        spec, sample, model_output, prev_sample, **prev)
     return LogProbWithCount(value, count) if return_count else value
 
 
@@ -241,23 +279,32 @@ def step_kl(
     token_sigmas: Optional[torch.Tensor] = None,
     frozen: Optional[torch.Tensor] = None,
     return_count: bool = False,
+    prediction_type: Optional[str] = None,
+    clip_sample_range: Optional[float] = None,
+    prev_x0_pred=None,
 ):
     """Exact KL [B] between this step's transitions under ``model_output`` and ``ref_model_output``
     (same std): ``(mu - mu_ref)^2 / (2 std^2)`` reduced like the log-prob; 0 on deterministic steps.
-    ``token_sigmas``, ``frozen``, ``return_count`` and tuples of streams as in ``step_log_prob``."""
+    ``token_sigmas``, ``frozen``, ``return_count``, tuples of streams and the ddim / dpm_sde options as
+    in ``step_log_prob``."""
     if isinstance(sample, tuple):
         return _joint(step_kl, sample, dict(model_output=model_output, ref_model_output=ref_model_output),
                       dict(sigmas=sigmas, step_index=step_index, token_sigmas=token_sigmas, frozen=frozen,
-                           mode=mode, noise_level=noise_level, backend=backend, shard=shard),
+                           mode=mode, noise_level=noise_level, backend=backend, shard=shard,
+                           prediction_type=prediction_type, clip_sample_range=clip_sample_range,
+                           prev_x0_pred=prev_x0_pred),
                       reduction, V.check_bool("return_count", return_count))
-    sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
+    extra = ddim_options(mode, prediction_type, clip_sample_range)
+    sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level,
+                                                extra.get("prediction"))
     V.check_batch_tensor("ref_model_output", ref_model_output, sample)
     return_count = V.check_bool("return_count", return_count)
     spec = StepSpec(Op.KL, sigmas, idx, mode, eta, LogProbKind.KL, Reduction.parse("reduction", reduction),
-                    elements_per_sample(sample, shard), shard=shard,
-                    **elementwise_inputs(sample, sigmas, token_sigmas, frozen))
-    value, count = _dispatch.select(backend, sample, model_output, ref_model_output).step_kl(
-        spec, sample, model_output, ref_model_output)
+                    elements_per_sample(sample, shard), shard=shard, **extra,
+                    **elementwise_inputs(sample, sigmas, token_sigmas, frozen, mode, prev_x0_pred is not None))
+    prev = second_order(prev_x0_pred, mode, sample)
+    value, count = _dispatch.select(backend, sample, model_output, ref_model_output, *prev.values()).step_kl(
+        spec, sample, model_output, ref_model_output, **prev)
     return LogProbWithCount(value, count) if return_count else value
 
 

@@ -57,10 +57,13 @@ _STEP_SIGNATURE = inspect.signature(FlowMatchEulerDiscreteScheduler.step)
 _STEP_SIGNATURE = _STEP_SIGNATURE.replace(parameters=list(_STEP_SIGNATURE.parameters.values())[1:])
 
 
-def check_scheduler(scheduler) -> None:
+def check_scheduler(scheduler, mode: Optional[str] = None, noise_level: Optional[float] = None,
+                    sde_steps=None) -> None:
     """Raise ``TypeError`` / ``ValueError`` (naming ``scheduler``) unless a rollout can drive this
     scheduler: a ``FlowMatchEulerDiscreteScheduler`` instance (diffusers', flowrl's or a subclass) whose
-    plain step is the Euler step on a decreasing sigma table."""
+    plain step is the Euler step on a decreasing sigma table, or, with ``stochastic_sampling=True``,
+    the step x' = (1 - sigma') x0_hat + sigma' eps, which is cps at noise_level 1: then the rollout's
+    ``mode``, ``noise_level`` and ``sde_steps`` must be that process (docs/contract.md, Variants)."""
     if isinstance(scheduler, type):
         raise TypeError(f"scheduler must be a scheduler instance, not the class {scheduler.__name__}")
     classes = tuple(c for c in (FlowMatchEulerDiscreteScheduler, DiffusersFlowMatchEulerDiscreteScheduler) if c)
@@ -70,12 +73,16 @@ def check_scheduler(scheduler) -> None:
             f"{type(scheduler).__name__}. A rollout replaces the Euler step x + (sigma' - sigma) v of that "
             "scheduler; other schedulers (Heun, LCM, multistep, DDIM) step differently"
         )
+    if mode == "ddim":
+        raise ValueError("mode='ddim' steps an alpha-bar (DDPM) schedule, not this scheduler's sigma table: record it "
+                         "with flowrl.DDIMScheduler(...).rollout() (or flowrl.ddim.DDIMRolloutRecorder)")
     config = scheduler.config
-    if config.get("stochastic_sampling", False):
+    if config.get("stochastic_sampling", False) and (mode != "cps" or noise_level != 1 or sde_steps is not None):
         raise ValueError(
-            "scheduler has config.stochastic_sampling=True: its step re-noises a predicted x0, a different "
-            "process than the rollout's, so its ode steps and plain runs would not match the recorded ones. "
-            "Use type(scheduler).from_config(scheduler.config, stochastic_sampling=False)"
+            "scheduler has config.stochastic_sampling=True: its step x' = (1 - sigma') x0_hat + sigma' eps is "
+            "cps at noise_level 1 on every step, so record it with mode='cps', noise_level=1.0 and sde_steps=None "
+            f"(got mode={mode!r}, noise_level={noise_level!r}, sde_steps={sde_steps!r}), or use "
+            "type(scheduler).from_config(scheduler.config, stochastic_sampling=False)"
         )
     if config.get("invert_sigmas", False):
         raise ValueError(
@@ -89,6 +96,19 @@ def check_scheduler(scheduler) -> None:
             f"scheduler ({type(scheduler).__name__}) lacks {missing or '__dict__'}, which a rollout reads and "
             "sets as diffusers' FlowMatchEulerDiscreteScheduler has them"
         )
+
+
+def _solver_order(mode: str, solver_order) -> Optional[int]:
+    """dpm_sde's solver order (1 or 2; default 2, diffusers' DPM solvers' default); None for other modes."""
+    if mode != "dpm_sde":
+        if solver_order is not None:
+            raise ValueError(f"solver_order is mode='dpm_sde''s; got it with mode={mode!r}")
+        return None
+    if solver_order is None:
+        return 2
+    if isinstance(solver_order, bool) or solver_order not in (1, 2):
+        raise ValueError(f"solver_order must be 1 or 2 for mode='dpm_sde'; got {solver_order!r}")
+    return int(solver_order)
 
 
 def _index_set(name: str, values, upper: Optional[int] = None) -> Optional[List[int]]:
@@ -110,6 +130,19 @@ def _index_set(name: str, values, upper: Optional[int] = None) -> Optional[List[
         out.append(int(v))
     return sorted(set(out))
 
+
+
+def _solver_order(mode: str, solver_order) -> Optional[int]:
+    """dpm_sde's solver order (1 or 2; default 2, diffusers' DPM solvers' default); None for other modes."""
+    if mode != "dpm_sde":
+        if solver_order is not None:
+            raise ValueError(f"solver_order is mode='dpm_sde''s; got it with mode={mode!r}")
+        return None
+    if solver_order is None:
+        return 2
+    if isinstance(solver_order, bool) or solver_order not in (1, 2):
+        raise ValueError(f"solver_order must be 1 or 2 for mode='dpm_sde'; got {solver_order!r}")
+    return int(solver_order)
 
 
 def _derive_generator(g: torch.Generator) -> torch.Generator:
@@ -154,6 +187,8 @@ class _Stream:
         self.last_prev: Optional[torch.Tensor] = None
         self.last_unscored: Optional[torch.Tensor] = None
         self.batch: Optional[int] = None
+        self.x0_pred: Optional[torch.Tensor] = None  # dpm_sde order 2: the last step's data prediction
+        self.prev_x0_preds: List[torch.Tensor] = []
 
     @property
     def steps_recorded(self) -> int:
@@ -194,6 +229,11 @@ class RolloutRecorder:
     transform the recorder cannot detect. ``debug``: True or a file path keeps each step's mean, std,
     noise and model output (``traj.debug_tensors``, ``flowrl.debug``). With several streams, the
     environment's output transform and the debug tensors are stream 0's.
+
+    ``solver_order`` (mode='dpm_sde' only; 1 or 2, default 2): at 2 the recorder keeps each step's data
+    prediction ``x - sigma v`` for the next step's mean, as diffusers' DPM solvers keep their
+    model_outputs, and the trajectory stores it (``prev_x0_preds``) so the recompute scores the same
+    transition.
     """
 
     def __init__(
@@ -213,8 +253,9 @@ class RolloutRecorder:
         env_device=None,
         output_transform=None,
         debug=None,
+        solver_order: Optional[int] = None,
     ):
-        check_scheduler(scheduler)
+        self._check_scheduler(scheduler, mode, noise_level, sde_steps)
         V.check_choice("mode", mode, V.MODES)
         self.noise_level = V.check_noise_level(noise_level, mode)
         V.check_choice("log_prob", log_prob, V.LOG_PROB_KINDS)
@@ -231,6 +272,7 @@ class RolloutRecorder:
         self.mode, self.log_prob, self.reduction, self.backend = mode, log_prob, reduction, backend
         self.generator = list(generator) if isinstance(generator, (list, tuple)) else generator
         self.frozen = frozen
+        self.solver_order = _solver_order(mode, solver_order)
         self.sde_steps = _index_set("sde_steps", sde_steps)
         self.return_step_indices = _index_set("return_step_indices", return_step_indices)
         self._streams: List[_Stream] = []
@@ -244,12 +286,25 @@ class RolloutRecorder:
     def _reset(self) -> None:
         self._streams = [_Stream(self, self.scheduler, 0, self.generator, self.frozen)]
 
+    # ------------------------------------------------------- what a scheduler family changes (flowrl.ddim)
+    # A recorder for another scheduler family (flowrl.ddim.DDIMRolloutRecorder) overrides these, and
+    # _step / _start (its step's arguments, its schedule table); the recording itself is shared.
+    _check_scheduler = staticmethod(check_scheduler)
+
+    def _scheduler_step_index(self, stream: _Stream) -> Optional[int]:
+        return stream.scheduler.step_index
+
+    def _step_options(self, stochastic: bool) -> dict:
+        """sde_step's mode options for a loop step: the rollout's mode, or ode on a deterministic step
+        (a ``noise`` entry, if any, is the step's given eps)."""
+        return {"mode": self.mode if stochastic else "ode", "noise_level": self.noise_level}
+
     # ------------------------------------------------------------------ patching the scheduler instances
     def __enter__(self) -> "RolloutRecorder":
         sched = self.scheduler
         if getattr(sched.step, "_flowrl_recorder", None) is not None:
             raise RuntimeError("this scheduler is already recording a rollout; rollouts do not nest")
-        check_scheduler(sched)  # the config may have been replaced since construction
+        self._check_scheduler(sched, self.mode, self.noise_level, self.sde_steps)  # the config may have changed
         self._reset()
         self._attach(self._streams[0])
         self._env, self._debug = start_env(self._env_options)
@@ -438,7 +493,7 @@ class RolloutRecorder:
             raise RuntimeError(f"this rollout already recorded all {stream.num_steps} steps of its loop")
         if sample.shape[0] != stream.batch:
             raise ValueError(f"sample has batch size {sample.shape[0]}; this rollout started with B = {stream.batch}")
-        if stream.scheduler.step_index != stream.begin + i:
+        if self._scheduler_step_index(stream) != stream.begin + i:
             raise RuntimeError(
                 f"the scheduler is at step index {stream.scheduler.step_index} but the rollout expects "
                 f"{stream.begin + i}: steps were skipped or repeated"
@@ -469,15 +524,18 @@ class RolloutRecorder:
             velocity, out_dtype = -model_output, torch.float32
         # an ode step draws no noise (sde_step skips the draw), so the generators advance on sde steps only
         masks = {k: v for k, v in (("token_sigmas", token_sigmas), ("frozen", stream.frozen_full)) if v is not None}
-        generator = self._stream_generator(stream, step_generator) if stochastic else None
+        options = self._step_options(stochastic)
+        noise = options.pop("noise", None)  # a step's given eps (ddim's variance_noise)
+        generator = self._stream_generator(stream, step_generator) if stochastic and noise is None else None
         debug = self._debug if stream.index == 0 else None
-        noise = None
-        if debug is not None and stochastic and self.mode != "ode" and self.noise_level != 0:
+        if (debug is not None and noise is None and stochastic and options["mode"] != "ode"
+                and options["noise_level"] != 0):
             noise, generator = debug.draw(sample, generator), None  # the draw sde_step would make
+        prev_x0 = self._second_order_input(stream, sample, model_output, i)
         out = sde_step(
-            sample, velocity, stream.sigmas, i, mode=self.mode if stochastic else "ode",
-            noise_level=self.noise_level, log_prob=self.log_prob, reduction="sum" if joint else self.reduction,
-            backend=self.backend, out_dtype=out_dtype, **masks, generator=generator, noise=noise,
+            sample, velocity, stream.sigmas, i, **options, log_prob=self.log_prob,
+            reduction="sum" if joint else self.reduction, backend=self.backend, out_dtype=out_dtype, **masks,
+            generator=generator, noise=noise, prev_x0_pred=prev_x0 if stochastic else None,
         )
         if debug is not None:
             debug.record(out, noise, model_output, sample)
@@ -508,6 +566,19 @@ class RolloutRecorder:
             stream.latents[i + 1] = prev_sample.detach()
         return FlowMatchEulerDiscreteSchedulerOutput(prev_sample, log_prob, out.prev_sample_mean, out.std_dev)
 
+    def _second_order_input(self, stream: _Stream, sample, model_output, i: int) -> Optional[torch.Tensor]:
+        """dpm_sde at solver order 2: the data prediction of the previous step (zeros at step 0, which
+        reads none), stored for replay; then keeps this step's ``x - sigma v`` (float32, float64 for a
+        float64 rollout) for the next, as diffusers' DPM solvers keep their model_outputs."""
+        if self.solver_order != 2:
+            return None
+        dtype = torch.float64 if torch.float64 in (sample.dtype, model_output.dtype) else torch.float32
+        x, v = sample.detach().to(dtype), model_output.detach().to(dtype)
+        prev_x0 = torch.zeros_like(x) if stream.x0_pred is None else stream.x0_pred
+        stream.prev_x0_preds.append(prev_x0)
+        stream.x0_pred = x - stream.sigmas[i].to(dtype) * v
+        return prev_x0
+
     # ------------------------------------------------------------------ the result
     def _stream_trajectory(self, stream: _Stream, log_probs: torch.Tensor) -> RolloutTrajectory:
         keys = sorted(stream.latents)
@@ -529,6 +600,7 @@ class RolloutRecorder:
             sde_steps=None if self.sde_steps is None else torch.tensor(self.sde_steps, dtype=torch.int64, device=device),
             token_sigmas=torch.stack(stream.token_sigmas, dim=1) if stream.token_sigmas else None,
             frozen=stream.frozen_full,
+            prev_x0_preds=torch.stack(stream.prev_x0_preds, dim=1) if stream.prev_x0_preds else None,
             denoising_env=self._env_result if stream.index == 0 else None,
             debug_tensors=self._debug_result if stream.index == 0 else None,
         )

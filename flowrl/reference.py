@@ -56,6 +56,55 @@ def sde_noise_scale(table: torch.Tensor, sigma: torch.Tensor, noise_level: float
     return noise_level * torch.sqrt(sigma / (1 - sigma_t))
 
 
+def flash_noise_scale(table: torch.Tensor, sigma: torch.Tensor, noise_level: float) -> torch.Tensor:
+    """flash_sde's per-unit-time noise scale ``s = eta * (sigma_min + (sigma_max - sigma_min) * sigma)``
+    with ``sigma_max = sigmas[1]``, ``sigma_min = sigmas[-1]`` (Flash-GRPO's ``std_dev_t``; the
+    schedule's last value, 0 for a diffusers schedule, exactly as their code reads it)."""
+    sigma_max, sigma_min = table[1], table[-1]
+    return noise_level * (sigma_min + (sigma_max - sigma_min) * sigma)
+
+
+def dpm_sde_first_order(sigma: torch.Tensor, sigma_next: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """SDE-DPM-Solver++'s first-order ``(A, B, q, std)``: ``mu = A x + B x0_hat`` with q = e^{-h} =
+    (alpha sigma') / (sigma alpha') computed without logs, A = (sigma' / sigma) q, B = alpha' (1 - q^2),
+    std = sigma' sqrt(1 - q^2) (``dpm_sde_coefficients`` adds the second order)."""
+    alpha_next = 1 - sigma_next
+    q = ((1 - sigma) * sigma_next) / (sigma * alpha_next)
+    one_minus_q2 = 1 - q * q
+    return sigma_next / sigma * q, alpha_next * one_minus_q2, q, sigma_next * torch.sqrt(one_minus_q2)
+
+
+def dpm_sde_coefficients(
+    sigmas: torch.Tensor, step_index: torch.Tensor, second_order: bool, dtype: torch.dtype
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SDE-DPM-Solver++ (alpha = 1 - sigma; docs/contract.md, dpm_sde): per-sample ``(a, c, p, std)``
+    with ``mu = a * x + c * v + p * x0_prev``, ``x0_prev`` the previous step's data prediction.
+
+    ``q = e^{-h} = (alpha * sigma') / (sigma * alpha')`` is computed without logs, so sigma = 1
+    (lambda = -inf) and sigma' = 0 (lambda' = +inf) give q = 0 exactly, the limits. Then
+    ``mu = (sigma'/sigma) q x + (B + B2) x0_hat - B2 x0_prev``, ``B = alpha' (1 - q^2)``,
+    ``std = sigma' sqrt(1 - q^2)``; ``B2 = B h / (2 h_prev)`` (midpoint D1 = (x0_hat - x0_prev) / r,
+    r = h_prev / h) when ``second_order``, else 0. The second-order term is 0 (the step is first
+    order, as MixGRPO and diffusers' lower_order_final) at step 0, at sigma' = 0, after a step
+    from sigma = 1 (h_prev = inf) and where h_prev rounds to 0 (q_prev == 1)."""
+    table = sigmas.to(dtype)
+    sigma = table[step_index]
+    big_a, b, q, std = dpm_sde_first_order(sigma, table[step_index + 1])
+    if not second_order:
+        return big_a + b, -(b * sigma), torch.zeros_like(sigma), std
+    sigma_prev = table[(step_index - 1).clamp(min=0)]
+    alpha = 1 - sigma  # 0 only at sigma = 1, i.e. step 0 (first order): 1 there keeps q_prev finite
+    q_prev = ((1 - sigma_prev) * sigma) / (sigma_prev * torch.where(alpha > 0, alpha, torch.ones_like(alpha)))
+    # first order also where h_prev rounds to 0 (q_prev == 1: adjacent sigmas an ulp apart), whose
+    # finite difference D1 = (x0_hat - x0_prev) h / h_prev would be inf
+    first_order = (step_index == 0) | (q == 0) | (q_prev == 0) | (q_prev == 1)
+    half = torch.full_like(q, 0.5)  # any q in (0, 1) keeps the unused branch finite
+    h_ratio = torch.log(torch.where(first_order, half, q)) / torch.log(torch.where(first_order, half, q_prev))
+    b2 = torch.where(first_order, torch.zeros_like(b), 0.5 * b * h_ratio)
+    bb = b + b2
+    return big_a + bb, -(bb * sigma), -b2, std
+
+
 def coefficients_of(
     table: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor, mode: Mode, noise_level: float
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,9 +116,11 @@ def coefficients_of(
     # eta stays a Python scalar (the ops cast it to ``dtype``): no host-to-device copy, capturable
     if mode is Mode.ODE:
         return torch.ones_like(sigma), -d, torch.zeros_like(sigma)
-    if mode in (Mode.SDE, Mode.DANCE):
+    if mode in (Mode.SDE, Mode.DANCE, Mode.FLASH_SDE):
         if mode is Mode.SDE:
             s = sde_noise_scale(table, sigma, noise_level)
+        elif mode is Mode.FLASH_SDE:
+            s = flash_noise_scale(table, sigma, noise_level)
         else:
             s = torch.full_like(sigma, noise_level)
         s2 = s * s
@@ -83,6 +134,9 @@ def coefficients_of(
         a = (1 - sigma_next) + k
         c = k * (1 - sigma) - (1 - sigma_next) * sigma
         return a, c, std
+    if mode is Mode.DPM_SDE:  # first order; the second order takes the previous data prediction
+        big_a, b, _, std = dpm_sde_first_order(sigma, sigma_next)
+        return big_a + b, -(b * sigma), std
     raise ValueError(f"mode must be a flowrl.contract.Mode; got {mode!r}")
 
 
@@ -355,6 +409,58 @@ def _mean(x: torch.Tensor, v: torch.Tensor, a: torch.Tensor, c: torch.Tensor) ->
     return mu.add_(_col(c) * _rows(v))
 
 
+def ddim_coefficients(
+    table: torch.Tensor, step_index: torch.Tensor, noise_level: float, dtype: torch.dtype
+) -> Tuple[torch.Tensor, ...]:
+    """ddim's per-sample scalars ``(sqrt(a_t), sqrt(1 - a_t), sqrt(a_prev), k, std)``, each [B] in
+    ``dtype``, from the alpha-bar table [2T] (a_t = table[2i], a_prev = table[2i + 1]), with diffusers'
+    ``DDIMScheduler.step`` operations in its order: variance = ((1 - a_prev) / (1 - a_t)) * (1 - a_t /
+    a_prev), std = eta * sqrt(variance), k = sqrt((1 - a_prev) - std^2). The only place the torch
+    backend writes ddim's schedule math (docs/contract.md, ddim)."""
+    t = table.to(dtype)
+    a_t, a_prev = t[2 * step_index], t[2 * step_index + 1]
+    beta_t, beta_prev = 1 - a_t, 1 - a_prev
+    std = noise_level * torch.sqrt((beta_prev / beta_t) * (1 - a_t / a_prev))
+    # clamp: at eta = 1, (1 - a_prev) - std^2 is >= 0 exactly but may round a hair negative (diffusers: NaN)
+    k = torch.sqrt(torch.clamp(beta_prev - std * std, min=0))
+    return torch.sqrt(a_t), torch.sqrt(beta_t), torch.sqrt(a_prev), k, std
+
+
+def ddim_mean(x: torch.Tensor, v: torch.Tensor, sqrt_a, sqrt_b, sqrt_a_prev, k, prediction, clip_sample_range):
+    """ddim's mu = sqrt(a_prev) * clip(x0_hat) + k * eps_hat on [B, N] rows (coefficients [B, 1], in the
+    compute dtype), x0_hat and eps_hat from the model output as diffusers' DDIMScheduler.step computes
+    them (same operations, same order); eps_hat is never re-derived from the clipped x0 (diffusers'
+    default use_clipped_model_output=False). The clip makes mu nonlinear in v: autograd's clamp gradient
+    is 0 outside [-range, range] (inclusive bounds pass it)."""
+    v = v.to(sqrt_a.dtype)  # upcast once: the clip compares compute-dtype values, as the kernel does
+    if prediction is C.Prediction.EPSILON:
+        x0, eps = (x - sqrt_b * v) / sqrt_a, v
+    elif prediction is C.Prediction.SAMPLE:
+        x0 = v
+        eps = (x - sqrt_a * x0) / sqrt_b
+    else:  # V_PREDICTION
+        x0, eps = sqrt_a * x - sqrt_b * v, sqrt_a * v + sqrt_b * x
+    if clip_sample_range is not None:
+        x0 = x0.clamp(-clip_sample_range, clip_sample_range)
+    return sqrt_a_prev * x0 + k * eps
+
+
+def _mean_and_std(spec, sample: torch.Tensor, model_output: torch.Tensor, dtype: torch.dtype,
+                  prev_x0_pred: Optional[torch.Tensor] = None):
+    """The step's mean [B, N] (in ``dtype``) and std [B] for the spec's mode. A second-order dpm_sde
+    step (``prev_x0_pred`` given) adds ``p * x0_prev`` last, the kernels' order."""
+    if spec.mode is Mode.DPM_SDE and prev_x0_pred is not None:
+        a, c, p, std = dpm_sde_coefficients(spec.sigmas, spec.step_index, True, dtype)
+        return _mean(sample, model_output, a, c).add_(_col(p) * _rows(prev_x0_pred)), std
+    if spec.mode is Mode.DDIM:
+        sqrt_a, sqrt_b, sqrt_a_prev, k, std = ddim_coefficients(spec.sigmas, spec.step_index, spec.noise_level, dtype)
+        mu = ddim_mean(_rows(sample), _rows(model_output), _col(sqrt_a), _col(sqrt_b), _col(sqrt_a_prev), _col(k),
+                       spec.prediction, spec.clip_sample_range)
+        return mu, std
+    a, c, std = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
+    return _mean(sample, model_output, a, c), std
+
+
 def _reduce(spec, r: torch.Tensor, std: torch.Tensor):
     """[B, N] residuals -> (the per-sample value, count): chunk partials of r^2, gathered across
     shards (``spec.gather``), then ``finalize`` with the full sample's element count."""
@@ -420,7 +526,8 @@ def _noise_rows(spec, sample, noise):
     return noise
 
 
-def sde_step(spec, sample: torch.Tensor, model_output: torch.Tensor, noise: Optional[torch.Tensor]):
+def sde_step(spec, sample: torch.Tensor, model_output: torch.Tensor, noise: Optional[torch.Tensor],
+             prev_x0_pred: Optional[torch.Tensor] = None):
     """One stochastic step. Returns ``(prev_sample, log_prob [B], mean or None, std [B], count [B])``;
     the log-prob is of the emitted ``prev_sample`` rounded to ``spec.out_dtype`` (docs/contract.md,
     Rounding). ``noise`` is eps for a TENSOR noise source; for PHILOX eps is ``philox_normal`` of the
@@ -429,8 +536,7 @@ def sde_step(spec, sample: torch.Tensor, model_output: torch.Tensor, noise: Opti
     if spec.elementwise:
         return _sde_step_elementwise(spec, sample, model_output, noise)
     dtype = compute_dtype(sample, model_output, noise)
-    a, c, std = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
-    mu = _mean(sample, model_output, a, c)
+    mu, std = _mean_and_std(spec, sample, model_output, dtype, prev_x0_pred)
     if noise is None:
         noise_term = None
         prev = mu.to(spec.out_dtype, copy=True)  # std is 0: mu + 0 * eps is mu
@@ -466,26 +572,34 @@ def _sde_step_elementwise(spec, sample, model_output, noise):
     return prev, lp, (mu if spec.return_mean else None), t.std_ref, count
 
 
-def step_log_prob(spec, sample: torch.Tensor, model_output: torch.Tensor, prev_sample: torch.Tensor):
+def step_log_prob(spec, sample: torch.Tensor, model_output: torch.Tensor, prev_sample: torch.Tensor,
+                  prev_x0_pred: Optional[torch.Tensor] = None):
     """(log-prob [B], count [B]) of ``prev_sample`` given ``sample`` under the policy's ``model_output``."""
     dtype = compute_dtype(sample, model_output, prev_sample)
     if spec.elementwise:
         t = _ElementTerms(spec, sample, dtype)
         return t.reduce(spec, (prev_sample - (t.a * sample + t.c * model_output)).to(dtype))
-    a, c, std = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
-    r = (_rows(prev_sample) - _mean(sample, model_output, a, c)).to(dtype)
+    mu, std = _mean_and_std(spec, sample, model_output, dtype, prev_x0_pred)
+    r = (_rows(prev_sample) - mu).to(dtype)
     return _reduce(spec, r, std)
 
 
-def step_kl(spec, sample: torch.Tensor, model_output: torch.Tensor, ref_model_output: torch.Tensor):
+def step_kl(spec, sample: torch.Tensor, model_output: torch.Tensor, ref_model_output: torch.Tensor,
+            prev_x0_pred: Optional[torch.Tensor] = None):
     """(KL [B], count [B]): the exact Gaussian KL between the step's transitions under two policies
     sharing ``std``: ``(mu_theta - mu_ref)^2 / (2 std^2)`` per element (docs/contract.md, KL)."""
     dtype = compute_dtype(sample, model_output, ref_model_output)
+    if spec.mode is Mode.DDIM:  # x0's clip makes mu nonlinear: the x terms need not cancel
+        mu, std = _mean_and_std(spec, sample, model_output, dtype)
+        return _reduce(spec, mu - _mean_and_std(spec, sample, ref_model_output, dtype)[0], std)
     # mu - mu_ref = c v - c v_ref: the a * x terms cancel exactly, so the KL does not depend on x (its
     # gradient is none, not two opposite terms that can overflow a float16 gradient and give NaN)
     if spec.elementwise:
         t = _ElementTerms(spec, sample, dtype)
         return t.reduce(spec, (t.c * model_output) - (t.c * ref_model_output))
-    _, c, std = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
+    if spec.mode is Mode.DPM_SDE and prev_x0_pred is not None:  # p * x0_prev is shared and cancels like a * x
+        _, c, _, std = dpm_sde_coefficients(spec.sigmas, spec.step_index, True, dtype)
+    else:
+        _, c, std = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
     r = (_col(c) * _rows(model_output)).sub_(_col(c) * _rows(ref_model_output))
     return _reduce(spec, r, std)

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from . import _validate as V
-from .contract import CHUNK_SIZE, LogProbKind, Mode, NoiseSource, Op, Reduction  # noqa: F401 (field types)
+from .contract import CHUNK_SIZE, LogProbKind, Mode, NoiseSource, Op, Prediction, Reduction  # noqa: F401 (field types)
 
 GeneratorArg = Union[None, torch.Generator, Sequence[torch.Generator]]
 
@@ -70,6 +70,9 @@ class StepSpec:
         per-sample step (docs/contract.md, Per-token schedules).
     frozen: bool mask broadcastable to the sample (True: conditioning element, x' = x, not scored);
         None when nothing is frozen.
+    prediction, clip_sample_range: ddim's model output type and its x0 clip (None: no clipping);
+        EPSILON / None for every other mode. For ddim, ``sigmas`` is the alpha-bar table [2T]
+        (``_validate.check_alpha_bar_table``).
     """
 
     op: Op
@@ -85,6 +88,8 @@ class StepSpec:
     noise_seed: Optional[V.NoiseSeed] = None
     return_mean: bool = False
     shard: Optional[ShardContext] = None
+    prediction: Prediction = Prediction.EPSILON
+    clip_sample_range: Optional[float] = None
     token_sigmas: Optional[torch.Tensor] = None
     token_sigmas_next: Optional[torch.Tensor] = None
     frozen: Optional[torch.Tensor] = None
@@ -148,28 +153,55 @@ def flat_layout(t: torch.Tensor, sample_shape):
     return table.contiguous(), inner, groups, 0 if bt == 1 else groups
 
 
-def schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level):
+def schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level, prediction=None):
     """The checks every op makes: the sample, model_output like it, the mode, the noise level, the
-    schedule and the step indices. Returns (sigmas, int64 step indices [B], Mode, float eta)."""
+    schedule and the step indices. Returns (sigmas, int64 step indices [B], Mode, float eta).
+    ``prediction`` (ddim's, from ``ddim_options``) decides whether alpha_bar_t may be 0."""
     V.check_sample(sample)
     V.check_batch_tensor("model_output", model_output, sample)
     mode = Mode.parse("mode", mode)
     eta = V.check_noise_level(noise_level, mode.label)
-    sigmas = V.check_sigmas(sigmas, sample.device)
-    idx = V.check_step_index(step_index, sigmas.numel() - 1, sample.shape[0], sample.device)
+    if mode is Mode.DDIM:
+        allow_zero = prediction is not None and prediction is not Prediction.EPSILON
+        sigmas = V.check_alpha_bar_table(sigmas, sample.device, allow_zero_alpha=allow_zero)
+        num_steps = sigmas.numel() // 2
+    else:
+        sigmas = V.check_sigmas(sigmas, sample.device)
+        num_steps = sigmas.numel() - 1
+    idx = V.check_step_index(step_index, num_steps, sample.shape[0], sample.device)
     return sigmas, idx, mode, eta
 
 
-def elementwise_inputs(sample, sigmas, token_sigmas, frozen):
+def elementwise_inputs(sample, sigmas, token_sigmas, frozen, mode: Mode = Mode.SDE, second_order: bool = False):
     """The checked per-token schedule and frozen mask of an op: ``dict(token_sigmas=, token_sigmas_next=,
-    frozen=)`` for ``StepSpec`` (Nones when not given)."""
+    frozen=)`` for ``StepSpec`` (Nones when not given). ddim (alpha-bar table) and dpm_sde's second
+    order (which reads the previous step) take neither: refused, never approximated."""
     fields = dict(token_sigmas=None, token_sigmas_next=None, frozen=None)
+    if (token_sigmas is not None or frozen is not None) and (mode is Mode.DDIM or second_order):
+        given = "token_sigmas" if token_sigmas is not None else "frozen"
+        what = "mode='ddim'" if mode is Mode.DDIM else "a second-order dpm_sde step (prev_x0_pred)"
+        raise ValueError(f"{given} is not supported with {what}: per-token schedules and frozen masks are "
+                         "defined for the flow modes' per-element steps (docs/contract.md)")
     if token_sigmas is not None:
         V.check_token_sigmas(token_sigmas, sample)
         fields["token_sigmas"], fields["token_sigmas_next"] = token_schedule(sigmas, token_sigmas)
     if frozen is not None:
         fields["frozen"] = V.check_frozen(frozen, sample)
     return fields
+
+
+def ddim_options(mode, prediction_type, clip_sample_range) -> dict:
+    """StepSpec's ddim fields from the public ``prediction_type`` / ``clip_sample_range``: for ddim,
+    prediction_type is one of diffusers' ("epsilon" when None) and clip_sample_range None or > 0; other
+    modes take neither (their model output is a velocity, and nothing is clipped)."""
+    if Mode.parse("mode", mode) is not Mode.DDIM:
+        if prediction_type is not None or clip_sample_range is not None:
+            raise ValueError("prediction_type and clip_sample_range are mode='ddim' options; got "
+                             f"prediction_type={prediction_type!r}, clip_sample_range={clip_sample_range!r} "
+                             f"with mode={mode!r}")
+        return {}
+    prediction = Prediction.parse("prediction_type", "epsilon" if prediction_type is None else prediction_type)
+    return dict(prediction=prediction, clip_sample_range=V.check_clip_sample_range(clip_sample_range))
 
 
 def elements_per_sample(sample: torch.Tensor, shard: Optional[ShardContext]) -> int:
@@ -187,5 +219,6 @@ def log_prob_kind(log_prob) -> LogProbKind:
     return LogProbKind.parse("log_prob", log_prob)
 
 
-__all__ = ["StepSpec", "ShardContext", "schedule_and_steps", "token_schedule", "flat_layout", "elementwise_inputs", "elements_per_sample", "log_prob_kind", "draw_noise",
+__all__ = ["StepSpec", "ShardContext", "schedule_and_steps", "token_schedule", "flat_layout", "elementwise_inputs",
+           "ddim_options", "elements_per_sample", "log_prob_kind", "draw_noise",
            "GeneratorArg"]

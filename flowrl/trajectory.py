@@ -1,6 +1,7 @@
 """``RolloutTrajectory``: what a rollout records, for training to recompute log-probs from."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from numbers import Integral, Real
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -8,14 +9,17 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from . import _validate as V
+from .step_spec import ddim_options
 
 # identifies the wire dict and the safetensors file; bump the version when the layout changes.
 # /2 adds token_sigmas, frozen, counts and streams (all optional); /1 payloads and files still load.
 FORMAT = "flowrl.RolloutTrajectory/2"
 FORMAT_V1 = "flowrl.RolloutTrajectory/1"
 _TENSOR_FIELDS = ("latents", "log_probs", "timesteps", "sigmas", "latent_step_indices")
-_OPTIONAL_TENSORS = ("sde_steps", "token_sigmas", "frozen", "counts")  # /2 adds the last three
+# /2 adds the last four (prev_x0_preds: dpm_sde's second order)
+_OPTIONAL_TENSORS = ("sde_steps", "token_sigmas", "frozen", "counts", "prev_x0_preds")
 _SETTING_FIELDS = ("mode", "noise_level", "log_prob", "reduction")
+_DDIM_FIELDS = ("prediction_type", "clip_sample_range")  # mode='ddim' settings (keys only for ddim)
 
 
 @dataclass
@@ -43,6 +47,13 @@ class RolloutTrajectory:
         own trajectory in creation order; the top-level fields are then stream 0's, except
         ``log_probs``, the joint log-prob (``flowrl.combine_streams`` of the streams' sums and counts).
 
+    prev_x0_preds: [B, T, ...] float32, the previous data prediction each step's mean read (mode
+        'dpm_sde' at solver order 2: row i is ``x_{i-1} - sigma_{i-1} v_{i-1}`` of the rollout, zeros at
+        step 0, which reads none), to recompute with ``step_log_prob(..., prev_x0_pred=)``; else None.
+    prediction_type, clip_sample_range: mode 'ddim''s model output type and x0 clip (None otherwise);
+        for ddim ``sigmas`` is the alpha-bar table [2T] of (alpha_bar_t, alpha_bar_prev) pairs
+        (flowrl.ddim.alpha_bar_table). ``step_options()`` gives every setting a recompute passes.
+
     ``step_inputs(j)`` gives the arguments that recompute loop step ``j``'s log-prob exactly.
     """
 
@@ -60,6 +71,9 @@ class RolloutTrajectory:
     frozen: Optional[torch.Tensor] = None
     counts: Optional[torch.Tensor] = None
     streams: Optional[Tuple["RolloutTrajectory", ...]] = None
+    prev_x0_preds: Optional[torch.Tensor] = None
+    prediction_type: Optional[str] = None
+    clip_sample_range: Optional[float] = None
     # recorded with scheduler.rollout(model=..., debug=...): flowrl.denoising_env.DenoisingEnv and
     # flowrl.debug.DebugTensors (in memory only: to_wire / save carry neither)
     denoising_env: Optional[Any] = None
@@ -94,7 +108,17 @@ class RolloutTrajectory:
 
     @property
     def num_steps(self) -> int:
-        return int(self.sigmas.numel() - 1)
+        # ddim's table holds an (alpha_bar_t, alpha_bar_prev) pair per step; the flow modes' T + 1 sigmas
+        return int(self.sigmas.numel() // 2 if self.mode == "ddim" else self.sigmas.numel() - 1)
+
+    def step_options(self) -> Dict[str, Any]:
+        """The keyword options that recompute this rollout's steps (``flowrl.step_log_prob(x, v, x',
+        traj.sigmas, i, **traj.step_options())``): mode, noise_level, log_prob, reduction, and ddim's
+        prediction_type / clip_sample_range. ``step_inputs(j)`` gives these and the tensors of step j."""
+        options = {name: getattr(self, name) for name in _SETTING_FIELDS}
+        if self.mode == "ddim":
+            options.update({name: getattr(self, name) for name in _DDIM_FIELDS})
+        return options
 
     # ----------------------------------------------------------------------------------------------
     # replay: the recorded model calls and the exact log-prob recompute (flowrl.denoising_env)
@@ -162,7 +186,7 @@ class RolloutTrajectory:
 
         return replace(
             self, latents=self.latents[i:i + 1], log_probs=self.log_probs[i:i + 1], token_sigmas=cut(self.token_sigmas),
-            frozen=cut(self.frozen), counts=cut(self.counts),
+            frozen=cut(self.frozen), counts=cut(self.counts), prev_x0_preds=cut(self.prev_x0_preds),
             streams=None if self.streams is None else tuple(s._sample(i) for s in self.streams),
         )
 
@@ -194,7 +218,13 @@ class RolloutTrajectory:
                 if all(v is None for v in parts[k]):
                     parts[k] = None
         out = dict(sample=parts["sample"], prev_sample=parts["prev_sample"], sigmas=parts["sigmas"], step_index=j,
-                   mode=mode, noise_level=self.noise_level, log_prob=self.log_prob, reduction=self.reduction)
+                   **self.step_options())
+        if mode == "ode" and self.mode == "ddim":  # ddim's steps outside sde_steps ran at eta = 0
+            out["noise_level"] = 0.0
+        else:
+            out["mode"] = mode
+        if mode == "dpm_sde" and self.prev_x0_preds is not None:  # the second order's previous x0 (sde steps)
+            out["prev_x0_pred"] = parts["prev_x0_pred"]
         for k in ("token_sigmas", "frozen"):
             if parts[k] is not None:
                 out[k] = parts[k]
@@ -236,15 +266,18 @@ class RolloutTrajectory:
             steps = j.to(self.latents.device)
             k, k1 = position.to(steps.device)[steps], position.to(steps.device)[steps + 1]
             sample, prev_sample = self.latents[rows, k], self.latents[rows, k1]
-            token_sigmas = None
+            token_sigmas = prev_x0_pred = None
             if self.token_sigmas is not None:
                 token_sigmas = self.token_sigmas[rows.to(self.token_sigmas.device), steps.to(self.token_sigmas.device)]
+            if self.prev_x0_preds is not None:
+                prev_x0_pred = self.prev_x0_preds[rows.to(self.prev_x0_preds.device), steps.to(self.prev_x0_preds.device)]
         else:
             k, k1 = int(position[j]), int(position[j + 1])
             sample, prev_sample = self.latents[:, k], self.latents[:, k1]
             token_sigmas = None if self.token_sigmas is None else self.token_sigmas[:, j]
+            prev_x0_pred = None if self.prev_x0_preds is None else self.prev_x0_preds[:, j]
         return dict(sample=sample, prev_sample=prev_sample, sigmas=self.sigmas, token_sigmas=token_sigmas,
-                    frozen=self.frozen)
+                    frozen=self.frozen, prev_x0_pred=prev_x0_pred)
 
     def _tensors(self) -> Dict[str, torch.Tensor]:
         out = {name: getattr(self, name) for name in _TENSOR_FIELDS}
@@ -263,6 +296,8 @@ class RolloutTrajectory:
             wire[name] = wire.get(name)
         wire.update({name: getattr(self, name) for name in _SETTING_FIELDS})
         wire["noise_level"] = float(self.noise_level)
+        if self.mode == "ddim":
+            wire.update({name: getattr(self, name) for name in _DDIM_FIELDS})
         wire["streams"] = None if self.streams is None else [s.to_wire() for s in self.streams]
         wire["format"] = FORMAT
         return wire
@@ -286,6 +321,8 @@ class RolloutTrajectory:
         expected = set(_TENSOR_FIELDS) | set(_SETTING_FIELDS) | set(optional) | {"format"}
         if version == FORMAT:
             expected.add("streams")
+        if wire.get("mode") == "ddim":
+            expected |= set(_DDIM_FIELDS)
         if set(wire) != expected:
             raise ValueError(
                 f"{where}: missing keys {sorted(expected - set(wire))}, unexpected keys {sorted(set(wire) - expected)}"
@@ -296,7 +333,7 @@ class RolloutTrajectory:
                 raise ValueError(f"{where}: {name} must be a tensor envelope")
         max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
         tensors = from_wire({name: wire[name] for name in tensor_names}, max_bytes=max_bytes)
-        settings = {name: wire[name] for name in _SETTING_FIELDS}
+        settings = {name: wire[name] for name in _SETTING_FIELDS + _DDIM_FIELDS if name in wire}
         streams = None
         if wire.get("streams") is not None:
             if _nested or not isinstance(wire["streams"], list) or len(wire["streams"]) < 2:
@@ -315,6 +352,8 @@ class RolloutTrajectory:
 
         metadata = {name: str(getattr(self, name)) for name in ("mode", "log_prob", "reduction")}
         metadata["noise_level"] = repr(float(self.noise_level))  # repr round-trips a float exactly
+        if self.mode == "ddim":  # JSON: None and a float round-trip exactly
+            metadata.update({name: json.dumps(getattr(self, name)) for name in _DDIM_FIELDS})
         metadata["format"] = FORMAT
         metadata["streams"] = str(self.num_streams if self.streams is not None else 0)
         tensors = self._tensors()
@@ -332,7 +371,7 @@ class RolloutTrajectory:
         version = metadata.get("format")
         if version not in (FORMAT, FORMAT_V1):
             raise ValueError(f"{where}: metadata format must be {FORMAT!r} (or {FORMAT_V1!r}); got {version!r}")
-        expected = set(_SETTING_FIELDS) | {"format"}
+        expected = set(_SETTING_FIELDS) | {"format"} | (set(_DDIM_FIELDS) if metadata.get("mode") == "ddim" else set())
         if set(metadata) - {"streams"} != expected or (version == FORMAT_V1 and "streams" in metadata):
             extra = " plus optional 'streams'" if version == FORMAT else ""
             raise ValueError(f"{where}: metadata keys must be {sorted(expected)}{extra}; got {sorted(metadata)}")
@@ -362,6 +401,12 @@ class RolloutTrajectory:
             raise ValueError(f"{where}: noise_level {metadata['noise_level']!r} is not a number") from None
         settings = {name: metadata[name] for name in ("mode", "log_prob", "reduction")}
         settings["noise_level"] = noise_level
+        for name in _DDIM_FIELDS:
+            if name in metadata:
+                try:
+                    settings[name] = json.loads(metadata[name])
+                except ValueError:
+                    raise ValueError(f"{where}: {name} {metadata[name]!r} is not JSON") from None
         streams = None
         if num_streams:
             streams = tuple(
@@ -382,6 +427,7 @@ class RolloutTrajectory:
             if isinstance(noise_level, bool) or not isinstance(noise_level, Real):
                 raise ValueError(f"noise_level must be a number; got {noise_level!r}")
             noise_level = V.check_noise_level(noise_level, mode)
+            ddim = ddim_options(mode, settings.get("prediction_type"), settings.get("clip_sample_range"))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{where}: {exc}") from None
 
@@ -394,10 +440,13 @@ class RolloutTrajectory:
             raise ValueError(f"{where}: {msg}")
 
         try:
-            sigmas = V.check_sigmas(sigmas, sigmas.device)
+            if mode == "ddim":
+                sigmas = V.check_alpha_bar_table(sigmas, sigmas.device, allow_zero_alpha=ddim["prediction"].label != "epsilon")
+            else:
+                sigmas = V.check_sigmas(sigmas, sigmas.device)
         except (ValueError, TypeError) as exc:
             fail(str(exc))
-        num_steps = sigmas.numel() - 1
+        num_steps = sigmas.numel() // 2 if mode == "ddim" else sigmas.numel() - 1
         if not latents.dtype.is_floating_point or latents.dim() < 2:
             fail(f"latents must be a float tensor [B, K, ...]; got {latents.dtype} {tuple(latents.shape)}")
         batch, kept = latents.shape[0], latents.shape[1]
@@ -435,6 +484,14 @@ class RolloutTrajectory:
         steps = check_index("latent_step_indices", steps, kept, num_steps)
         if sde_steps is not None:
             sde_steps = check_index("sde_steps", sde_steps, None, num_steps - 1)
+        prev_x0_preds = tensors.get("prev_x0_preds")
+        if prev_x0_preds is not None and (
+                prev_x0_preds.dtype not in (torch.float32, torch.float64)
+                or tuple(prev_x0_preds.shape) != (batch, num_steps) + tuple(latents.shape[2:])):
+            fail(f"prev_x0_preds must be float32 (float64) [B, T, ...] = {[batch, num_steps, *latents.shape[2:]]}; got "
+                 f"{prev_x0_preds.dtype} {tuple(prev_x0_preds.shape)}")
+        if prev_x0_preds is not None and mode != "dpm_sde":
+            fail(f"prev_x0_preds is mode 'dpm_sde''s; got mode {mode!r}")
         if streams is not None:
             if any(st.batch_size != batch or st.num_steps != num_steps for st in streams):
                 fail("every stream must have the batch size and step count of the trajectory")
@@ -442,9 +499,11 @@ class RolloutTrajectory:
                 fail("streams[0] must be the trajectory's own stream (the same latents)")
         fields = dict(
             latents=latents, log_probs=log_probs, timesteps=timesteps, sigmas=sigmas, latent_step_indices=steps,
-            sde_steps=sde_steps, token_sigmas=token_sigmas, frozen=frozen, counts=counts,
+            sde_steps=sde_steps, token_sigmas=token_sigmas, frozen=frozen, counts=counts, prev_x0_preds=prev_x0_preds,
         )
         if device is not None:
             fields = {k: (v.to(device) if v is not None else None) for k, v in fields.items()}
+        if ddim:
+            fields.update(prediction_type=ddim["prediction"].label, clip_sample_range=ddim["clip_sample_range"])
         return cls(**fields, mode=mode, noise_level=noise_level, log_prob=settings["log_prob"],
                    reduction=settings["reduction"], streams=streams)

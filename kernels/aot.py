@@ -29,7 +29,7 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from typing import Dict, Iterator, List, NamedTuple, Sequence
 
-from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, LogProbKind, Mode, NoiseSource, Op
+from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, LogProbKind, Mode, NoiseSource, Op, Prediction
 
 STORAGES = ("bf16", "fp16", "fp32")
 ARCHS = (90, 80)
@@ -77,31 +77,35 @@ def _elementwise_label(elementwise):
     return "".join(" +" + name for name in elementwise)
 
 
-def _partials(storage, mode, op, noise, write_mean, philox_aligned, group, warps, aligned=True, elementwise=()):
+def _partials(storage, mode, op, noise, write_mean, philox_aligned, group, warps, aligned=True, elementwise=(),
+              has_prev=False, ddim=(Prediction.EPSILON, False)):
     sig = {
         "x_ptr": "*" + storage, "v_ptr": "*" + storage, "third_ptr": "*" + ("fp32" if op is Op.ROLLOUT else storage),
         "prev_out_ptr": "*" + storage, "mean_out_ptr": "*fp32", "partials_ptr": "*fp32", "sigmas_ptr": "*fp32",
         "step_ptr": "*i64", "seeds_ptr": "*i64", "stream_stride": "i32", "elem_offset": "i32", "n_per_sample": "i32",
         "n_chunks": "i32", "n_blocks": "i32", "sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32",
         **_ELEMENTWISE_SIG,
+        "prev_x0_ptr": "*" + storage, "last_index": "i32", "clip_range": "fp32",
     }
     cx = {"MODE": int(mode), "OP": int(op), "WRITE_MEAN": write_mean, "CHUNK": CHUNK_SIZE, "LOG2_CHUNK": LOG2_CHUNK_SIZE,
-          "GROUP": group, "NOISE": int(noise), "PHILOX_ALIGNED": philox_aligned, **_elementwise(elementwise)}
+          "GROUP": group, "NOISE": int(noise), "PHILOX_ALIGNED": philox_aligned, **_elementwise(elementwise),
+          "HAS_PREV": has_prev, **_ddim_cx(mode, ddim)}
     ptrs = tuple(k for k in sig if k.endswith("_ptr"))
     label = f"{op.label}" + (f" noise={noise.label}" + (" unaligned" if noise is NoiseSource.PHILOX and not philox_aligned
                                                         else "") + (" +mean" if write_mean else "")
                              if op is Op.ROLLOUT else "") + _elementwise_label(elementwise)
     return Specialization("step_partials_kernel", sig, cx, (ptrs + ("n_per_sample",)) if aligned else (), warps,
-                          f"{mode.label} {label} g{group}w{warps}" + ("" if aligned else " unaligned-tensors"),
+                          f"{_mode_label(mode, ddim)} {label} g{group}w{warps}" + ("" if aligned else " unaligned-tensors"),
                           group * CHUNK_SIZE)
 
 
 def _finalize(mode, kind, mean, width, count_given=False, has_log=False):
     sig = {"partials_ptr": "*fp32", "sigmas_ptr": "*fp32", "step_ptr": "*i64", "value_ptr": "*fp32", "std_ptr": "*fp32",
            "count_ptr": "*fp32", "log_ptr": "*fp32",
-           "n_partials": "i32", "numel_f": "fp32", "sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32"}
+           "n_partials": "i32", "numel_f": "fp32", "sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32",
+           "last_index": "i32", "clip_range": "fp32"}
     cx = {"MODE": int(mode), "KIND": int(kind), "MEAN": mean, "WIDTH": width, "LOG2_WIDTH": width.bit_length() - 1,
-          "COUNT_GIVEN": count_given, "HAS_LOG": has_log}
+          "COUNT_GIVEN": count_given, "HAS_LOG": has_log, **_ddim_cx(mode, (Prediction.EPSILON, False))}
     from flowrl._triton_ops import finalize_warps
 
     warps = finalize_warps(width)
@@ -111,20 +115,23 @@ def _finalize(mode, kind, mean, width, count_given=False, has_log=False):
                           warps, label, width)
 
 
-def _backward(storage, mode, kind, mean, needs, group, warps, elementwise=()):
+def _backward(storage, mode, kind, mean, needs, group, warps, elementwise=(), has_prev=False,
+              ddim=(Prediction.EPSILON, False)):
     sig = {
         "x_ptr": "*" + storage, "v_ptr": "*" + storage, "third_ptr": "*" + storage, "grad_ptr": "*fp32",
         "grad_x_ptr": "*" + storage, "grad_v_ptr": "*" + storage, "grad_third_ptr": "*" + storage,
         "sigmas_ptr": "*fp32", "step_ptr": "*i64", "count_ptr": "*fp32", "n_per_sample": "i32", "n_blocks": "i32",
         "sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32", **_ELEMENTWISE_SIG,
+        "prev_x0_ptr": "*" + storage, "grad_prev_ptr": "*" + storage, "last_index": "i32", "clip_range": "fp32",
     }
     need_x, need_v, need_third = needs
     cx = {"MODE": int(mode), "KIND": int(kind), "MEAN": mean, "IS_KL": kind is LogProbKind.KL, "NEED_X": need_x,
-          "NEED_V": need_v, "NEED_THIRD": need_third, "BLOCK": group * CHUNK_SIZE, **_elementwise(elementwise)}
+          "NEED_V": need_v, "NEED_THIRD": need_third, "BLOCK": group * CHUNK_SIZE, **_elementwise(elementwise),
+          "HAS_PREV": has_prev, "NEED_PREV": has_prev and kind is not LogProbKind.KL, **_ddim_cx(mode, ddim)}
     ptrs = tuple(k for k in sig if k.endswith("_ptr"))
     grads = "+".join(n for n, on in zip(("x", "v", "third"), needs) if on)
     return Specialization("step_backward_kernel", sig, cx, ptrs + ("n_per_sample",), warps,
-                          f"{mode.label} {kind.label} {'mean' if mean else 'sum'} grads={grads} g{group}w{warps}"
+                          f"{_mode_label(mode, ddim)} {kind.label} {'mean' if mean else 'sum'} grads={grads} g{group}w{warps}"
                           + _elementwise_label(elementwise), group * CHUNK_SIZE)
 
 
@@ -140,7 +147,7 @@ def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind
     sig.update({"sigmas_ptr": "*fp32", "step_ptr": "*i64", "seeds_ptr": "*i64", "stream_stride": "i32",
                 "elem_offset": "i32", "n_per_sample": "i32"})
     sig.update({"n_blocks": "i32", "numel_f": "fp32"} if backward else {"n_chunks": "i32", "n_blocks": "i32"})
-    sig.update({"sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32"})
+    sig.update({"sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32", "last_index": "i32"})
     cx = {"MODE": int(mode), "HAS_REF": has_ref, "TRUST": trust, "PHILOX_ALIGNED": trust == 2}
     if backward:
         cx.update({"KIND": int(kind), "MEAN": mean, "BLOCK": group * CHUNK_SIZE})
@@ -191,6 +198,59 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
         yield _flow_loss(storage, 1, False, *largest, backward=backward)
 
 
+# Modes whose kernels differ from compiled ones in per-sample coefficients only (flash_sde is sde's path
+# with another s; dpm_sde adds one read, p * x0_prev, under HAS_PREV): one specialization per op and
+# switch, not the full matrix (CI time).
+FEW_SPECIALIZATIONS = (Mode.DPM_SDE, Mode.FLASH_SDE)
+
+
+def _few(storage, mode, config) -> Iterator[Specialization]:
+    """The specializations of a FEW_SPECIALIZATIONS mode: the rollout (torch noise with the mean,
+    Philox), the log-prob, the KL, their backward (gaussian mean) and finalize; dpm_sde's second order
+    (HAS_PREV) for each op as well."""
+    for has_prev in ((False, True) if mode is Mode.DPM_SDE else (False,)):
+        yield _partials(storage, mode, Op.ROLLOUT, NoiseSource.TENSOR, True, False, *config, has_prev=has_prev)
+        yield _partials(storage, mode, Op.ROLLOUT, NoiseSource.PHILOX, False, True, *config, has_prev=has_prev)
+        yield _partials(storage, mode, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *config, has_prev=has_prev)
+        yield _partials(storage, mode, Op.KL, NoiseSource.TENSOR, False, False, *config, has_prev=has_prev)
+        yield _backward(storage, mode, LogProbKind.GAUSSIAN, True, (True, True, True), *config, has_prev=has_prev)
+        yield _backward(storage, mode, LogProbKind.KL, True, (False, True, True), *config, has_prev=has_prev)
+    if storage == STORAGES[0]:
+        yield _finalize(mode, LogProbKind.GAUSSIAN, True, 64)
+
+
+def _ddim_cx(mode, ddim):
+    """The ddim switches (PRED, CLIP); other modes compile with ddim's defaults, which they ignore."""
+    prediction, clip = ddim if mode is Mode.DDIM else (Prediction.EPSILON, False)
+    return {"PRED": int(prediction), "CLIP": clip}
+
+
+def _mode_label(mode, ddim):
+    return mode.label + (f"[{ddim[0].label}{' clip' if ddim[1] else ''}]" if mode is Mode.DDIM else "")
+
+
+# ddim's (prediction, clip) switch pairs: epsilon with the clip (Stable Diffusion's config) for every
+# storage, v- and sample-prediction for bf16 only (the same code with other per-element formulas).
+DDIM_VARIANTS = {"bf16": ((Prediction.EPSILON, True), (Prediction.V_PREDICTION, False), (Prediction.SAMPLE, True))}
+DDIM_DEFAULT_VARIANTS = ((Prediction.EPSILON, True),)
+
+
+def _ddim(storage, config) -> Iterator[Specialization]:
+    """ddim's specializations: per (prediction, clip) pair, the rollout (torch noise with the mean,
+    Philox, none at eta = 0), the log-prob, the KL and their backward (gaussian mean, KL); one finalize (ddim's finalize
+    reads only the std)."""
+    for ddim in DDIM_VARIANTS.get(storage, DDIM_DEFAULT_VARIANTS):
+        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.TENSOR, True, False, *config, ddim=ddim)
+        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.PHILOX, False, True, *config, ddim=ddim)
+        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.NONE, True, False, *config, ddim=ddim)  # eta = 0
+        yield _partials(storage, Mode.DDIM, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *config, ddim=ddim)
+        yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False, *config, ddim=ddim)
+        yield _backward(storage, Mode.DDIM, LogProbKind.GAUSSIAN, True, (True, True, True), *config, ddim=ddim)
+        yield _backward(storage, Mode.DDIM, LogProbKind.KL, True, (True, True, True), *config, ddim=ddim)
+    if storage == STORAGES[0]:
+        yield _finalize(Mode.DDIM, LogProbKind.GAUSSIAN, True, 64)
+
+
 def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Specialization]:
     """Every specialization the launchers request for latents stored as ``storage``: each mode with
     every op, noise source (Philox from an aligned and an unaligned offset), mean-writing and
@@ -209,6 +269,12 @@ def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Spec
         yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (True, True, True), *largest)
         return
     for mode in Mode:
+        if mode is Mode.DDIM:
+            yield from _ddim(storage, largest)
+            continue
+        if mode in FEW_SPECIALIZATIONS:  # coefficient-only variants of compiled paths: one of each op
+            yield from _few(storage, mode, largest)
+            continue
         for noise, write_mean, philox_aligned in rollouts:
             unaligned = noise is NoiseSource.PHILOX and not philox_aligned
             config = _unaligned_philox_config() if unaligned else largest
@@ -235,7 +301,7 @@ def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Spec
     if storage == STORAGES[0]:  # the finalize reads float32 partials whatever the latents' dtype
         yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, True, 64, count_given=True, has_log=True)
         yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, False, 64, count_given=True)
-        for mode in Mode:
+        for mode in (m for m in Mode if m not in FEW_SPECIALIZATIONS and m is not Mode.DDIM):
             for kind in LogProbKind:
                 for mean in (True, False):
                     yield _finalize(mode, kind, mean, 64)

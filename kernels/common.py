@@ -14,7 +14,7 @@ import triton.language as tl
 from flowrl import contract as _contract
 from flowrl.contract import HALF_LOG_2PI as _HALF_LOG_2PI
 from flowrl.contract import STD_FLOOR as _STD_FLOOR
-from flowrl.contract import LogProbKind, Mode, NoiseSource, Op
+from flowrl.contract import LogProbKind, Mode, NoiseSource, Op, Prediction
 
 # Named constexpr switches from flowrl.contract's enums: a @triton.jit function may read a module
 # global only when it is a tl.constexpr (a plain int compiles under the interpreter, not for a GPU).
@@ -22,6 +22,12 @@ MODE_ODE = tl.constexpr(Mode.ODE.value)
 MODE_SDE = tl.constexpr(Mode.SDE.value)
 MODE_DANCE = tl.constexpr(Mode.DANCE.value)
 MODE_CPS = tl.constexpr(Mode.CPS.value)
+MODE_DDIM = tl.constexpr(Mode.DDIM.value)
+MODE_DPM_SDE = tl.constexpr(Mode.DPM_SDE.value)
+MODE_FLASH_SDE = tl.constexpr(Mode.FLASH_SDE.value)
+PRED_EPSILON = tl.constexpr(Prediction.EPSILON.value)
+PRED_SAMPLE = tl.constexpr(Prediction.SAMPLE.value)
+PRED_V = tl.constexpr(Prediction.V_PREDICTION.value)
 KIND_GAUSSIAN = tl.constexpr(LogProbKind.GAUSSIAN.value)
 KIND_KERNEL = tl.constexpr(LogProbKind.KERNEL.value)
 KIND_SQ_ERR = tl.constexpr(LogProbKind.SQ_ERR.value)
@@ -37,11 +43,14 @@ STD_FLOOR = tl.constexpr(_STD_FLOOR)
 
 
 @triton.jit
-def coefficients_of(sigma, sigma_next, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE: tl.constexpr):
+def coefficients_of(sigma, sigma_next, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE: tl.constexpr,
+                    last_index):
     """``(a, c, std)`` with ``mu = a * x + c * v`` (SPEC, Modes) for steps sigma -> sigma_next (scalars
     or blocks), as flowrl.reference.coefficients_of computes them. ``sigmas_ptr`` is the float32
-    table (sde's sigma == 1 rule reads its second value); ``sin_half_pi_eta`` is ``sin(eta * pi / 2)``
-    computed once on the host in float32 (only cps reads it; it depends on the scalar ``eta`` alone)."""
+    table (sde's sigma == 1 rule reads its second value; flash_sde's sigma_min is its last,
+    ``sigmas[last_index]``); ``sin_half_pi_eta`` is ``sin(eta * pi / 2)`` computed once on the host in
+    float32 (only cps reads it; it depends on the scalar ``eta`` alone). dpm_sde's are its first order
+    (``dpm_sde_coefficients`` has the second)."""
     d = sigma - sigma_next  # D > 0; diffusers' dt is -D
     if MODE == MODE_ODE:
         a = sigma * 0.0 + 1.0
@@ -53,12 +62,20 @@ def coefficients_of(sigma, sigma_next, sigmas_ptr, sigma_one_tol, eta, sin_half_
         k = tl.sqrt_rn(tl.maximum(sigma_next * sigma_next - std * std, 0.0))
         a = (1.0 - sigma_next) + k
         c = k * (1.0 - sigma) - (1.0 - sigma_next) * sigma
-    else:  # sde or dance
+    elif MODE == MODE_DPM_SDE:
+        big_a, b, _, std = dpm_sde_first_order(sigma, sigma_next)
+        a = big_a + b
+        c = -(b * sigma)
+    else:  # sde, dance or flash_sde
         if MODE == MODE_SDE:
             # sigma == 1 would divide by zero: use the schedule's second value (Flow-GRPO, SGLang)
             sigma_sub = tl.load(sigmas_ptr + 1)
             sigma_t = tl.where(tl.abs(sigma - 1.0) <= sigma_one_tol, sigma_sub, sigma)
             s = eta * tl.sqrt_rn(tl.div_rn(sigma, 1.0 - sigma_t))
+        elif MODE == MODE_FLASH_SDE:  # Flash-GRPO: sigma_max = sigmas[1], sigma_min = sigmas[T]
+            sigma_max = tl.load(sigmas_ptr + 1)
+            sigma_min = tl.load(sigmas_ptr + last_index)
+            s = eta * (sigma_min + (sigma_max - sigma_min) * sigma)
         else:
             s = sigma * 0.0 + eta
         s2 = s * s
@@ -70,11 +87,11 @@ def coefficients_of(sigma, sigma_next, sigmas_ptr, sigma_one_tol, eta, sin_half_
 
 
 @triton.jit
-def mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE: tl.constexpr):
+def mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE: tl.constexpr, last_index):
     """Per-sample ``(a, c, std)`` of the sample's step ``step`` in the float32 table."""
     sigma = tl.load(sigmas_ptr + step)
     sigma_next = tl.load(sigmas_ptr + step + 1)
-    return coefficients_of(sigma, sigma_next, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE)
+    return coefficients_of(sigma, sigma_next, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
 
 
 @triton.jit
@@ -85,15 +102,52 @@ def compact_index(row, in_row, inner, groups, batch_stride):
 
 
 @triton.jit
-def token_coefficients(tok_ptr, index, mask, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE: tl.constexpr):
+def token_coefficients(tok_ptr, index, mask, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE: tl.constexpr,
+                       last_index):
     """Per-element ``(a, c, std, held)`` of per-token steps: the token's (sigma, sigma') pair read from
     the compact [Bt, G, 2] table at ``index``, ``coefficients_of`` on it, and a held token (D = 0)
     given (1, 0, 0) (flowrl.reference.token_coefficients)."""
     sigma = tl.load(tok_ptr + 2 * index, mask=mask, other=0.0)
     sigma_next = tl.load(tok_ptr + 2 * index + 1, mask=mask, other=0.0)
-    a, c, std = coefficients_of(sigma, sigma_next, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE)
+    a, c, std = coefficients_of(sigma, sigma_next, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE,
+                                last_index)
     held = sigma == sigma_next
     return tl.where(held, 1.0, a), tl.where(held, 0.0, c), tl.where(held, 0.0, std), held
+
+
+@triton.jit
+def dpm_sde_first_order(sigma, sigma_next):
+    """SDE-DPM-Solver++'s first-order ``(A, B, q, std)``: ``mu = A x + B x0_hat``, q = e^{-h} =
+    (alpha sigma') / (sigma alpha') without logs (0 exactly at sigma = 1 and at sigma' = 0),
+    A = (sigma' / sigma) q, B = alpha' (1 - q^2), std = sigma' sqrt(1 - q^2)."""
+    alpha_next = 1.0 - sigma_next
+    q = tl.div_rn((1.0 - sigma) * sigma_next, sigma * alpha_next)
+    one_minus_q2 = 1.0 - q * q
+    return tl.div_rn(sigma_next, sigma) * q, alpha_next * one_minus_q2, q, sigma_next * tl.sqrt_rn(one_minus_q2)
+
+
+@triton.jit
+def dpm_sde_coefficients(sigmas_ptr, step, SECOND_ORDER: tl.constexpr):
+    """SDE-DPM-Solver++'s ``(a, c, p, std)`` with ``mu = a * x + c * v + p * x0_prev``, as
+    flowrl.reference.dpm_sde_coefficients computes them: q = e^{-h} = (alpha sigma') / (sigma alpha')
+    without logs (0 exactly at sigma = 1 and at sigma' = 0), B = alpha' (1 - q^2), std = sigma'
+    sqrt(1 - q^2); SECOND_ORDER adds B2 = B h / (2 h_prev) (0 at step 0, sigma' = 0, sigma_prev = 1)."""
+    sigma = tl.load(sigmas_ptr + step)
+    sigma_next = tl.load(sigmas_ptr + step + 1)
+    big_a, b, q, std = dpm_sde_first_order(sigma, sigma_next)
+    if SECOND_ORDER:
+        sigma_prev = tl.load(sigmas_ptr + tl.maximum(step - 1, 0))
+        alpha = 1.0 - sigma  # 0 only at sigma = 1, i.e. step 0 (first order): 1 there keeps q_prev finite
+        q_prev = tl.div_rn((1.0 - sigma_prev) * sigma, sigma_prev * tl.where(alpha > 0.0, alpha, 1.0))
+        # (q_prev == 1: h_prev rounds to 0, where D1's h / h_prev would be inf)
+        first_order = (step == 0) | (q == 0.0) | (q_prev == 0.0) | (q_prev == 1.0)
+        # any q in (0, 1) keeps the unused branch finite
+        h_ratio = tl.div_rn(tl.log(tl.where(first_order, 0.5, q)), tl.log(tl.where(first_order, 0.5, q_prev)))
+        b2 = tl.where(first_order, 0.0, 0.5 * b * h_ratio)
+    else:
+        b2 = sigma * 0.0
+    bb = b + b2
+    return big_a + bb, -(bb * sigma), -b2, std
 
 
 @triton.jit
@@ -308,3 +362,70 @@ def philox_normal_block(k0, k1, stream, first, BLOCK: tl.constexpr, ALIGNED: tl.
         cos_part, sin_part = box_muller(tl.where(low_pair, x0, x2), tl.where(low_pair, x1, x3))
         eps = tl.where(elem % 2 == 0, cos_part, sin_part)
     return eps
+
+
+# -------------------------------------------------------------------------------------------- ddim
+# ddim's math (docs/contract.md, ddim), as flowrl.reference.ddim_coefficients / ddim_mean write it:
+# diffusers' DDIMScheduler.step operations in its order, so float32 results are diffusers' bits.
+
+
+@triton.jit
+def ddim_coefficients(table_ptr, step, eta):
+    """(sqrt(a_t), sqrt(1 - a_t), sqrt(a_prev), k, std) of a step, from the alpha-bar table [2T]
+    (a_t = table[2 step], a_prev = table[2 step + 1]): variance = ((1 - a_prev) / (1 - a_t)) * (1 -
+    a_t / a_prev), std = eta * sqrt(variance), k = sqrt(max((1 - a_prev) - std^2, 0))."""
+    a_t = tl.load(table_ptr + 2 * step)
+    a_prev = tl.load(table_ptr + 2 * step + 1)
+    beta_t = 1.0 - a_t
+    beta_prev = 1.0 - a_prev
+    std = eta * tl.sqrt_rn(tl.div_rn(beta_prev, beta_t) * (1.0 - tl.div_rn(a_t, a_prev)))
+    # clamp: at eta = 1, (1 - a_prev) - std^2 is >= 0 exactly but may round a hair negative
+    k = tl.sqrt_rn(tl.maximum(beta_prev - std * std, 0.0))
+    return tl.sqrt_rn(a_t), tl.sqrt_rn(beta_t), tl.sqrt_rn(a_prev), k, std
+
+
+@triton.jit
+def ddim_x0_eps(x, v, sqrt_a, sqrt_b, PRED: tl.constexpr):
+    """(x0_hat, eps_hat) from the model output v (diffusers' prediction_type), before any clip."""
+    if PRED == PRED_EPSILON:
+        x0 = tl.div_rn(x - sqrt_b * v, sqrt_a)
+        eps = v
+    elif PRED == PRED_SAMPLE:
+        x0 = v
+        eps = tl.div_rn(x - sqrt_a * x0, sqrt_b)
+    else:  # PRED_V
+        x0 = sqrt_a * x - sqrt_b * v
+        eps = sqrt_a * v + sqrt_b * x
+    return x0, eps
+
+
+@triton.jit
+def ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED: tl.constexpr, CLIP: tl.constexpr):
+    """mu = sqrt(a_prev) * clip(x0_hat) + k * eps_hat (CLIP: x0_hat clamped to [-clip_range, clip_range])."""
+    x0, eps = ddim_x0_eps(x, v, sqrt_a, sqrt_b, PRED)
+    if CLIP:
+        x0 = tl.minimum(tl.maximum(x0, -clip_range), clip_range)
+    return sqrt_a_prev * x0 + k * eps
+
+
+@triton.jit
+def ddim_mean_grads(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED: tl.constexpr, CLIP: tl.constexpr):
+    """(d mu / d x, d mu / d v) per element; the clip passes x0's derivative inside [-range, range]
+    (bounds included, as torch.clamp's gradient) and 0 outside."""
+    if CLIP:
+        x0, _ = ddim_x0_eps(x, v, sqrt_a, sqrt_b, PRED)
+        g0 = tl.where((x0 >= -clip_range) & (x0 <= clip_range), sqrt_a_prev, 0.0)
+    else:
+        g0 = sqrt_a_prev + x * 0.0
+    if PRED == PRED_EPSILON:
+        gx0 = tl.div_rn(g0, sqrt_a)
+        dx = gx0
+        dv = k - gx0 * sqrt_b
+    elif PRED == PRED_SAMPLE:
+        ge = tl.div_rn(k, sqrt_b)
+        dx = ge + x * 0.0
+        dv = g0 - ge * sqrt_a
+    else:  # PRED_V
+        dx = g0 * sqrt_a + k * sqrt_b
+        dv = k * sqrt_a - g0 * sqrt_b
+    return dx, dv

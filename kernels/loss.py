@@ -61,15 +61,15 @@ def _old_mean(old_mean_ptr, prev, std, offs, mask, seeds_ptr, row, first, stream
 def grpo_partials_kernel(
     x_ptr, v_ptr, prev_ptr, ref_ptr, old_mean_ptr, lp_partials_ptr, kl_partials_ptr, tr_partials_ptr,
     sigmas_ptr, step_ptr, seeds_ptr, stream_stride, elem_offset,
-    n_per_sample, n_chunks, n_blocks, sigma_one_tol, eta, sin_half_pi_eta,
+    n_per_sample, n_chunks, n_blocks, sigma_one_tol, eta, sin_half_pi_eta, last_index,
     MODE: tl.constexpr, HAS_REF: tl.constexpr, TRUST: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
     GROUP: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
 ):
     """Chunk partials [B, n_chunks] of (x' - mu)^2, (c v - c v_ref)^2 (HAS_REF) and (mu - mu_old)^2
     (TRUST != TRUST_NONE), from one read of each input."""
-    row, first, offs, mask = _block_offsets(n_per_sample, n_blocks, GROUP * CHUNK)
+    row, first, _, offs, mask = _block_offsets(n_per_sample, n_blocks, GROUP * CHUNK)
     step = tl.load(step_ptr + row)
-    a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
+    a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     prev = tl.load(prev_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -91,15 +91,15 @@ def grpo_partials_kernel(
 def grpo_backward_kernel(
     x_ptr, v_ptr, prev_ptr, ref_ptr, old_mean_ptr, grad_lp_ptr, grad_kl_ptr, grad_tr_ptr, grad_v_ptr,
     sigmas_ptr, step_ptr, seeds_ptr, stream_stride, elem_offset,
-    n_per_sample, n_blocks, numel_f, sigma_one_tol, eta, sin_half_pi_eta,
+    n_per_sample, n_blocks, numel_f, sigma_one_tol, eta, sin_half_pi_eta, last_index,
     MODE: tl.constexpr, KIND: tl.constexpr, MEAN: tl.constexpr, HAS_REF: tl.constexpr, TRUST: tl.constexpr,
     BLOCK: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
 ):
     """d loss / d v from the per-sample grads of the log-prob, the KL and the trust-region divergence
     (always a mean): per element d value / d r = 2 coef r (common.total_grad), dmu/dv = c."""
-    row, first, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
+    row, first, _, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
     step = tl.load(step_ptr + row)
-    a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
+    a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     prev = tl.load(prev_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -138,7 +138,7 @@ def flow_partials_kernel(
 ):
     """Chunk partials [K, B, n_chunks] (K stacked sums, each [B, n_chunks]). LOSS_NFT (other = v_old):
     |e+|, e+^2, |e-|, e-^2 and, with HAS_REF, (v - v_ref)^2. LOSS_AWM (other = eps; xt unused): e^2."""
-    row, first, offs, mask = _block_offsets(n_per_sample, n_blocks, GROUP * CHUNK)
+    row, first, _, offs, mask = _block_offsets(n_per_sample, n_blocks, GROUP * CHUNK)
     stride = n_rows * n_chunks
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     other = tl.load(other_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -170,7 +170,7 @@ def flow_backward_kernel(
     """d loss / d v from grad [K, B], the per-sample grads of the squared sums (NFT: rows 1 and 3 for
     e+^2 and e-^2, row 4 for (v - v_ref)^2; AWM: row 0). d(e^2) = 2 e de; de+/dv = -t beta,
     de-/dv = t beta, de/dv = 1 (AWM)."""
-    row, first, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
+    row, first, _, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     other = tl.load(other_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x0 = tl.load(x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)

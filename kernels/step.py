@@ -41,9 +41,9 @@ import triton
 import triton.language as tl
 
 from .common import (
-    NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, compact_index, density_std,
-    halving_tree_rows, mode_coefficients, philox_key, philox_normal_block, policy_difference, round_to, step_mean,
-    token_coefficients, total_grad, value_from_total,
+    MODE_DDIM, NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, compact_index, ddim_coefficients,
+    ddim_mean, ddim_mean_grads, density_std, dpm_sde_coefficients, halving_tree_rows, mode_coefficients, philox_key,
+    philox_normal_block, policy_difference, round_to, step_mean, token_coefficients, total_grad, value_from_total,
 )
 
 
@@ -64,7 +64,7 @@ def _block_offsets(n_per_sample, n_blocks, BLOCK: tl.constexpr):
 @triton.jit
 def _element_terms(a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride,
                    frozen_ptr, frozen_inner, frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta,
-                   sin_half_pi_eta, MODE: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_FROZEN: tl.constexpr,
+                   sin_half_pi_eta, MODE: tl.constexpr, last_index, PER_TOKEN: tl.constexpr, HAS_FROZEN: tl.constexpr,
                    WEIGHTED: tl.constexpr):
     """Per-element (a, c, std, keep, scored, weight) of an elementwise step from the sample's own
     (a, c, std): per-token coefficients (PER_TOKEN), the frozen mask (HAS_FROZEN). keep: x' = x
@@ -74,7 +74,8 @@ def _element_terms(a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups,
     if PER_TOKEN:
         tok = compact_index(row, in_row, tok_inner, tok_groups, tok_stride)
         std_ref = std
-        a, c, std, held = token_coefficients(tok_ptr, tok, mask, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE)
+        a, c, std, held = token_coefficients(tok_ptr, tok, mask, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE,
+                                             last_index)
         keep = keep | held
         if WEIGHTED:
             _, ref_d = density_std(std_ref)
@@ -107,26 +108,40 @@ def step_partials_kernel(
     MODE: tl.constexpr, OP: tl.constexpr, WRITE_MEAN: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
     GROUP: tl.constexpr, NOISE: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
     PER_TOKEN: tl.constexpr, HAS_FROZEN: tl.constexpr, WEIGHTED: tl.constexpr,
+    clip_range, PRED: tl.constexpr, CLIP: tl.constexpr,
+    prev_x0_ptr, last_index, HAS_PREV: tl.constexpr,
 ):
     """Chunk partials [B, n_chunks] of r * r (weighted per token when WEIGHTED); each program covers
-    GROUP consecutive chunks."""
+    GROUP consecutive chunks. ddim (MODE_DDIM) reads its alpha-bar table from sigmas_ptr and its
+    mean's switches PRED, CLIP (flowrl refuses per-token sigmas and frozen masks with ddim and with
+    dpm_sde's second order, so ELEMENTWISE never meets MODE_DDIM or HAS_PREV)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
     row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, GROUP * CHUNK)
     step = tl.load(step_ptr + row)
-    a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
-    if ELEMENTWISE:
-        a, c, std, keep, scored, weight = _element_terms(
-            a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
-            frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, PER_TOKEN,
-            HAS_FROZEN, WEIGHTED)
+    if MODE == MODE_DDIM:
+        sqrt_a, sqrt_b, sqrt_a_prev, k, std = ddim_coefficients(sigmas_ptr, step, eta)
+    else:
+        a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
+        if HAS_PREV:  # dpm_sde's second order: mu gains p * x0_prev
+            a, c, p, std = dpm_sde_coefficients(sigmas_ptr, step, True)
+        if ELEMENTWISE:
+            a, c, std, keep, scored, weight = _element_terms(
+                a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
+                frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index,
+                PER_TOKEN, HAS_FROZEN, WEIGHTED)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if NOISE == NOISE_PHILOX:  # rollout only: the noise never touches memory
         third = _philox_eps(seeds_ptr, row, first, stream_stride, elem_offset, GROUP * CHUNK, PHILOX_ALIGNED)
     elif NOISE == NOISE_TENSOR:
         third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if OP != OP_KL:  # the KL's mu - mu_ref = c v - c v_ref does not read x
+    if MODE == MODE_DDIM:  # nonlinear in v (the clip): its KL reads x too
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
+    elif OP != OP_KL:  # the KL's mu - mu_ref = c v - c v_ref does not read x
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         mu = step_mean(a, c, x, v)
+        if HAS_PREV:
+            mu = mu + p * tl.load(prev_x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if OP == OP_ROLLOUT:
         if NOISE == NOISE_NONE:  # deterministic: std is 0, and mu + 0 * eps is mu
             prev = round_to(mu, prev_out_ptr.dtype.element_ty)
@@ -141,6 +156,8 @@ def step_partials_kernel(
             tl.store(mean_out_ptr + offs, mu, mask=mask)
     elif OP == OP_LOG_PROB:
         r = third - mu
+    elif MODE == MODE_DDIM:  # OP_KL
+        r = mu - ddim_mean(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
     else:  # OP_KL
         r = policy_difference(c, v, third)
     if ELEMENTWISE:
@@ -162,6 +179,8 @@ def finalize_kernel(
     n_partials, numel_f, sigma_one_tol, eta, sin_half_pi_eta,
     MODE: tl.constexpr, KIND: tl.constexpr, MEAN: tl.constexpr,
     WIDTH: tl.constexpr, LOG2_WIDTH: tl.constexpr, COUNT_GIVEN: tl.constexpr, HAS_LOG: tl.constexpr,
+    clip_range, PRED: tl.constexpr, CLIP: tl.constexpr,
+    last_index,
 ):
     """value[b] from the [B, n_partials] chunk partials; the combine order is the halving tree over
     the partials zero-padded to WIDTH (a power of two), i.e. flowrl.reference.combine_partials. The
@@ -169,7 +188,10 @@ def finalize_kernel(
     (numel_f, or 0 for a deterministic step: reference.ordinary_count)."""
     row = tl.program_id(0).to(tl.int64)
     step = tl.load(step_ptr + row)
-    a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
+    if MODE == MODE_DDIM:
+        sqrt_a, sqrt_b, sqrt_a_prev, k, std = ddim_coefficients(sigmas_ptr, step, eta)
+    else:
+        a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
     offs = tl.arange(0, WIDTH)
     partials = tl.load(partials_ptr + row * n_partials + offs, mask=offs < n_partials, other=0.0)
     total = tl.sum(halving_tree_rows(partials, 1, WIDTH, LOG2_WIDTH), axis=0)
@@ -193,37 +215,61 @@ def step_backward_kernel(
     MODE: tl.constexpr, KIND: tl.constexpr, MEAN: tl.constexpr, IS_KL: tl.constexpr,
     NEED_X: tl.constexpr, NEED_V: tl.constexpr, NEED_THIRD: tl.constexpr, BLOCK: tl.constexpr,
     PER_TOKEN: tl.constexpr, HAS_FROZEN: tl.constexpr, WEIGHTED: tl.constexpr,
+    clip_range, PRED: tl.constexpr, CLIP: tl.constexpr,
+    prev_x0_ptr, grad_prev_ptr, last_index, HAS_PREV: tl.constexpr, NEED_PREV: tl.constexpr,
 ):
     """Input grads of step_log_prob (third = x') or step_kl (third = v_ref) from grad [B].
 
     Per sample: coef = d value / d total (common.total_grad); per element d value / d r = 2 * coef * r,
     then dmu/dx = a, dmu/dv = c, and r = x' - mu or mu - mu_ref = c v - c v_ref. The KL does not
-    depend on x (a * x cancels), so it has no x grad (NEED_X is False for it)."""
+    depend on x (a * x cancels), so it has no x grad (NEED_X is False for it), except ddim's: its
+    mean is nonlinear (x0's clip), with per-element dmu/dx, dmu/dv (common.ddim_mean_grads)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
     row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
     step = tl.load(step_ptr + row)
-    a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE)
+    if MODE == MODE_DDIM:
+        sqrt_a, sqrt_b, sqrt_a_prev, k, std = ddim_coefficients(sigmas_ptr, step, eta)
+    else:
+        a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
+        if HAS_PREV:  # dpm_sde's second order: mu gains p * x0_prev
+            a, c, p, std = dpm_sde_coefficients(sigmas_ptr, step, True)
     coef = total_grad(tl.load(grad_ptr + row), std, tl.load(count_ptr + row), KIND, MEAN)
     if ELEMENTWISE:
         a, c, std, keep, scored, weight = _element_terms(
             a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
-            frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, PER_TOKEN,
-            HAS_FROZEN, WEIGHTED)
+            frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index,
+            PER_TOKEN, HAS_FROZEN, WEIGHTED)
         if WEIGHTED:
             coef = coef * weight
         coef = tl.where(scored, coef, 0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if IS_KL:
+    if MODE == MODE_DDIM:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
+        a, c = ddim_mean_grads(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)  # dmu/dx, dmu/dv
+        if IS_KL:
+            r = mu - ddim_mean(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
+            a_ref, c_ref = ddim_mean_grads(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
+            a = a - a_ref
+        else:
+            r = third - mu
+    elif IS_KL:
         r = policy_difference(c, v, third)
     else:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        r = third - step_mean(a, c, x, v)
+        mu = step_mean(a, c, x, v)
+        if HAS_PREV:
+            mu = mu + p * tl.load(prev_x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        r = third - mu
     cr = coef * r
     grad_r = cr + cr  # d(r * r) = 2 r dr, as autograd of r * r sums two equal terms
     if IS_KL:
         grad_mu = grad_r
-        grad_third = -grad_r * c
+        if MODE == MODE_DDIM:
+            grad_third = -grad_r * c_ref
+        else:
+            grad_third = -grad_r * c
     else:
         grad_mu = -grad_r
         grad_third = grad_r
@@ -233,3 +279,5 @@ def step_backward_kernel(
         tl.store(grad_v_ptr + offs, round_to(grad_mu * c, grad_v_ptr.dtype.element_ty), mask=mask)
     if NEED_THIRD:
         tl.store(grad_third_ptr + offs, round_to(grad_third, grad_third_ptr.dtype.element_ty), mask=mask)
+    if NEED_PREV:  # dmu/dx0_prev = p
+        tl.store(grad_prev_ptr + offs, round_to(grad_mu * p, grad_prev_ptr.dtype.element_ty), mask=mask)

@@ -107,15 +107,27 @@ def test_the_specializations_cover_every_switch_the_launchers_use():
     partials = [s.constexprs for s in specs if s.kernel == "step_partials_kernel"]
     backward = [s.constexprs for s in specs if s.kernel == "step_backward_kernel"]
     finalize = [s.constexprs for s in specs if s.kernel == "finalize_kernel"]
+    # the full matrix for the original modes; one specialization per op for the modes whose kernels add
+    # per-sample coefficients or a per-element mean to those paths (ddim, aot.FEW_SPECIALIZATIONS)
+    reduced = set(aot.FEW_SPECIALIZATIONS) | {Mode.DDIM}
+    full = [m for m in Mode if m not in reduced]
     assert {(c["MODE"], c["OP"], c["NOISE"], c["WRITE_MEAN"], c["PHILOX_ALIGNED"]) for c in partials} >= {
-        (int(m), int(Op.ROLLOUT), int(n), w, a) for m in Mode for n in NoiseSource for w in (False, True)
+        (int(m), int(Op.ROLLOUT), int(n), w, a) for m in full for n in NoiseSource for w in (False, True)
         for a in ((True, False) if n is NoiseSource.PHILOX else (False,))
         if not (n is NoiseSource.PHILOX and not a and not w)} | {
-        (int(m), int(op), int(NoiseSource.TENSOR), False, False) for m in Mode for op in (Op.LOG_PROB, Op.KL)}
+        (int(m), int(op), int(NoiseSource.TENSOR), False, False) for m in Mode for op in (Op.LOG_PROB, Op.KL)} | {
+        (int(m), int(Op.ROLLOUT), int(n), w, a) for m in reduced
+        for n, w, a in ((NoiseSource.TENSOR, True, False), (NoiseSource.PHILOX, False, True))}
     assert {(c["MODE"], c["KIND"], c["MEAN"]) for c in backward} == {
-        (int(m), int(k), mean) for m in Mode for k in LogProbKind for mean in (True, False)}
+        (int(m), int(k), mean) for m in full for k in LogProbKind for mean in (True, False)} | {
+        (int(m), int(k), True) for m in reduced for k in (LogProbKind.GAUSSIAN, LogProbKind.KL)}
     assert {(c["MODE"], c["KIND"], c["MEAN"]) for c in finalize} == {
-        (int(m), int(k), mean) for m in Mode for k in LogProbKind for mean in (True, False)}
+        (int(m), int(k), mean) for m in full for k in LogProbKind for mean in (True, False)} | {
+        (int(m), int(LogProbKind.GAUSSIAN), True) for m in reduced}
+    # ddim: every prediction type, with and without the clip, and its deterministic (eta = 0) rollout
+    ddim = [c for c in partials if c["MODE"] == int(Mode.DDIM)]
+    assert {c["PRED"] for c in ddim} == {0, 1, 2} and {c["CLIP"] for c in ddim} == {True, False}
+    assert any(c["NOISE"] == int(NoiseSource.NONE) for c in ddim)
     assert {c["WIDTH"] for c in finalize} >= {2, 64, 1024, _triton_ops.MAX_FINALIZE_WIDTH}
     configs = {(g, w) for _, g, w in _triton_ops.LAUNCH_TABLE}
     assert {(s.constexprs["GROUP"], s.num_warps) for s in specs if s.kernel == "step_partials_kernel"} == configs

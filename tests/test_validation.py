@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flowrl import _dispatch
+from flowrl.contract import Mode
 from flowrl import sde_step, step_kl, step_log_prob
 
 B, SHAPE = 2, (2, 3, 4)
@@ -69,6 +70,8 @@ STEP_RANGE = r" must be in \[0, 3\] \(the schedule has T = 4 steps\); got "
 SCHEDULE_ENDS = r" must start at <= 1 and end at 0 \(diffusers' set_timesteps appends the terminal 0\); got "
 
 # (case id, overrides, exception, the argument, the rest of its message as a regex)
+# every mode the contract has, in the error's order ("must be one of 'ode', 'sde', ...")
+MODES_RE = " must be one of " + ", ".join(f"'{m}'" for m in Mode.labels())
 COMMON_CASES = [
     ("sample-int", {"sample": torch.ones(SHAPE, dtype=torch.int64)}, TypeError, "sample", FLOAT_DTYPES + r"torch\.int64$"),
     ("sample-bool", {"sample": torch.ones(SHAPE, dtype=torch.bool)}, TypeError, "sample", FLOAT_DTYPES + r"torch\.bool$"),
@@ -87,10 +90,10 @@ COMMON_CASES = [
     ("model_output-complex", {"model_output": torch.zeros(SHAPE, dtype=torch.complex64)}, TypeError, "model_output",
      FLOAT_DTYPES + r"torch\.complex64$"),
     ("model_output-device", {"model_output": torch.zeros(SHAPE, device="meta")}, ValueError, "model_output", ON_META),
-    ("mode-unknown", {"mode": "ddim"}, ValueError, "mode", r" must be one of 'ode', 'sde', 'dance', 'cps'; got 'ddim'$"),
-    ("mode-case", {"mode": "SDE"}, ValueError, "mode", r" must be one of 'ode', 'sde', 'dance', 'cps'; got 'SDE'$"),
-    ("mode-none", {"mode": None}, ValueError, "mode", r" must be one of 'ode', 'sde', 'dance', 'cps'; got None$"),
-    ("mode-int", {"mode": 1}, ValueError, "mode", r" must be one of 'ode', 'sde', 'dance', 'cps'; got 1$"),
+    ("mode-unknown", {"mode": "ddpm"}, ValueError, "mode", MODES_RE + r"; got 'ddpm'$"),
+    ("mode-case", {"mode": "SDE"}, ValueError, "mode", MODES_RE + r"; got 'SDE'$"),
+    ("mode-none", {"mode": None}, ValueError, "mode", MODES_RE + r"; got None$"),
+    ("mode-int", {"mode": 1}, ValueError, "mode", MODES_RE + r"; got 1$"),
     ("noise_level-nan", {"noise_level": float("nan")}, ValueError, "noise_level", r" must be finite; got nan$"),
     ("noise_level-inf", {"noise_level": math.inf}, ValueError, "noise_level", r" must be finite; got inf$"),
     ("noise_level-negative", {"noise_level": -0.1}, ValueError, "noise_level", r" must be >= 0; got -0\.1$"),

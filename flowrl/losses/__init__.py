@@ -31,7 +31,7 @@ import torch
 
 from .. import _dispatch, reference
 from .. import _validate as V
-from ..contract import LogProbKind, Op, Reduction
+from ..contract import LogProbKind, Mode, Op, Reduction
 from ..functional import step_kl
 from ..step_spec import StepSpec, log_prob_kind, schedule_and_steps
 
@@ -160,9 +160,9 @@ def _step_sample_tensor(name, t, sample):
 
 def _torch_grpo_values(spec, x, v, prev, ref, old_mean, trust, seed):
     """The torch backend's (log_prob, kl, trust_divergence) [B]: flowrl.reference's ops and math."""
-    lp = reference.step_log_prob(spec, x, v, prev)
+    lp, _ = reference.step_log_prob(spec, x, v, prev)
     zeros = torch.zeros_like(lp)
-    kl = reference.step_kl(dataclasses.replace(spec, kind=LogProbKind.KL), x, v, ref) if ref is not None else zeros
+    kl = reference.step_kl(dataclasses.replace(spec, kind=LogProbKind.KL), x, v, ref)[0] if ref is not None else zeros
     tr = zeros
     if trust is not TrustSource.NONE:
         dtype = reference.compute_dtype(x, v, prev)
@@ -175,7 +175,7 @@ def _torch_grpo_values(spec, x, v, prev, ref, old_mean, trust, seed):
             old = reference._rows(prev).to(dtype) - reference._col(std) * eps
         tr_spec = StepSpec(Op.KL, spec.sigmas, spec.step_index, spec.mode, spec.noise_level, LogProbKind.KL,
                            Reduction.MEAN, spec.numel)
-        tr = reference._reduce(tr_spec, mu - old, std)
+        tr, _ = reference._reduce(tr_spec, mu - old, std)
     return lp, kl, tr
 
 
@@ -228,6 +228,9 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
                  clip_range, mode, noise_level, log_prob, reduction, kl_coef, ref_model_output,
                  old_prev_sample_mean, noise_seed, kl_threshold, backend) -> GRPOLossOutput:
     sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
+    if mode is Mode.DDIM:  # its mean is not a * x + c * v (x0's clip; an alpha-bar table), which the loss kernels fuse
+        raise ValueError("mode='ddim' is not supported by flowrl.losses; compute step_log_prob(mode='ddim', ...) and "
+                         "form the loss from it")
     V.check_batch_tensor("prev_sample", prev_sample, sample)
     _step_sample_tensor("ref_model_output", ref_model_output, sample)
     batch = sample.shape[0]

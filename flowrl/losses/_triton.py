@@ -45,11 +45,11 @@ def _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed):
     _launch(
         grpo_partials_kernel, (b * n_blocks,),
         x, v, prev, ref if ref is not None else v, old_mean if old_mean is not None else v, lp_p, kl_p, tr_p,
-        ks.sigmas, ks.step_index, seeds, stride, offset, n, n_chunks, n_blocks, *ks.args,
+        ks.sigmas, ks.step_index, seeds, stride, offset, n, n_chunks, n_blocks, *ks.args, ks.last_index,
         MODE=int(spec.mode), HAS_REF=ref is not None, TRUST=int(trust), CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE,
         GROUP=group, PHILOX_ALIGNED=aligned, num_warps=num_warps, **_LAUNCH,
     )
-    lp, _ = _finalize(spec, ks, lp_p)
+    lp = _finalize(spec, ks, lp_p)[0]
     zeros = torch.zeros(b, dtype=torch.float32, device=x.device)
     kl = _finalize(dataclasses.replace(spec, kind=LogProbKind.KL), ks, kl_p)[0] if ref is not None else zeros
     tr = (_finalize(dataclasses.replace(spec, kind=LogProbKind.KL, reduction=Reduction.MEAN), ks, tr_p)[0]
@@ -83,7 +83,7 @@ class _GRPOValues(torch.autograd.Function):
             grpo_backward_kernel, (b * n_blocks,),
             x, v, prev, ref if ref is not None else v, old_mean if old_mean is not None else v, g_lp, g_kl, g_tr,
             grad_v, ks.sigmas, ks.step_index, seeds, stride, offset, n, n_blocks, float(spec.numel), *ks.args,
-            MODE=int(spec.mode), KIND=int(spec.kind), MEAN=spec.reduction is Reduction.MEAN, HAS_REF=ref is not None,
+            ks.last_index, MODE=int(spec.mode), KIND=int(spec.kind), MEAN=spec.reduction is Reduction.MEAN, HAS_REF=ref is not None,
             TRUST=int(trust), BLOCK=block, PHILOX_ALIGNED=aligned, num_warps=num_warps, **_LAUNCH,
         )
         return grad_v, None, None, None, None, None, None, None, None
@@ -91,7 +91,7 @@ class _GRPOValues(torch.autograd.Function):
 
 def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed):
     """(log_prob, kl, trust_divergence) [B] float32; kl / trust_divergence are zeros when absent."""
-    ks = _KernelScalars(spec)
+    ks = _KernelScalars(spec, x.shape)
     x, v, prev = x.contiguous(), v.contiguous(), prev.contiguous()
     ref = ref.contiguous() if ref is not None else None
     old_mean = old_mean.contiguous() if old_mean is not None else None
