@@ -157,22 +157,14 @@ class DDIMRolloutRecorder(RolloutRecorder):
         if last in stream.latents:
             stream.latents[last] = prev_sample.detach()
 
-    def _start(self, stream, sample: torch.Tensor) -> None:
-        sched = stream.scheduler
-        self._ddim = ddim_step_options(sched)
-        table = alpha_bar_table(sched, sample.device)[2 * stream.begin:]
-        stream.sigmas = table
-        stream.num_steps = table.numel() // 2
-        if stream.num_steps < 1:
+    def _loop_schedule(self, stream, sample: torch.Tensor):
+        """The loop's alpha-bar table (``alpha_bar_table`` from the loop's first step; ``stream.begin`` is
+        set by ``_step``) and its step count."""
+        self._ddim = ddim_step_options(stream.scheduler)
+        table = alpha_bar_table(stream.scheduler, sample.device)[2 * stream.begin:]
+        if table.numel() < 2:
             raise ValueError(f"the loop starts after the schedule's last timestep (index {stream.begin}); nothing to sample")
-        stream.timesteps = sched.timesteps[stream.begin:].to(sample.device, copy=True)
-        stream.batch = sample.shape[0]
-        t = stream.num_steps
-        for name, values, upper in (("sde_steps", self.sde_steps, t - 1), ("return_step_indices", self.return_step_indices, t)):
-            if values is not None and values and values[-1] > upper:
-                raise ValueError(f"{name} entries must be in [0, {upper}] for this {t}-step loop; got {values[-1]}")
-        if isinstance(stream.generator, list) and len(stream.generator) != stream.batch:
-            raise ValueError(f"generator must be a list of B = {stream.batch} generators; got a list of {len(stream.generator)}")
+        return table, table.numel() // 2
 
     def trajectory(self):
         from dataclasses import replace

@@ -131,20 +131,6 @@ def _index_set(name: str, values, upper: Optional[int] = None) -> Optional[List[
     return sorted(set(out))
 
 
-
-def _solver_order(mode: str, solver_order) -> Optional[int]:
-    """dpm_sde's solver order (1 or 2; default 2, diffusers' DPM solvers' default); None for other modes."""
-    if mode != "dpm_sde":
-        if solver_order is not None:
-            raise ValueError(f"solver_order is mode='dpm_sde''s; got it with mode={mode!r}")
-        return None
-    if solver_order is None:
-        return 2
-    if isinstance(solver_order, bool) or solver_order not in (1, 2):
-        raise ValueError(f"solver_order must be 1 or 2 for mode='dpm_sde'; got {solver_order!r}")
-    return int(solver_order)
-
-
 def _derive_generator(g: torch.Generator) -> torch.Generator:
     """A generator for another stream, seeded by one draw from ``g``: deterministic given ``g``, and never
     the same sequence of numbers as ``g`` (a deep copy of ``g`` would repeat it)."""
@@ -422,18 +408,23 @@ class RolloutRecorder:
         sched._step_index += 1
         return out if given["return_dict"] else (out.prev_sample,)
 
-    def _start(self, stream: _Stream, sample: torch.Tensor) -> None:
+    def _loop_schedule(self, stream: _Stream, sample: torch.Tensor):
+        """The loop's schedule table from its first step (a snapshot on the sample's device) and its step
+        count; sets ``stream.begin``. A scheduler family's recorder (flowrl.ddim) overrides this."""
         sched = stream.scheduler
         if not isinstance(sched.sigmas, torch.Tensor) or sched.sigmas.dtype != torch.float32:
             got = sched.sigmas.dtype if isinstance(sched.sigmas, torch.Tensor) else type(sched.sigmas).__name__
             raise TypeError(f"scheduler.sigmas must be a float32 tensor, diffusers' table; got {got}")
         stream.begin = sched.step_index
         # the loop runs schedule steps begin .. T-1 (begin > 0: img2img); loop step i is schedule step begin + i
-        stream.sigmas = sched.sigmas[stream.begin:].to(device=sample.device, copy=True)
-        stream.num_steps = stream.sigmas.numel() - 1
-        if stream.num_steps < 1:
+        sigmas = sched.sigmas[stream.begin:].to(device=sample.device, copy=True)
+        if sigmas.numel() < 2:
             raise ValueError(f"the loop starts at the schedule's last sigma (step index {stream.begin}); nothing to sample")
-        V.check_sigmas(stream.sigmas, sample.device)
+        return V.check_sigmas(sigmas, sample.device), sigmas.numel() - 1
+
+    def _start(self, stream: _Stream, sample: torch.Tensor) -> None:
+        stream.sigmas, stream.num_steps = self._loop_schedule(stream, sample)
+        sched = stream.scheduler
         stream.timesteps = sched.timesteps[stream.begin:].to(sample.device, copy=True)
         stream.batch = sample.shape[0]
         t = stream.num_steps

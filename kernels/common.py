@@ -205,6 +205,13 @@ def value_from_total(total, std, count, log_term, KIND: tl.constexpr, MEAN: tl.c
 
 
 @triton.jit
+def ordinary_count(std, numel_f):
+    """The scored count of a step without per-token sigmas or a mask: every element, or none on a
+    deterministic step (std 0); flowrl.reference.ordinary_count."""
+    return tl.where(std > 0.0, numel_f, 0.0)
+
+
+@triton.jit
 def total_grad(grad, std, count, KIND: tl.constexpr, MEAN: tl.constexpr):
     """d value / d total times the incoming ``grad``: the backward of value_from_total (0 when no
     element is scored)."""

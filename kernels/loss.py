@@ -21,7 +21,9 @@ Every mode's formula is common.mode_coefficients / step_mean; nothing here re-de
 import triton
 import triton.language as tl
 
-from .common import halving_tree_rows, mode_coefficients, policy_difference, round_to, step_mean, total_grad
+from .common import (
+    halving_tree_rows, mode_coefficients, ordinary_count, policy_difference, round_to, step_mean, total_grad,
+)
 from .common import KIND_KL
 from .step import _block_offsets, _philox_eps
 
@@ -104,19 +106,20 @@ def grpo_backward_kernel(
     prev = tl.load(prev_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     mu = step_mean(a, c, x, v)
-    coef_lp = total_grad(tl.load(grad_lp_ptr + row), std, numel_f, KIND, MEAN)
+    count = ordinary_count(std, numel_f)  # 0 on a deterministic step: no gradient
+    coef_lp = total_grad(tl.load(grad_lp_ptr + row), std, count, KIND, MEAN)
     cr = coef_lp * (prev - mu)
     grad_mu = -(cr + cr)
     if TRUST != TRUST_NONE:
         old = _old_mean(old_mean_ptr, prev, std, offs, mask, seeds_ptr, row, first, stream_stride, elem_offset,
                         TRUST, BLOCK, PHILOX_ALIGNED)
-        coef_tr = total_grad(tl.load(grad_tr_ptr + row), std, numel_f, KIND_KL, True)
+        coef_tr = total_grad(tl.load(grad_tr_ptr + row), std, count, KIND_KL, True)
         ct = coef_tr * (mu - old)
         grad_mu = grad_mu + (ct + ct)
     grad_v = grad_mu * c
     if HAS_REF:
         v_ref = tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        coef_kl = total_grad(tl.load(grad_kl_ptr + row), std, numel_f, KIND_KL, MEAN)
+        coef_kl = total_grad(tl.load(grad_kl_ptr + row), std, count, KIND_KL, MEAN)
         ck = coef_kl * policy_difference(c, v, v_ref)
         grad_v = grad_v + (ck + ck) * c
     tl.store(grad_v_ptr + offs, round_to(grad_v, grad_v_ptr.dtype.element_ty), mask=mask)

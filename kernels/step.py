@@ -42,8 +42,9 @@ import triton.language as tl
 
 from .common import (
     MODE_DDIM, NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, compact_index, ddim_coefficients,
-    ddim_mean, ddim_mean_grads, density_std, dpm_sde_coefficients, halving_tree_rows, mode_coefficients, philox_key,
-    philox_normal_block, policy_difference, round_to, step_mean, token_coefficients, total_grad, value_from_total,
+    ddim_mean, ddim_mean_grads, density_std, dpm_sde_coefficients, halving_tree_rows, mode_coefficients, ordinary_count,
+    philox_key, philox_normal_block, policy_difference, round_to, step_mean, token_coefficients, total_grad,
+    value_from_total,
 )
 
 
@@ -198,7 +199,7 @@ def finalize_kernel(
     if COUNT_GIVEN:
         count = tl.load(count_ptr + row)
     else:
-        count = tl.where(std > 0.0, numel_f, 0.0)
+        count = ordinary_count(std, numel_f)
         tl.store(count_ptr + row, count)
     log_term = 0.0
     if HAS_LOG:

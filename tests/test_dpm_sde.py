@@ -373,7 +373,7 @@ def test_trajectory_prev_x0_preds_survive_split_wire_and_file(tmp_path):
     traj.save(tmp_path / "t.safetensors")
     assert torch.equal(flowrl.RolloutTrajectory.load(tmp_path / "t.safetensors").prev_x0_preds, traj.prev_x0_preds)
     first, _ = run_rollout("torch", 1)
-    assert "prev_x0_preds" not in first.to_wire()  # first order: the payload is unchanged
+    assert first.to_wire()["prev_x0_preds"] is None  # first order: the format's optional key is null
     wire = traj.to_wire()
     wire["mode"], wire["noise_level"] = "sde", 0.7
     with pytest.raises(ValueError, match="prev_x0_preds"):

@@ -577,7 +577,7 @@ def test_trajectory_format_2_round_trips_masks_token_sigmas_and_streams(tmp_path
 def test_trajectory_format_1_payloads_and_files_still_load(tmp_path):
     traj = _trajectory(sde_steps=True)
     wire = _over_json(traj.to_wire())
-    for name in ("token_sigmas", "frozen", "counts", "streams"):
+    for name in ("token_sigmas", "frozen", "counts", "prev_x0_preds", "streams"):
         del wire[name]
     wire["format"] = "flowrl.RolloutTrajectory/1"
     _same_trajectory(RolloutTrajectory.from_wire(wire), traj)

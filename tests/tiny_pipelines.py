@@ -364,3 +364,189 @@ def FluxKontextPipeline_inputs(dtype, batch=2, steps=4):
     kwargs.update(image=torch.rand(batch, 3, 32, 32, generator=g), height=32, width=32, max_area=32 * 32,
                   _auto_resize=False)
     return kwargs
+
+
+# --- Flux2Pipeline (tests/pipelines/flux2/test_pipeline_flux2.py; no Mistral3 text encoder)
+def _flux2_components(guidance_embeds: bool):
+    torch.manual_seed(0)
+    transformer = diffusers.Flux2Transformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=16, timestep_guidance_channels=256, axes_dims_rope=[4, 4, 4, 4],
+        guidance_embeds=guidance_embeds,
+    )
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKLFlux2(
+        sample_size=32, in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",), block_out_channels=(4,), layers_per_block=1, latent_channels=1,
+        norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
+    )
+    return dict(scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder=None, tokenizer=None,
+                transformer=transformer, vae=vae)
+
+
+def tiny_Flux2Pipeline(dtype=torch.float32):
+    return _finish(diffusers.Flux2Pipeline(**_flux2_components(guidance_embeds=True)), dtype)
+
+
+def Flux2Pipeline_inputs(dtype, batch=2, steps=4):
+    g = torch.Generator().manual_seed(123)
+    return dict(prompt_embeds=_randn(g, dtype, batch, 6, 16), guidance_scale=4.0, num_inference_steps=steps, height=8,
+                width=8, output_type="latent")
+
+
+# --- Flux2KleinPipeline (tests/pipelines/flux2/test_pipeline_flux2_klein.py; no Qwen3 text encoder)
+def tiny_Flux2KleinPipeline(dtype=torch.float32):
+    return _finish(diffusers.Flux2KleinPipeline(**_flux2_components(guidance_embeds=False)), dtype)
+
+
+def Flux2KleinPipeline_inputs(dtype, batch=2, steps=4, guidance_scale=4.0):
+    g = torch.Generator().manual_seed(123)
+    kwargs = dict(prompt_embeds=_randn(g, dtype, batch, 6, 16), guidance_scale=guidance_scale, num_inference_steps=steps,
+                  height=8, width=8, output_type="latent")
+    if guidance_scale > 1:  # CFG over two calls (cond, then uncond) when the model is not distilled
+        kwargs.update(negative_prompt_embeds=_randn(g, dtype, batch, 6, 16))
+    return kwargs
+
+
+# --- QwenImagePipeline (tests/pipelines/qwenimage/test_qwenimage.py; no Qwen2.5-VL text encoder)
+def tiny_QwenImagePipeline(dtype=torch.float32):
+    torch.manual_seed(0)
+    transformer = diffusers.QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=3,
+        joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+    )
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKLQwenImage(
+        base_dim=4 * 6, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
+        latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+    )
+    pipe = diffusers.QwenImagePipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(),
+                                       text_encoder=None, tokenizer=None)
+    return _finish(pipe, dtype)
+
+
+def QwenImagePipeline_inputs(dtype, batch=2, steps=4):
+    g = torch.Generator().manual_seed(123)
+    return dict(prompt_embeds=_randn(g, dtype, batch, 6, 16), prompt_embeds_mask=torch.ones(batch, 6, dtype=torch.long),
+                true_cfg_scale=1.0, num_inference_steps=steps, height=32, width=32, output_type="latent")
+
+
+# --- WanPipeline with two experts, Wan 2.2 T2V-A14B (tests/pipelines/wan/test_wan_22.py): transformer
+# above boundary_ratio * 1000, transformer_2 below
+def tiny_WanPipeline_A14B(dtype=torch.float32):
+    experts = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        experts.append(diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+            text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        ))
+    with torch.no_grad():  # diffusers' test seeds both alike; make the experts differ so routing shows
+        for p in experts[1].parameters():
+            p.mul_(0.5)
+    pipe = diffusers.WanPipeline(
+        tokenizer=None, text_encoder=None, transformer=experts[0], transformer_2=experts[1], vae=None,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), boundary_ratio=0.875,
+    )
+    return _finish(pipe, dtype)
+
+
+# --- LTXPipeline, text to video (tests/pipelines/ltx/test_ltx.py)
+def tiny_LTXPipeline(dtype=torch.float32):
+    return _finish(diffusers.LTXPipeline(**_ltx_components(dtype)), dtype)
+
+
+def LTXPipeline_inputs(dtype, batch=2, steps=4, guidance_scale=3.0):
+    kwargs = LTXImageToVideoPipeline_inputs(dtype, batch, steps, guidance_scale)
+    del kwargs["image"]
+    return kwargs
+
+
+# --- CogView4Pipeline (tests/pipelines/cogview4/test_cogview4.py; no GLM text encoder)
+def tiny_CogView4Pipeline(dtype=torch.float32):
+    torch.manual_seed(0)
+    transformer = diffusers.CogView4Transformer2DModel(
+        patch_size=2, in_channels=4, num_layers=2, attention_head_dim=4, num_attention_heads=4, out_channels=4,
+        text_embed_dim=32, time_embed_dim=8, condition_dim=4,
+    )
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(
+        block_out_channels=[32, 64], in_channels=3, out_channels=3,
+        down_block_types=["DownEncoderBlock2D", "DownEncoderBlock2D"], up_block_types=["UpDecoderBlock2D", "UpDecoderBlock2D"],
+        latent_channels=4, sample_size=128,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(base_shift=0.25, max_shift=0.75, base_image_seq_len=256,
+                                                use_dynamic_shifting=True, time_shift_type="linear")
+    pipe = diffusers.CogView4Pipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=transformer,
+                                      scheduler=scheduler)
+    return _finish(pipe, dtype)
+
+
+def CogView4Pipeline_inputs(dtype, batch=2, steps=4, guidance_scale=1.0):
+    g = torch.Generator().manual_seed(123)
+    kwargs = dict(prompt_embeds=_randn(g, dtype, batch, 16, 32), guidance_scale=guidance_scale,
+                  num_inference_steps=steps, height=16, width=16, output_type="latent")
+    if guidance_scale > 1:
+        kwargs.update(negative_prompt_embeds=_randn(g, dtype, batch, 16, 32))
+    return kwargs
+
+
+# --- HunyuanVideoPipeline (tests/pipelines/hunyuan_video/test_hunyuan_video.py; no Llama/CLIP encoders)
+def tiny_HunyuanVideoPipeline(dtype=torch.float32):
+    torch.manual_seed(0)
+    transformer = diffusers.HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1, num_single_layers=1,
+        num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True, text_embed_dim=16,
+        pooled_projection_dim=8, rope_axes_dim=(2, 4, 4),
+    )
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKLHunyuanVideo(
+        in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+        act_fn="silu", norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8,
+        temporal_compression_ratio=4, mid_block_add_attention=True,
+    )
+    pipe = diffusers.HunyuanVideoPipeline(
+        text_encoder=None, tokenizer=None, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=None, tokenizer_2=None,
+    )
+    return _finish(pipe, dtype)
+
+
+def HunyuanVideoPipeline_inputs(dtype, batch=2, steps=4):
+    g = torch.Generator().manual_seed(123)
+    return dict(prompt_embeds=_randn(g, dtype, batch, 6, 16), pooled_prompt_embeds=_randn(g, dtype, batch, 8),
+                prompt_attention_mask=torch.ones(batch, 6, dtype=torch.long), guidance_scale=4.5, true_cfg_scale=1.0,
+                num_inference_steps=steps, height=16, width=16, num_frames=9, output_type="latent")
+
+
+# --- SanaPipeline (tests/pipelines/sana/test_sana.py; no Gemma2 text encoder). The shipped scheduler is
+# DPMSolverMultistepScheduler(use_flow_sigmas=True, flow_shift=3.0) (Sana_1600M_1024px_diffusers); flowrl's
+# from_config reads flow_shift as shift.
+def tiny_SanaPipeline(dtype=torch.float32):
+    torch.manual_seed(0)
+    transformer = diffusers.SanaTransformer2DModel(
+        patch_size=1, in_channels=4, out_channels=4, num_layers=1, num_attention_heads=2, attention_head_dim=4,
+        num_cross_attention_heads=2, cross_attention_head_dim=4, cross_attention_dim=8, caption_channels=8,
+        sample_size=32,
+    )
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderDC(
+        in_channels=3, latent_channels=4, attention_head_dim=2, encoder_block_types=("ResBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "EfficientViTBlock"), encoder_block_out_channels=(8, 8),
+        decoder_block_out_channels=(8, 8), encoder_qkv_multiscales=((), (5,)), decoder_qkv_multiscales=((), (5,)),
+        encoder_layers_per_block=(1, 1), decoder_layers_per_block=[1, 1], downsample_block_type="conv",
+        upsample_block_type="interpolate", decoder_norm_types="rms_norm", decoder_act_fns="silu", scaling_factor=0.41407,
+    )
+    scheduler = diffusers.DPMSolverMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                      flow_shift=3.0)
+    pipe = diffusers.SanaPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=transformer, scheduler=scheduler)
+    return _finish(pipe, dtype)
+
+
+def SanaPipeline_inputs(dtype, batch=2, steps=4):
+    g = torch.Generator().manual_seed(123)
+    return dict(prompt_embeds=_randn(g, dtype, batch, 6, 8), prompt_attention_mask=torch.ones(batch, 6, dtype=torch.long),
+                guidance_scale=1.0, num_inference_steps=steps, height=32, width=32, use_resolution_binning=False,
+                output_type="latent")
