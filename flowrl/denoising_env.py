@@ -6,6 +6,8 @@ module for the length of the ``with`` block (forward pre/post hooks with kwargs,
 an exception). Every call's arguments are bound to ``forward``'s parameter names and stored; a tensor
 that did not change since the previous step (the same object at the same version, or the same bits at
 the same argument) is stored once and shared. The calls made before step ``j`` belong to step ``j``.
+``model=(pipe.transformer, pipe.transformer_2)`` hooks each module of the tuple (Wan 2.2 A14B's two
+experts) and records which one each call went to (``traj.model_indices(j)``).
 
 At each step the recorder compares the calls' outputs with the ``model_output`` that reached ``step``
 and finds the ``OutputTransform`` that reproduces it bit for bit: identity, classifier-free guidance
@@ -18,6 +20,7 @@ the step gets no transform, the rollout ends with one warning naming the steps, 
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import os
@@ -336,6 +339,7 @@ class StepRecord:
     """One loop step: its model calls' kwargs and the transform from their outputs to ``model_output``."""
 
     calls: List[Dict[str, Any]]
+    module_indices: List[int]  # per call: the index of its module in rollout(model=...)'s modules
     transform: Optional[OutputTransform]
     why_not: Optional[str] = None  # when transform is None
 
@@ -359,6 +363,11 @@ class DenoisingEnv:
     def model_calls(self, j: int, device=None) -> List[Dict[str, Any]]:
         """The kwargs of each call step ``j`` made, in call order (tensors on ``device`` if given)."""
         return [_to_device(dict(call), device) for call in self._step(j).calls]
+
+    def model_indices(self, j: int) -> List[int]:
+        """Per call of step ``j`` (in ``model_calls`` order), the index of the module it went to in
+        ``rollout(model=...)``'s modules (always 0 for one module): ``models[i](**kw)`` replays it."""
+        return list(self._step(j).module_indices)
 
     def model_inputs(self, j: int, device=None) -> Union[Dict[str, Any], List[Dict[str, Any]]]:
         """Step ``j``'s call kwargs: one dict when the step made one call (``model(**inputs)`` replays
@@ -404,62 +413,88 @@ class DenoisingEnv:
         return total
 
 
-class ModelCallRecorder:
-    """Hooks ``module`` for one rollout: records each call's kwargs and output; at each scheduler step
-    the pending calls become that step's and their output transform is found."""
+def _modules_of(model) -> Tuple[torch.nn.Module, ...]:
+    """``model=``'s modules: one module, or a non-empty tuple/list of distinct modules none of which
+    contains another (a call of an inner module would be recorded twice)."""
+    if not isinstance(model, (tuple, list)):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module (e.g. pipe.transformer) or a tuple/list of them; "
+                            f"got {type(model).__name__}")
+        return (model,)
+    if not model:
+        raise ValueError("model must be a torch.nn.Module or a non-empty tuple/list of them; got an empty "
+                         f"{type(model).__name__}")
+    for i, m in enumerate(model):
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"model[{i}] must be a torch.nn.Module (e.g. pipe.transformer_2); got {type(m).__name__}")
+    for i, outer in enumerate(model):
+        for k, inner in enumerate(model):
+            if k != i and any(sub is inner for sub in outer.modules()):
+                what = f"is model[{i}]" if inner is outer else f"is a submodule of model[{i}]"
+                raise ValueError(f"model[{k}] {what}: each call would be recorded twice; pass each module once")
+    return tuple(model)
 
-    def __init__(self, module: torch.nn.Module, *, env_device=None,
+
+class ModelCallRecorder:
+    """Hooks ``module`` (or each of a tuple of modules) for one rollout: records each call's kwargs,
+    module index and output; at each scheduler step the pending calls become that step's and their
+    output transform is found."""
+
+    def __init__(self, module: Union[torch.nn.Module, Sequence[torch.nn.Module]], *, env_device=None,
                  output_transform: Optional[UserTransform] = None):
-        if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module (e.g. pipe.transformer); got {type(module).__name__}")
+        self.modules = _modules_of(module)
         if output_transform is not None and not callable(output_transform):
             raise TypeError(f"output_transform must be callable(outputs: list of tensors) -> tensor; got "
                             f"{type(output_transform).__name__}")
-        self.module = module
+        self.module_name = " / ".join(dict.fromkeys(type(m).__name__ for m in self.modules))
         self.device = torch.device(env_device) if env_device is not None else None
         self.user = output_transform
-        self._signature = inspect.signature(module.forward)
+        self._signatures = [inspect.signature(m.forward) for m in self.modules]
         self._handles: List[Any] = []
         self._store = _TensorStore(self.device)
         self._pending: List[Dict[str, Any]] = []
+        self._pending_modules: List[int] = []
         self._pending_outputs: List[torch.Tensor] = []
         self._steps: List[StepRecord] = []
         self._last: Optional[OutputTransform] = None
 
     # hooks ------------------------------------------------------------------------------------
     def attach(self) -> None:
-        self._handles = [
-            self.module.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
-            self.module.register_forward_hook(self._post_hook, with_kwargs=True),
-        ]
+        self._handles = []
+        for index, module in enumerate(self.modules):
+            self._handles += [
+                module.register_forward_pre_hook(functools.partial(self._pre_hook, index), with_kwargs=True),
+                module.register_forward_hook(self._post_hook, with_kwargs=True),
+            ]
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
 
-    def _bind(self, args, kwargs) -> Dict[str, Any]:
+    def _bind(self, module, signature, args, kwargs) -> Dict[str, Any]:
         if not args:
             return dict(kwargs)
         try:
-            bound = self._signature.bind_partial(*args, **kwargs)
+            bound = signature.bind_partial(*args, **kwargs)
         except TypeError as exc:
-            raise TypeError(f"cannot name the positional arguments of {type(self.module).__name__}.forward: {exc}") from None
+            raise TypeError(f"cannot name the positional arguments of {type(module).__name__}.forward: {exc}") from None
         out = {}
         for name, value in bound.arguments.items():
-            kind = self._signature.parameters[name].kind
+            kind = signature.parameters[name].kind
             if kind is inspect.Parameter.VAR_KEYWORD:
                 out.update(value)
             elif kind is inspect.Parameter.VAR_POSITIONAL:
-                raise TypeError(f"{type(self.module).__name__}.forward takes *{name}: its calls cannot be replayed as kwargs")
+                raise TypeError(f"{type(module).__name__}.forward takes *{name}: its calls cannot be replayed as kwargs")
             else:
                 out[name] = value
         return out
 
-    def _pre_hook(self, module, args, kwargs):
+    def _pre_hook(self, module_index, module, args, kwargs):
         index = len(self._pending)
-        call = self._bind(args, kwargs)
+        call = self._bind(module, self._signatures[module_index], args, kwargs)
         self._pending.append({k: _store_value(v, self._store, (index, k)) for k, v in call.items()})
+        self._pending_modules.append(module_index)
         return None
 
     def _post_hook(self, module, args, kwargs, output):
@@ -471,8 +506,8 @@ class ModelCallRecorder:
 
     # steps ------------------------------------------------------------------------------------
     def on_step(self, model_output: torch.Tensor) -> None:
-        calls, outputs = self._pending, self._pending_outputs
-        self._pending, self._pending_outputs = [], []
+        calls, outputs, modules = self._pending, self._pending_outputs, self._pending_modules
+        self._pending, self._pending_outputs, self._pending_modules = [], [], []
         self._store.prune()
         transform, why = None, None
         if not calls:
@@ -498,13 +533,13 @@ class ModelCallRecorder:
                        f"{tuple(model_output.shape)}: no identity, CFG, sign, token-cut or frames transform reproduces it")
         if transform is not None:
             self._last = transform
-        self._steps.append(StepRecord(calls, transform, why))
+        self._steps.append(StepRecord(calls, modules, transform, why))
 
     def finish(self) -> DenoisingEnv:
         """The recorded environment; warns once when some step's transform is unknown or calls were
         made after the last step."""
         problems = [j for j, s in enumerate(self._steps) if s.transform is None]
-        name = type(self.module).__name__
+        name = self.module_name
         if problems:
             first = self._steps[problems[0]]
             warnings.warn(
@@ -516,7 +551,7 @@ class ModelCallRecorder:
         if self._pending:
             warnings.warn(f"flowrl rollout: {len(self._pending)} call(s) of {name} after the last scheduler step "
                           "belong to no step and were dropped")
-            self._pending, self._pending_outputs = [], []
+            self._pending, self._pending_outputs, self._pending_modules = [], [], []
         return DenoisingEnv(self._steps, name)
 
 
@@ -529,9 +564,10 @@ class ModelCallRecorder:
 def check_env_options(model, env_device, output_transform, debug):
     """Check RolloutRecorder's model=, env_device=, output_transform=, debug= once, at construction."""
     if model is None and (env_device is not None or output_transform is not None):
-        raise ValueError("env_device and output_transform need model= (the module whose calls to record)")
+        raise ValueError("env_device and output_transform need model= (the module(s) whose calls to record)")
     if model is not None:
         ModelCallRecorder(model, env_device=env_device, output_transform=output_transform)  # checks the arguments
+        model = tuple(model) if isinstance(model, list) else model  # a later change to the user's list does not leak in
     if debug not in (None, False, True) and not isinstance(debug, (str, os.PathLike)):
         raise TypeError(f"debug must be None, False, True or a file path; got {debug!r}")
     return model, env_device, output_transform, debug

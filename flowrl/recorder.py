@@ -208,7 +208,8 @@ class RolloutRecorder:
     stays per sample), or from the generator passed to its ``step``, or the global RNG. Copies made
     after steps were recorded are refused. The copies' recording ends with the block.
 
-    ``model``: the module whose calls to record (e.g. ``pipe.transformer``): the denoising environment,
+    ``model``: the module whose calls to record (e.g. ``pipe.transformer``), or a tuple/list of modules
+    (Wan 2.2 A14B's two experts; ``traj.model_indices(j)`` says which each call went to): the denoising environment,
     ``traj.model_inputs(j)`` / ``traj.step_model_output(j, out)`` (``flowrl.denoising_env``);
     ``env_device``: where to keep its tensors (e.g. ``"cpu"``; None: where they were);
     ``output_transform``: callable(list of the step's call outputs) -> model_output, for pipelines whose
@@ -235,7 +236,7 @@ class RolloutRecorder:
         generator: GeneratorArg = None,
         frozen: Optional[torch.Tensor] = None,
         backend: str = "auto",
-        model: Optional[torch.nn.Module] = None,
+        model=None,  # a torch.nn.Module, or a tuple/list of them
         env_device=None,
         output_transform=None,
         debug=None,
@@ -531,7 +532,9 @@ class RolloutRecorder:
         if debug is not None:
             debug.record(out, noise, model_output, sample)
         if self._env is not None and stream.index == 0:
-            self._env.on_step(model_output)
+            # the velocity the step used (a per-token step's is the negated output): what
+            # traj.step_model_output rebuilds and traj.step_log_prob / step_inputs take
+            self._env.on_step(velocity)
         prev_sample = out.prev_sample
         if prev_sample.stride() != sample.stride():
             # diffusers' step is elementwise on the sample, so its output keeps the sample's layout (LTX-2

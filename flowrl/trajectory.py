@@ -135,6 +135,12 @@ class RolloutTrajectory:
 
         return env_of(self).model_calls(j, device)
 
+    def model_indices(self, j: int):
+        """Per call of step ``j``, the index of its module in ``rollout(model=...)`` (0 for one module)."""
+        from .denoising_env import env_of
+
+        return env_of(self).model_indices(j)
+
     def step_model_output(self, j: int, raw_output):
         """The replayed call output(s) of step ``j`` turned into what ``scheduler.step`` received."""
         from .denoising_env import env_of

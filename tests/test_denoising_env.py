@@ -220,6 +220,51 @@ def test_positional_calls_are_named_and_replay_in_a_hand_written_loop():
         assert torch.equal(traj.step_log_prob(j, v), traj.log_probs[:, j])
 
 
+def test_several_modules_record_which_module_each_call_went_to():
+    """model=(a, b): both are hooked, each call records its module's index (traj.model_indices), and
+    replaying each call on that module gives the log-probs bit for bit, as for Wan 2.2 A14B's experts
+    (tests/test_pipeline_table.py, row wan22-a14b). Step 1 calls both (CFG with cond on a, uncond on b)."""
+    torch.manual_seed(0)
+    a, b = _Velocity(), _Velocity()
+    models = (a, b)
+    sched = flowrl.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    sched.set_timesteps(3)
+    cond, x = torch.randn(2, 4), torch.randn(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with sched.rollout(model=[a, b], generator=torch.Generator().manual_seed(0)) as rec:
+            for j, t in enumerate(sched.timesteps):
+                if j == 1:
+                    c, u = a(x, t.expand(2) / 1000, cond=cond)[0], b(x, t.expand(2) / 1000)[0]
+                    out = u + 2.5 * (c - u)
+                else:
+                    out = models[j // 2](x, t.expand(2) / 1000, cond=cond)[0]
+                x = sched.step(out, t, x).prev_sample
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in models)
+    traj = rec.trajectory()
+    assert [traj.model_indices(j) for j in range(3)] == [[0], [0, 1], [1]]
+    assert traj.denoising_env.transform(1).cfg == "split"
+    for j in range(3):
+        with torch.no_grad():
+            raw = [models[i](**kw) for i, kw in zip(traj.model_indices(j), traj.model_calls(j))]
+        assert torch.equal(traj.step_log_prob(j, traj.step_model_output(j, raw)), traj.log_probs[:, j]), j
+    # one module: every call's index is 0
+    with sched.rollout(model=a) as rec:
+        sched.set_timesteps(2)
+        for t in sched.timesteps:
+            x = sched.step(a(x, t.expand(2) / 1000)[0], t, x).prev_sample
+    assert [rec.trajectory().model_indices(j) for j in range(2)] == [[0], [0]]
+
+    with pytest.raises(TypeError, match=r"model\[1\] must be a torch.nn.Module"):
+        sched.rollout(model=(a, lambda x: x))
+    with pytest.raises(ValueError, match=r"model\[1\] is model\[0\]"):
+        sched.rollout(model=(a, a))
+    with pytest.raises(ValueError, match=r"model\[1\] is a submodule of model\[0\]"):
+        sched.rollout(model=(a, a.lin))
+    with pytest.raises(ValueError, match="non-empty"):
+        sched.rollout(model=())
+
+
 def test_detect_transform_on_synthetic_outputs():
     g = torch.Generator().manual_seed(0)
     u, c = torch.randn(2, 8, 3, generator=g), torch.randn(2, 8, 3, generator=g)

@@ -431,6 +431,10 @@ def test_bad_arguments_name_the_argument():
         L.nft_loss(x, v, v, x, 0.5, adv, beta=0.0, adv_clip_max=1.0)
     with pytest.raises(ValueError, match="old_model_output"):
         L.nft_loss(x, v, v[:2], x, 0.5, adv, beta=0.1, adv_clip_max=1.0)
+    alpha_bar = torch.tensor([0.5, 0.6, 0.6, 0.7], dtype=torch.float32, device=DEVICE)  # ddim's [2T] table
+    with pytest.raises(ValueError, match="mode='ddim' is not supported by flowrl.losses"):
+        L.grpo_loss(x, v, out.prev_sample, alpha_bar, 0, out.log_prob, adv, clip_range=0.2, mode="ddim",
+                    noise_level=1.0, backend="torch")
 
 
 def test_teacher_kl_is_step_kl_with_the_teacher_and_its_gradient():

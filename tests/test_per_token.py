@@ -565,3 +565,23 @@ def test_rollout_gradients_triton_equal_torch():
     gx, gv, gn = grads["torch"]
     assert torch.equal(gv[:, 2], torch.zeros_like(gv[:, 2])) and torch.equal(gn[:, 2], torch.zeros_like(gn[:, 2]))
     assert torch.equal(gv[:, 1, 1], torch.zeros_like(gv[:, 1, 1])) and bool((gx[:, 2] != 0).all())
+
+
+def test_ddim_and_second_order_dpm_sde_refuse_token_sigmas_and_frozen():
+    """Per-token schedules and masks are the flow modes' per-element steps: ddim (an alpha-bar table)
+    and dpm_sde's second order (prev_x0_pred) refuse them by name instead of approximating
+    (docs/contract.md, Per-token schedules)."""
+    x, v, _, _ = _video()
+    frozen = torch.zeros(1, 1, x.shape[2], 1, 1, dtype=torch.bool)
+    token_sigmas = _frame_sigmas(x.shape[0], x.shape[2], [2, 3])
+    alpha_bar = torch.tensor([0.5, 0.6, 0.6, 0.7, 0.7, 0.8], dtype=torch.float32)
+    for kwargs, needle in ((dict(frozen=frozen), "frozen"), (dict(token_sigmas=token_sigmas), "token_sigmas")):
+        with pytest.raises(ValueError, match=f"{needle} is not supported with mode='ddim'"):
+            flowrl.step_log_prob(x, v, x, alpha_bar, 1, mode="ddim", noise_level=1.0, backend="torch", **kwargs)
+        with pytest.raises(ValueError, match=f"{needle} is not supported with a second-order dpm_sde"):
+            flowrl.sde_step(x, v, SIGMAS, 2, mode="dpm_sde", noise_level=1.0, prev_x0_pred=x, backend="torch",
+                            **kwargs)
+    # first-order dpm_sde and flash_sde take them: frozen elements stay x
+    for mode in ("dpm_sde", "flash_sde"):
+        out = flowrl.sde_step(x, v, SIGMAS, 2, mode=mode, noise_level=1.0, frozen=frozen | True, backend="torch")
+        assert torch.equal(out.prev_sample, x) and torch.equal(out.count, torch.zeros(x.shape[0]))

@@ -4,9 +4,10 @@ embeddings instead of text encoders, ``output_type="latent"``), one row per pipe
 
 Each row checks (1) the one-line swap ``flowrl.FlowMatchEulerDiscreteScheduler.from_config(config)``
 gives the stock scheduler's latents bit for bit without a rollout, in float32 and bfloat16, and (2) an
-sde rollout (noise level 0.7, seeded generator, ``model=pipe.transformer``) recomputes every step's
-log-prob bit for bit from the recorded model calls (``traj.model_calls(j)`` replayed through the
-transformer, ``traj.step_model_output``, ``traj.step_log_prob``: first ratio exactly 1), and a changed
+sde rollout (noise level 0.7, seeded generator, ``model=pipe.transformer``; Wan 2.2 A14B
+``model=(pipe.transformer, pipe.transformer_2)``) recomputes every step's log-prob bit for bit from the
+recorded model calls (``traj.model_calls(j)`` replayed through the module ``traj.model_indices(j)``
+names, ``traj.step_model_output``, ``traj.step_log_prob``: first ratio exactly 1), and a changed
 velocity on one scored element changes the recomputed log-prob. Family needs (docs/scheduler.md,
 docs/replay.md) are in each row's note.
 """
@@ -80,6 +81,7 @@ class Row:
     velocity: Optional[Callable] = None  # (pipe, traj, j, raw) -> model_output, where step_model_output cannot
     streams: int = 1
     stock: Optional[Callable] = None  # config -> the stock diffusers scheduler to compare with (Sana)
+    models: tuple = ("transformer",)  # the pipe's modules to record: one is passed as model=, several as a tuple
     marks: list = field(default_factory=list)  # on the rollout recompute test
 
 
@@ -92,11 +94,9 @@ ROWS = [
     Row("qwenimage", _class_row("QwenImagePipeline")),
     Row("wan-t2v", _class_row("WanPipeline"), "CFG 6 over two calls"),
     Row("wan22-a14b", _class_row("WanPipeline", builder="tiny_WanPipeline_A14B"),
-        "two experts (transformer above boundary 875, transformer_2 below), CFG 6",
-        marks=[pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-            "rollout(model=) hooks one module: the steps Wan 2.2 A14B routes to transformer_2 record no model "
-            "call ('the model was not called before this step'), so the rollout warns and traj.model_calls / "
-            "step_model_output cannot replay them; recording both experts needs model= to take several modules"))]),
+        "two experts (transformer above boundary 875, transformer_2 below), CFG 6: "
+        "model=(transformer, transformer_2), each call replayed on traj.model_indices(j)'s expert",
+        models=("transformer", "transformer_2")),
     Row("wan-i2v", _video_row(tiny.tiny_wan_i2v)),
     Row("wan22-ti2v", _video_row(tiny.tiny_wan22_ti2v), "expand_timesteps: rollout(frozen=frame-0 mask)",
         frozen=_ti2v_frozen),
@@ -142,6 +142,7 @@ def test_swapped_scheduler_gives_the_stock_latents(pipes, row_id, dtype):
     row = BY_ID[row_id]
     pipe, call = pipes(row_id, dtype)
     shipped = pipe.scheduler
+    assert not isinstance(shipped, flowrl.FlowMatchEulerDiscreteScheduler)  # diffusers' own, as shipped
     try:
         if row.stock is not None:
             pipe.scheduler = row.stock(shipped.config)
@@ -161,17 +162,20 @@ def _with_stream0(model_output, changed0):
     return changed0 if not isinstance(model_output, tuple) else (changed0,) + tuple(model_output[1:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("row_id", [pytest.param(r.id, marks=r.marks) for r in ROWS])
-def test_sde_rollout_recomputes_every_step_from_the_recorded_calls(pipes, row_id):
+def test_sde_rollout_recomputes_every_step_from_the_recorded_calls(pipes, row_id, dtype):
     row = BY_ID[row_id]
-    pipe, call = pipes(row_id, torch.float32)
+    pipe, call = pipes(row_id, dtype)
     shipped = pipe.scheduler
     pipe.scheduler = flowrl.FlowMatchEulerDiscreteScheduler.from_config(shipped.config)
+    models = tuple(getattr(pipe, name) for name in row.models)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with pipe.scheduler.rollout(mode="sde", noise_level=0.7, generator=torch.Generator().manual_seed(5),
-                                        model=pipe.transformer, frozen=row.frozen() if row.frozen else None) as rec:
+                                        model=models[0] if len(models) == 1 else models,
+                                        frozen=row.frozen() if row.frozen else None) as rec:
                 pipe(**call())
     finally:
         pipe.scheduler = shipped
@@ -182,10 +186,13 @@ def test_sde_rollout_recomputes_every_step_from_the_recorded_calls(pipes, row_id
     assert traj.num_steps == STEPS and traj.num_streams == row.streams and traj.batch_size == BATCH
     assert bool(torch.isfinite(traj.log_probs).all()) and bool((traj.log_probs != 0).all())
 
+    # every given module ran on some step (the experts' routing is in the recording)
+    assert {i for j in range(traj.num_steps) for i in traj.model_indices(j)} == set(range(len(models)))
+
     velocities = []
     for j in range(traj.num_steps):
         with torch.no_grad():
-            raw = [pipe.transformer(**kwargs) for kwargs in traj.model_calls(j)]
+            raw = [models[i](**kwargs) for i, kwargs in zip(traj.model_indices(j), traj.model_calls(j))]
         v = row.velocity(pipe, traj, j, raw) if row.velocity else traj.step_model_output(j, raw)
         log_prob = traj.step_log_prob(j, v)
         assert torch.equal(log_prob, traj.log_probs[:, j]), j
