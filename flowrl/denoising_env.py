@@ -387,7 +387,8 @@ class DenoisingEnv:
 
     def step_model_output(self, j: int, raw_output: Any) -> torch.Tensor:
         """Turn replayed output(s) of step ``j``'s call(s) (one output or a list, as the module returns
-        them) into the ``model_output`` that step received, with the recorded transform."""
+        them) into the velocity the step used, with the recorded transform: the ``model_output`` that
+        ``step`` received (negated on a per-token step, whose velocity is ``-model_output``)."""
         t = self.transform(j)
         # a list holds one output per call (diffusers models return tuples or dataclasses, never lists)
         if isinstance(raw_output, list):

@@ -142,7 +142,8 @@ class RolloutTrajectory:
         return env_of(self).model_indices(j)
 
     def step_model_output(self, j: int, raw_output):
-        """The replayed call output(s) of step ``j`` turned into what ``scheduler.step`` received."""
+        """The replayed call output(s) of step ``j`` turned into the velocity the step used (what
+        ``scheduler.step`` received; negated on a per-token step): ``step_log_prob(j, ...)``'s input."""
         from .denoising_env import env_of
 
         return env_of(self).step_model_output(j, raw_output)

@@ -14,27 +14,14 @@ import flowrl.recorder
 diffusers = pytest.importorskip("diffusers")
 # diffusers' SD3 pipeline module imports transformers (for its text-encoder types) even when none is used
 pytest.importorskip("transformers")
-from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline  # noqa: E402
+from diffusers import StableDiffusion3Pipeline  # noqa: E402
+from tiny_pipelines import tiny_StableDiffusion3Pipeline  # noqa: E402
 
 BATCH, HEIGHT, STEPS = 2, 16, 4
 
 
 def tiny_pipeline(dtype: torch.dtype, scheduler_config: dict) -> StableDiffusion3Pipeline:
-    torch.manual_seed(0)
-    transformer = SD3Transformer2DModel(
-        sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
-        num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=8,
-    )
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
-        block_out_channels=(8,), layers_per_block=1, latent_channels=4, norm_num_groups=4, sample_size=HEIGHT,
-    )
-    pipe = StableDiffusion3Pipeline(
-        transformer=transformer, vae=vae, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**scheduler_config),
-        text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None,
-    ).to(dtype=dtype)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return tiny_StableDiffusion3Pipeline(dtype, scheduler_config)
 
 
 def generate(pipe, dtype, seed=0):

@@ -233,7 +233,8 @@ def tiny_StableDiffusion3Pipeline(dtype=torch.float32, scheduler_config=None):
         block_out_channels=(8,), layers_per_block=1, latent_channels=4, norm_num_groups=4, sample_size=16,
     )
     pipe = diffusers.StableDiffusion3Pipeline(
-        transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(**(scheduler_config or {"shift": 3.0})),
+        transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(**({"shift": 3.0} if scheduler_config is None else scheduler_config)),
         text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None,
     )
     return _finish(pipe, dtype)
