@@ -489,9 +489,10 @@ def test_rollout_loop_with_begin_index_reads_no_device_value(kind, skip, schedul
         assert w.reads == [], f"step {i % T} read {w.reads}"
     for w in watches[1:]:
         assert w.uploads == []
-    # a schedule on the host is uploaded once, on the first step (sigmas and timesteps)
+    # a schedule on the host is uploaded once, on the first step (sigmas and timesteps), when the
+    # rollout takes its snapshot (RolloutRecorder._start and its _loop_schedule)
     assert len(watches[0].uploads) == (2 if schedule_on == "host" else 0), watches[0].uploads
-    assert {where for _, where in watches[0].uploads} <= {"recorder.py:_start"}
+    assert {where for _, where in watches[0].uploads} <= {"recorder.py:_start", "recorder.py:_loop_schedule"}
     assert all(len(w.uploads) == B + (2 if schedule_on == "host" and i == 0 else 0) for i, w in enumerate(with_gens))
     same_allocations(watches[1:])
     assert rec.trajectory().log_probs.shape == (B, T)
