@@ -58,18 +58,25 @@ def step_weights(
     table = V.check_sigmas(sigmas, sigmas.device if isinstance(sigmas, torch.Tensor) else torch.device("cpu"))
     scalar = not isinstance(step_index, torch.Tensor)
     idx = V.check_step_index(step_index, table.numel() - 1, 1 if scalar else step_index.numel(), table.device)
-    _, c, std = mode_coefficients(table, idx, mode, eta, torch.float64)
-    d = table.double()[idx] - table.double()[idx + 1]
-    ones = torch.ones_like(std)
-    if scheme == "grpo_guard":
-        log_ratio, loss = std, 1 / d
-    elif scheme == "tempflow_grpo":
-        log_ratio, loss = ones, std
-    else:  # flash_grpo
-        usable = (std > 0) & (c != 0)
-        log_ratio, loss = ones, torch.where(usable, std / torch.where(usable, c.abs(), ones), torch.zeros_like(std))
+    log_ratio, loss = scheme_weights(scheme, table, idx, mode, eta, torch.float64)
     out = [t.float().reshape(()) if scalar else t.float() for t in (log_ratio, loss)]
     return StepWeights(*out)
 
 
-__all__ = ["step_weights", "StepWeights", "SCHEMES"]
+def scheme_weights(scheme: str, table: torch.Tensor, idx: torch.Tensor, mode: Mode, eta: float, dtype: torch.dtype):
+    """``(log_ratio, loss)`` of ``scheme`` for checked inputs (the float32 table, int64 steps, a Mode),
+    computed in ``dtype``: the one place the schemes' weights are written (``step_weights`` in float64;
+    ``flowrl.losses.grpo_guard_loss`` in its compute dtype)."""
+    _, c, std = mode_coefficients(table, idx, mode, eta, dtype)
+    t = table.to(dtype)
+    d = t[idx] - t[idx + 1]
+    ones = torch.ones_like(std)
+    if scheme == "grpo_guard":
+        return std, 1 / d
+    if scheme == "tempflow_grpo":
+        return ones, std
+    usable = (std > 0) & (c != 0)  # flash_grpo
+    return ones, torch.where(usable, std / torch.where(usable, c.abs(), ones), torch.zeros_like(std))
+
+
+__all__ = ["step_weights", "StepWeights", "SCHEMES", "scheme_weights"]

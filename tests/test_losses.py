@@ -61,19 +61,22 @@ def advantages(batch=3, seed=2):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode,dtype,kind", [("sde", torch.float32, "gaussian"), ("cps", torch.bfloat16, "sq_err"),
-                                             ("dance", torch.float16, "kernel")])
+                                             ("dance", torch.float16, "kernel"), ("flash_sde", torch.float32, "gaussian"),
+                                             ("dpm_sde", torch.bfloat16, "gaussian")])
 def test_grpo_log_prob_is_step_log_prob_bit_for_bit_and_first_ratio_is_one(backend, mode, dtype, kind):
-    x, v, sig, _ = rollout(mode, 0.5, dtype)
+    """Every mode whose mean is a x + c v (docs/losses.md), dpm_sde at first order (its noise level is 1)."""
+    eta = 1.0 if mode == "dpm_sde" else 0.5
+    x, v, sig, _ = rollout(mode, eta, dtype)
     steps = STEPS.to(DEVICE)
-    out = flowrl.sde_step(x, v, sig, steps, mode=mode, noise_level=0.5, noise_seed=3, log_prob=kind, backend=backend)
+    out = flowrl.sde_step(x, v, sig, steps, mode=mode, noise_level=eta, noise_seed=3, log_prob=kind, backend=backend)
     res = L.grpo_loss(x, v, out.prev_sample, sig, steps, out.log_prob, advantages(), clip_range=0.2, mode=mode,
-                      noise_level=0.5, log_prob=kind, kl_coef=0.1, ref_model_output=perturbed(v), backend=backend)
-    lp = flowrl.step_log_prob(x, v, out.prev_sample, sig, steps, mode=mode, noise_level=0.5, log_prob=kind,
+                      noise_level=eta, log_prob=kind, kl_coef=0.1, ref_model_output=perturbed(v), backend=backend)
+    lp = flowrl.step_log_prob(x, v, out.prev_sample, sig, steps, mode=mode, noise_level=eta, log_prob=kind,
                               backend=backend)
     assert torch.equal(res.log_prob, lp) and torch.equal(res.log_prob, out.log_prob)
     assert torch.equal(res.ratio, torch.ones_like(res.ratio))
     assert float(res.clip_fraction) == 0 and float(res.approx_kl) == 0
-    kl = flowrl.step_kl(x, v, perturbed(v), sig, steps, mode=mode, noise_level=0.5, backend=backend)
+    kl = flowrl.step_kl(x, v, perturbed(v), sig, steps, mode=mode, noise_level=eta, backend=backend)
     torch.testing.assert_close(res.kl, kl, rtol=1e-6, atol=0)
 
 

@@ -34,6 +34,7 @@ from .. import _validate as V
 from ..contract import LogProbKind, Mode, Op, Reduction
 from ..functional import step_kl
 from ..step_spec import StepSpec, log_prob_kind, schedule_and_steps
+from ..weights import scheme_weights
 
 ClipRange = Union[float, Tuple[float, float]]
 
@@ -190,11 +191,12 @@ def _grpo_values(backend, spec, x, v, prev, ref, old_mean, trust, seed):
 # --------------------------------------------------------------------- the GRPO family's loss block
 
 
-def _policy_loss(variant, lp, kl, tr, old_lp, adv, clip, kl_coef, std, d_step, kl_threshold) -> GRPOLossOutput:
-    """The per-sample [B] arithmetic after the reductions, shared by both backends."""
+def _policy_loss(variant, lp, kl, tr, old_lp, adv, clip, kl_coef, guard_weights, kl_threshold) -> GRPOLossOutput:
+    """The per-sample [B] arithmetic after the reductions, shared by both backends. ``guard_weights``:
+    GRPO-Guard's (log_ratio, loss) weights, (std, 1/D) from flowrl.weights.scheme_weights."""
     log_ratio = lp - old_lp
     if variant is _Variant.GUARD:  # GRPO-Guard: rho = exp((dlogp + D_s) * std)
-        ratio = torch.exp((log_ratio + tr) * std)
+        ratio = torch.exp((log_ratio + tr) * guard_weights[0])
     else:
         ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
@@ -209,7 +211,7 @@ def _policy_loss(variant, lp, kl, tr, old_lp, adv, clip, kl_coef, std, d_step, k
         clipped = -adv * torch.clamp(ratio, 1.0 - lo, 1.0 + hi)
         per_sample = torch.maximum(unclipped, clipped)
         if variant is _Variant.GUARD:  # the loss scaled by 1/D (verl-omni: / sqrt_dt ** 2)
-            per_sample = per_sample / d_step
+            per_sample = per_sample * guard_weights[1]
         with torch.no_grad():
             low, high = ratio < 1.0 - lo, ratio > 1.0 + hi
             clip_low, clip_high = low.float().mean(), high.float().mean()
@@ -259,12 +261,11 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
     lp, kl, tr = _grpo_values(ops, spec, sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean,
                               trust, seed)
     dtype = lp.dtype
-    _, _, std = reference.mode_coefficients(sigmas, idx, mode, eta, dtype)
-    table = sigmas.to(dtype)
-    d_step = table[idx] - table[idx + 1]
+    # GRPO-Guard's weights: std on the corrected log-ratio, 1/D on the loss (flowrl.weights)
+    guard_weights = scheme_weights("grpo_guard", sigmas, idx, mode, eta, dtype) if variant is _Variant.GUARD else None
     return _policy_loss(variant, lp, kl if ref_model_output is not None else None,
                         tr if trust is not TrustSource.NONE else None, old_log_prob.to(dtype), advantages.to(dtype),
-                        clip, kl_coef, std, d_step, kl_threshold)
+                        clip, kl_coef, guard_weights, kl_threshold)
 
 
 def grpo_loss(
@@ -548,7 +549,7 @@ def awm_loss(
     lp = awm_log_prob(model_output, noise, clean_sample, sigma, weighting=weighting, ghuber_power=ghuber_power,
                       backend=backend)
     return _policy_loss(_Variant.GRPO, lp, None, None, old_log_prob.to(lp.dtype), advantages.to(lp.dtype), clip,
-                        0.0, None, None, None)
+                        0.0, None, None)
 
 
 __all__ = [
