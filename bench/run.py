@@ -508,6 +508,22 @@ def _cpu_peak_bytes(fn: Callable) -> int:
     return max(0, max(total for _, _, total in allocations) - start_total)
 
 
+def time_rows(op_rows, fns, device, timing_budget_s, numel, copy, itemsize, with_peak: bool) -> None:
+    """Time each implementation of one op and configuration, fill its row's rates (and, ``with_peak``, its
+    peak memory beyond the inputs), then each row's speed and peak memory relative to the eager one."""
+    for impl, ms in time_all(fns, device, budget_s=timing_budget_s).items():
+        row = op_rows[impl]
+        set_rates(row, ms, numel, copy)
+        if with_peak:
+            peak = peak_extra_bytes(fns[impl], device)
+            row.peak_extra_mib = math.nan if peak is None else peak / 2**20
+            row.grad_mib = numel * itemsize / 2**20
+    for row in op_rows.values():
+        row.x_eager = op_rows["eager"].time_ms / row.time_ms
+        if op_rows["eager"].peak_extra_mib > 0:
+            row.peak_x_eager = row.peak_extra_mib / op_rows["eager"].peak_extra_mib
+
+
 def peak_extra_bytes(fn: Callable, device: torch.device) -> Optional[int]:
     """Bytes ``fn`` allocates at its peak beyond the memory held before it runs (its inputs)."""
     fn()  # warm: compile, lazy inits
@@ -658,17 +674,8 @@ def run_sweep(
                     row.note = f"CHECK FAILED: {exc}"
                 except Exception as exc:  # e.g. torch.compile without a working compiler: report it
                     row.note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
-            for impl, ms in time_all(fns, device, budget_s=timing_budget_s).items():
-                row = op_rows[impl]
-                set_rates(row, ms, numel, copy)
-                if op in PEAK_OP:
-                    peak = peak_extra_bytes(fns[impl], device)
-                    row.peak_extra_mib = math.nan if peak is None else peak / 2**20
-                    row.grad_mib = numel * itemsize / 2**20
+            time_rows(op_rows, fns, device, timing_budget_s, numel, copy, itemsize, with_peak=op in PEAK_OP)
             for row in op_rows.values():
-                row.x_eager = op_rows["eager"].time_ms / row.time_ms
-                if op_rows["eager"].peak_extra_mib > 0:
-                    row.peak_x_eager = row.peak_extra_mib / op_rows["eager"].peak_extra_mib
                 if "compile" in op_rows:
                     row.x_compile = op_rows["compile"].time_ms / row.time_ms
                 log(f"# {op:18s} {mode} {dname} {shape_s:18s} {row.impl:14s} {row.time_ms:10.4f} ms  {row.note}")
@@ -886,16 +893,8 @@ def run_loss_sweep(device: torch.device, shapes, dtypes, ops, impls, *, timing_b
                         fns[impl] = fn
                     except AssertionError as exc:
                         row.note = f"CHECK FAILED: {exc}"
-                for impl, ms in time_all(fns, device, budget_s=timing_budget_s).items():
-                    row = op_rows[impl]
-                    set_rates(row, ms, numel, copy)
-                    peak = peak_extra_bytes(fns[impl], device)
-                    row.peak_extra_mib = math.nan if peak is None else peak / 2**20
-                    row.grad_mib = numel * itemsize / 2**20
+                time_rows(op_rows, fns, device, timing_budget_s, numel, copy, itemsize, with_peak=True)
                 for row in op_rows.values():
-                    row.x_eager = op_rows["eager"].time_ms / row.time_ms
-                    if op_rows["eager"].peak_extra_mib > 0:
-                        row.peak_x_eager = row.peak_extra_mib / op_rows["eager"].peak_extra_mib
                     log(f"# {op:12s} {dname} {shape_s:18s} {row.impl:14s} {row.time_ms:10.4f} ms  {row.note}")
                 rows.extend(op_rows.values())
             del case
