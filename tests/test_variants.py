@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import math
 
-import diffusers
 import pytest
 import torch
+
+try:  # flowrl's diffusers extra is optional: only the tests that use it skip without it
+    import diffusers
+except ImportError:
+    diffusers = None
 
 import flowrl
 from flowrl import sde_step, step_kl, step_log_prob
 
 F64 = torch.float64
+needs_diffusers = pytest.mark.skipif(diffusers is None, reason="needs diffusers")
 BACKENDS = ("torch", "triton")
 
 
@@ -35,6 +40,7 @@ def ulps_apart(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> float:
 # ------------------------------------------------------------------ diffusers' stochastic_sampling
 
 
+@needs_diffusers
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_diffusers_stochastic_sampling_is_cps_at_noise_level_one(backend, dtype):
@@ -71,6 +77,7 @@ def _stochastic_loop(sched, x, record=None, backend="auto"):
     return outputs, samples
 
 
+@needs_diffusers
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_drop_in_scheduler_accepts_stochastic_sampling_and_records_it_as_cps(backend):
     """flowrl's scheduler with stochastic_sampling=True: its plain step is diffusers' bit for bit; its
@@ -102,6 +109,7 @@ def test_drop_in_scheduler_accepts_stochastic_sampling_and_records_it_as_cps(bac
     assert (traj.log_probs[:, -1] == 0).all()  # sigma' = 0: deterministic, as diffusers' sigma' * noise = 0
 
 
+@needs_diffusers
 def test_stochastic_sampling_rollout_must_say_it_is_cps_at_one():
     sched = flowrl.FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)
     for options in ({}, {"mode": "cps", "noise_level": 0.5}, {"mode": "cps", "noise_level": 1.0, "sde_steps": [0]}):
@@ -247,6 +255,7 @@ def test_flash_sde_sampler_reproduces_a_gaussian_target():
     assert abs(x.std().item() - s) < 0.01, x.std().item()
 
 
+@needs_diffusers
 def test_flash_sde_scheduler_rollout_replays_bitwise():
     """The drop-in scheduler records flash_sde like any mode; the recompute gives the recorded bits."""
     sched = flowrl.FlowMatchEulerDiscreteScheduler(shift=3.0)
