@@ -10,7 +10,8 @@ Operations: ``rollout`` (``sde_step`` with given float32 noise, no mean returned
 log-prob) and ``cps`` (``sq_err`` log-prob), as Flow-GRPO computes them.
 
 Conditioned video steps (``--ops rollout_cond,recompute_fwd_cond,recompute_fwd_bwd_cond``, 5-D
-[B, C, F, H, W] shapes only, in the full sweep for its video shapes): the op with a per-frame schedule
+[B, C, F, H, W] shapes only, in the full sweep for its video shapes; not for ddim and dpm_sde, which
+refuse per-token sigmas, so their rows skip these ops): the op with a per-frame schedule
 (``token_sigmas`` [B, 1, F, 1, 1]; frame 0 at sigma 0, the others at the step's sigma) and frame 0
 frozen (``frozen`` [1, 1, F, 1, 1]), as an image-to-video rollout steps (Wan 2.2 TI2V). The kernels
 take the per-token path (per-element coefficients from the compact per-frame table, the mask) for
@@ -59,7 +60,7 @@ from flowrl import _dispatch  # noqa: E402
 from flowrl.contract import CHUNK_SIZE  # noqa: E402
 
 OPS = ("rollout", "recompute_fwd", "recompute_fwd_bwd", "kl_fwd_bwd")
-COND_OPS = ("rollout_cond", "recompute_fwd_cond", "recompute_fwd_bwd_cond")  # 5-D video shapes only
+COND_OPS = ("rollout_cond", "recompute_fwd_cond", "recompute_fwd_bwd_cond")  # 5-D shapes, first-order flow modes
 COND_SUFFIX = "_cond"
 MODES = baseline.MODES
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -630,9 +631,10 @@ def _set_recompile_limit(limit: int) -> None:
 
 def run_sweep(
     device: torch.device, shapes, dtypes, modes, ops, impls, *, time_budget_s: float = math.inf,
-    timing_budget_s: float = 0.5, log=print,
+    timing_budget_s: float = 0.5, log=print, progress: Optional[Callable[[List[Row], float], None]] = None,
 ) -> Tuple[List[Row], float, List[str]]:
-    """Check and time every configuration; returns (rows, copy GB/s, notes)."""
+    """Check and time every configuration; returns (rows, copy GB/s, notes). ``progress(rows, copy)``
+    is called after each configuration (the results so far survive a run killed at a time limit)."""
     notes: List[str] = []
     impls = list(impls) + ([] if "eager" in impls else ["eager"])  # every row is checked against it
     if "flowrl-triton" in impls and device.type != "cuda":
@@ -656,8 +658,8 @@ def run_sweep(
         numel, batch, itemsize = case.x.numel(), shape[0], case.x.element_size()
         shape_s = "x".join(map(str, shape))
         for op in ops:
-            if op in COND_OPS and len(shape) != 5:
-                continue  # conditioned steps are video steps
+            if op in COND_OPS and case.token_sigmas is None:
+                continue  # conditioned steps are video steps of the first-order flow modes (make_case)
             eager = build("eager", case, op)
             expected = eager()
             op_rows = {impl: Row(op, mode, dname, shape_s, impl) for impl in impls}
@@ -682,6 +684,8 @@ def run_sweep(
         del case
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if progress is not None:
+            progress(rows, copy)
     return rows, copy, notes
 
 
@@ -864,10 +868,12 @@ def build_loss(impl: str, case: LossCase, op: str) -> Callable[[], Tuple[torch.T
     return fn
 
 
-def run_loss_sweep(device: torch.device, shapes, dtypes, ops, impls, *, timing_budget_s: float = 0.5,
-                   log=print) -> Tuple[List[Row], float, List[str]]:
+def run_loss_sweep(device: torch.device, shapes, dtypes, ops, impls, *, time_budget_s: float = math.inf,
+                   timing_budget_s: float = 0.5, log=print,
+                   progress: Optional[Callable[[List[Row], float], None]] = None) -> Tuple[List[Row], float, List[str]]:
     """Check every loss against the peer's eager code (loss and gradient), then time it and measure
-    its peak memory beyond the inputs; rows as the step suite's (Row, markdown_table)."""
+    its peak memory beyond the inputs; rows as the step suite's (Row, markdown_table); the time
+    budget and ``progress`` as in ``run_sweep``."""
     notes: List[str] = []
     impls = [i for i in impls if i != "compile"] + ([] if "eager" in impls else ["eager"])
     if "flowrl-triton" in impls and (device.type != "cuda" or not _dispatch.triton_available()):
@@ -875,29 +881,40 @@ def run_loss_sweep(device: torch.device, shapes, dtypes, ops, impls, *, timing_b
         notes.append("flowrl-triton is timed on CUDA only (the Triton interpreter is not a measurement)")
     copy = copy_gbps(device, budget_s=max(timing_budget_s, 1.0))
     rows: List[Row] = []
-    for shape in shapes:
-        for dname in dtypes:
-            case = make_loss_case(shape, DTYPES[dname], device)
-            numel, batch, itemsize = case.x.numel(), shape[0], case.x.element_size()
-            shape_s = "x".join(map(str, shape))
-            for op in ops:
-                expected = build_loss("eager", case, op)()
-                op_rows = {impl: Row(op, "sde" if op.startswith("grpo") else "-", dname, shape_s, impl)
-                           for impl in impls}
-                fns: Dict[str, Callable] = {}
-                for impl, row in op_rows.items():
-                    set_bytes(row, numel, batch, itemsize)
+    started = time.perf_counter()
+    configs = [(s, d) for s in shapes for d in dtypes]
+    for done, (shape, dname) in enumerate(configs):
+        if time.perf_counter() - started > time_budget_s:
+            notes.append(f"time budget of {time_budget_s:.0f} s reached: {done} of {len(configs)} "
+                         "shape/dtype configurations measured")
+            break
+        case = make_loss_case(shape, DTYPES[dname], device)
+        numel, batch, itemsize = case.x.numel(), shape[0], case.x.element_size()
+        shape_s = "x".join(map(str, shape))
+        for op in ops:
+            expected = build_loss("eager", case, op)()
+            op_rows = {impl: Row(op, "sde" if op.startswith("grpo") else "-", dname, shape_s, impl)
+                       for impl in impls}
+            fns: Dict[str, Callable] = {}
+            for impl, row in op_rows.items():
+                set_bytes(row, numel, batch, itemsize)
+                try:
                     fn = build_loss(impl, case, op)
-                    try:
-                        row.check_err = check(fn(), expected)
-                        fns[impl] = fn
-                    except AssertionError as exc:
-                        row.note = f"CHECK FAILED: {exc}"
-                time_rows(op_rows, fns, device, timing_budget_s, numel, copy, itemsize, with_peak=True)
-                for row in op_rows.values():
-                    log(f"# {op:12s} {dname} {shape_s:18s} {row.impl:14s} {row.time_ms:10.4f} ms  {row.note}")
-                rows.extend(op_rows.values())
-            del case
+                    row.check_err = check(fn(), expected)
+                    fns[impl] = fn
+                except AssertionError as exc:
+                    row.note = f"CHECK FAILED: {exc}"
+                except Exception as exc:  # e.g. a kernel that fails to compile: report it, go on
+                    row.note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+            time_rows(op_rows, fns, device, timing_budget_s, numel, copy, itemsize, with_peak=True)
+            for row in op_rows.values():
+                log(f"# {op:12s} {dname} {shape_s:18s} {row.impl:14s} {row.time_ms:10.4f} ms  {row.note}")
+            rows.extend(op_rows.values())
+        del case
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if progress is not None:
+            progress(rows, copy)
     return rows, copy, notes
 
 
@@ -952,7 +969,7 @@ def _slug(text: str) -> str:
 
 def write_results(rows: Sequence[Row], header: Dict[str, str], table: str, out_dir: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
-    suite = f"_{header['suite']}" if header.get("suite") else ""
+    suite = "".join(f"_{name}" for name in dict.fromkeys(header.get(k) for k in ("suite", "tag")) if name)
     stem = _slug(f"{header['machine']}_torch-{header['torch']}_triton-{header['triton']}_{header['date']}{suite}")
     path = os.path.join(out_dir, stem + ".csv")
     names = list(header) + [f.name for f in fields(Row)]
@@ -996,7 +1013,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--dtypes", type=_choices(list(DTYPES)), default=list(DTYPES))
     p.add_argument("--modes", type=_choices(MODES), default=list(MODES))
     p.add_argument("--ops", type=_choices(OPS + COND_OPS), default=list(OPS + COND_OPS),
-                   help="the conditioned ops (*_cond) run on 5-D video shapes only")
+                   help="the conditioned ops (*_cond) run on 5-D video shapes, in the modes that take per-token "
+                        "sigmas (not ddim, dpm_sde)")
     p.add_argument("--impls", type=_choices(IMPLS), default=list(IMPLS))
     p.add_argument("--threads", type=int, default=None,
                    help="CPU: torch.set_num_threads (1 gives stable timings on a loaded, shared machine)")
@@ -1007,6 +1025,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="CPU: seconds of repeated runs per timing (default 0.5, 0.2 with --quick)")
     p.add_argument("--table-from", metavar="CSV",
                    help="print the table of an earlier results CSV, its byte columns recomputed (no run)")
+    p.add_argument("--tag", default="",
+                   help="appended to the results' file names (several runs on one machine and day)")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"),
                    help="directory for the CSV and .md (default: $OUT, else bench/results)")
     args = p.parse_args(argv)
@@ -1036,17 +1056,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "threads": str(torch.get_num_threads()),
         "load_before": _loadavg(),
     }
+    if args.suite == "losses":
+        header["suite"] = "losses"
+    if args.tag:
+        header["tag"] = args.tag
     print("# " + ", ".join(f"{k}={v}" for k, v in header.items()), flush=True)
     started = time.perf_counter()
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+
+    def progress(rows: List[Row], copy: float) -> None:
+        """The results so far, rewritten after each configuration and marked partial: a run stopped
+        at a time limit (a GPU lease) still leaves every row it measured."""
+        write_results(rows, {**header, "copy_gbps": f"{copy:.1f}", "partial": "yes"}, markdown_table(rows), args.out)
+
     if args.suite == "losses":
-        header["suite"] = "losses"
-        rows, copy, notes = run_loss_sweep(device, shapes, args.dtypes, LOSS_OPS, impls,
-                                           timing_budget_s=timing_budget, log=log)
+        rows, copy, notes = run_loss_sweep(device, shapes, args.dtypes, LOSS_OPS, impls, time_budget_s=args.time_budget,
+                                           timing_budget_s=timing_budget, log=log, progress=progress)
     else:
         rows, copy, notes = run_sweep(
             device, shapes, args.dtypes, args.modes, args.ops, impls, time_budget_s=args.time_budget,
-            timing_budget_s=timing_budget, log=log,
+            timing_budget_s=timing_budget, log=log, progress=progress,
         )
     header["load_after"] = _loadavg()
     header["copy_gbps"] = f"{copy:.1f}"

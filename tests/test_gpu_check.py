@@ -1,0 +1,106 @@
+"""bench/gpu_check.sh, the one-call GPU check, run here in its dry mode (DRY_RUN=1: every phase on the
+CPU with tiny shapes and a few test files), and bench/run.py's checkpoints: a GPU lease is short, so
+the script must work the first time it meets a GPU, and a phase cut at its time share must keep the
+rows it measured."""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "bench", "gpu_check.sh")
+BENCH_PHASES = ("targets", "sweep", "modes", "fp32", "losses")
+TEST_PHASES = ("tests_gpu", "tests_rest")
+
+
+def _csv_rows(tar: tarfile.TarFile, name: str):
+    return list(csv.DictReader(io.StringIO(tar.extractfile(name).read().decode())))
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run stands in for a GPU: on one, the script runs for real")
+def test_dry_run_does_every_phase_and_brings_back_two_files(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "BENCH_ARGS")}
+    env.update(DRY_RUN="1", TOTAL_S="600", OUT=str(tmp_path), PYTHON=sys.executable)
+    done = subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    # what a lease brings back is at most 8 files: the log and one archive
+    assert sorted(os.listdir(tmp_path)) == ["gpu_check.log", "gpu_check_results.tar"]
+    summary = log.strip().splitlines()[-1]
+    for phase in TEST_PHASES + BENCH_PHASES:
+        assert f" {phase}=0" in summary, summary
+    with tarfile.open(tmp_path / "gpu_check_results.tar") as tar:
+        names = [os.path.basename(n) for n in tar.getnames() if tar.getmember(n).isfile()]
+        for phase in TEST_PHASES:
+            assert f"{phase}.xml" in names
+        for phase in BENCH_PHASES:
+            csvs = [n for n in tar.getnames() if n.endswith(f"-{phase}.csv")]
+            assert len(csvs) == 1 and any(n.endswith(f"-{phase}.md") for n in names), (phase, names)
+            rows = _csv_rows(tar, csvs[0])
+            assert rows and all(r["tag"] == phase and "partial" not in r for r in rows), phase
+            assert {r["impl"] for r in rows} == {"flowrl-torch", "eager"}, phase
+            assert not any(r["note"].startswith("CHECK FAILED") for r in rows), phase
+        targets = _csv_rows(tar, next(n for n in tar.getnames() if n.endswith("-targets.csv")))
+        # the 5-D target shape runs the conditioned video ops too
+        assert {"rollout", "recompute_fwd", "recompute_fwd_bwd", "kl_fwd_bwd", "rollout_cond"} <= {r["op"] for r in targets}
+        assert {r["mode"] for r in targets} == {"sde", "cps"} and {r["dtype"] for r in targets} == {"bf16"}
+    # every benchmark table is in the log too
+    assert log.count("| op | mode | dtype | shape | impl |") >= len(BENCH_PHASES)
+
+
+def test_sweep_checkpoints_its_rows_after_each_configuration(tmp_path):
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    try:
+        import run as bench
+    finally:
+        sys.path.pop(0)
+    seen = []
+    rows, _, _ = bench.run_sweep(
+        torch.device("cpu"), [(1, 8, 16), (2, 8, 16)], ["fp32"], ["sde"], ["rollout"], ["flowrl-torch", "eager"],
+        timing_budget_s=0.01, log=lambda s: None, progress=lambda rows, copy: seen.append(len(rows)))
+    assert seen == [2, 4] and len(rows) == 4
+    seen.clear()
+    loss_rows, _, _ = bench.run_loss_sweep(
+        torch.device("cpu"), [(1, 8, 16)], ["fp32", "bf16"], bench.LOSS_OPS[:1], ["flowrl-torch", "eager"],
+        timing_budget_s=0.01, log=lambda s: None, progress=lambda rows, copy: seen.append(len(rows)))
+    assert seen == [2, 4] and len(loss_rows) == 4
+    # main() writes each checkpoint marked partial, under its tag; the finished file has no such mark
+    marks = []
+    real_write = bench.write_results
+
+    def spy(rows, header, table, out_dir):
+        marks.append(header.get("partial"))
+        return real_write(rows, header, table, out_dir)
+
+    bench.write_results = spy
+    try:
+        assert bench.main(["--device", "cpu", "--shapes", "1x8x16,2x8x16", "--dtypes", "fp32", "--modes", "sde",
+                           "--ops", "rollout", "--impls", "flowrl-torch,eager", "--no-compile", "--timing-budget",
+                           "0.01", "--tag", "probe", "--out", str(tmp_path)]) == 0
+    finally:
+        bench.write_results = real_write
+    assert marks == ["yes", "yes", None]
+    (path,) = [p for p in os.listdir(tmp_path) if p.endswith("-probe.csv")]
+    assert len(list(csv.DictReader(open(tmp_path / path)))) == 4
+
+
+def test_suite_collects_and_skips_without_diffusers(tmp_path):
+    """The GPU image has no diffusers (flowrl's optional extra): the tests that need it skip, and no
+    test file fails to import, which would stop the whole CUDA run at collection."""
+    fake = tmp_path / "diffusers"
+    fake.mkdir()
+    (fake / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'diffusers\'", name="diffusers")\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           os.path.join(REPO, "tests")], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "could not import 'diffusers'" in done.stdout  # the stand-in took effect
