@@ -104,3 +104,29 @@ def test_suite_collects_and_skips_without_diffusers(tmp_path):
                            os.path.join(REPO, "tests")], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "could not import 'diffusers'" in done.stdout  # the stand-in took effect
+
+
+def test_a_flowrl_implementation_that_raises_fails_the_run(tmp_path, monkeypatch):
+    """On a GPU the first sign of a kernel that does not compile may be the benchmark: its row says
+    why and the run exits non-zero (a failing torch.compile baseline is only reported)."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    try:
+        import run as bench
+    finally:
+        sys.path.pop(0)
+    real_build = bench.build
+
+    def build(impl, case, op):
+        if impl == "flowrl-torch":
+            raise RuntimeError("PTX compile failed")
+        return real_build(impl, case, op)
+
+    monkeypatch.setattr(bench, "build", build)
+    argv = ["--device", "cpu", "--shapes", "1x8x16", "--dtypes", "fp32", "--modes", "sde", "--ops", "rollout",
+            "--impls", "flowrl-torch,eager", "--no-compile", "--timing-budget", "0.01", "--out", str(tmp_path)]
+    assert bench.main(argv) == 1
+    (path,) = [p for p in os.listdir(tmp_path) if p.endswith(".csv")]
+    notes = {r["impl"]: r["note"] for r in csv.DictReader(open(tmp_path / path))}
+    assert notes == {"flowrl-torch": "RuntimeError: PTX compile failed", "eager": ""}
+    monkeypatch.setattr(bench, "build", real_build)
+    assert bench.main(argv) == 0
