@@ -5,17 +5,14 @@ that its sharded call matches: log-probs, sde_step's samples and log-probs, KL, 
 its shard, bit for bit when shard boundaries fall on chunk boundaries (to float32 rounding otherwise).
 """
 import os
-import socket
-import time
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import flowrl
 from flowrl import distributed as fd
+from gloo_ranks import run_ranks
 from flowrl.reference import CHUNK_SIZE
 
 B, C = 3, 64  # C * rows = elements per shard; 16 rows of 64 = one 1024-element chunk
@@ -167,49 +164,21 @@ def _check_errors(rank, world):
         fd.step_log_prob(x[:, :8], v[:, :8], v[:, :8], sigmas, 1, backend="torch", shard_numels=[7 * C] * world)
 
 
-def _worker(rank, world, port):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    try:
-        for k, (S, rows, exact) in enumerate(SPLITS[world]):
-            # every mode on the first split, then one mode per split (keeps the run short)
-            _check_split(rank, S, rows, exact, MODES if k == 0 else [MODES[k % len(MODES)]])
-        _check_noise_seed(rank, world, "torch")
-        if world == 2 and _triton_runs_here():
-            _check_triton(rank, 80, [48, 32])
-            _check_noise_seed(rank, world, "triton")
-        _check_errors(rank, world)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(world, deadline_s=180):
-    ctx = mp.start_processes(_worker, args=(world, _free_port()), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + deadline_s
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{world} SP ranks did not finish within {deadline_s} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
+def _check_rank(rank, world):
+    for k, (S, rows, exact) in enumerate(SPLITS[world]):
+        # every mode on the first split, then one mode per split (keeps the run short)
+        _check_split(rank, S, rows, exact, MODES if k == 0 else [MODES[k % len(MODES)]])
+    _check_noise_seed(rank, world, "torch")
+    if world == 2 and _triton_runs_here():
+        _check_triton(rank, 80, [48, 32])
+        _check_noise_seed(rank, world, "triton")
+    _check_errors(rank, world)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_matches_single_device(world):
-    _spawn(world)
+    run_ranks(_check_rank, world)
 
 
 def test_needs_an_initialized_group():

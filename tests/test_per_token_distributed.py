@@ -4,23 +4,18 @@ bf16 samples sharded on S at a chunk boundary, each rank passing its slices of `
 too for the kinds without a per-token log term, the gaussian one to float32 rounding (its host log
 term is summed per rank; docs/contract.md, Per-token schedules).
 """
-import socket
-import time
-from datetime import timedelta
 
-import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import flowrl
 from flowrl import distributed as fd
+from gloo_ranks import run_ranks
 
 B, S, C = 2, 40, 64
 ROWS = [16, 24]  # 16 rows of 64 = one 1024-element chunk: the cut falls on a chunk boundary
 
 
-def _check(rank):
+def _check(rank, world):
     g = torch.Generator().manual_seed(21)
     x = torch.randn(B, S, C, generator=g).to(torch.bfloat16)
     v = torch.randn(B, S, C, generator=g).to(torch.bfloat16)
@@ -52,32 +47,5 @@ def _check(rank):
             torch.testing.assert_close(vs.grad, vf.grad[:, lo:hi])
 
 
-def _worker(rank, world, port):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
-        _check(rank)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sequence_parallel_per_token_and_frozen():
-    ctx = mp.start_processes(_worker, args=(2, _free_port()), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + 120
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail("2 SP ranks did not finish within 120 s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    run_ranks(_check, 2, deadline_s=120)
