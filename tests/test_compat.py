@@ -318,11 +318,25 @@ def test_flow_grpo_default_scores_the_rounded_sample_and_the_flag_reproduces_the
     assert prev_c.dtype == F32
     torch.testing.assert_close(prev_c, peer_prev, **TOL)
     torch.testing.assert_close(lp_c, peer_lp, **TOL)
-    # peer_compatible with out_dtype: the sample rounded, the log-prob still the float32 one (what
-    # Flow-GRPO's pipeline records after casting the returned sample)
-    prev_r, lp_r, _, _ = sde_step_with_logprob(sched, v, t, x, generator=gen(1), peer_compatible=True, out_dtype=BF16)
-    assert prev_r.dtype == BF16 and torch.equal(prev_r, prev_c.to(BF16))
-    torch.testing.assert_close(lp_r, peer_lp, **TOL)
+    # peer_compatible with a rounding out_dtype is refused: the sample would be rounded while its
+    # log-prob is of the float32 one (Flow-GRPO records the float32 sample); float32 is accepted
+    with pytest.raises(ValueError, match="peer_compatible=True with out_dtype"):
+        sde_step_with_logprob(sched, v, t, x, generator=gen(1), peer_compatible=True, out_dtype=BF16)
+    prev_r, lp_r, _, _ = sde_step_with_logprob(sched, v, t, x, generator=gen(1), peer_compatible=True, out_dtype=F32)
+    assert torch.equal(prev_r, prev_c) and torch.equal(lp_r, lp_c)
+
+
+def test_peer_compatible_with_a_rounding_out_dtype_would_break_the_ratio():
+    """Why the combination is refused: scoring the float32 sample but storing its bf16 rounding (the
+    old behaviour, done by hand here) moves the recompute's log-prob."""
+    sched = diffusers_scheduler()
+    x, v = tensors(dtype=BF16)
+    t = sched.timesteps[[2, 6, 9]]
+    prev_c, lp_c, _, _ = sde_step_with_logprob(sched, v, t, x, generator=gen(1), peer_compatible=True)
+    again = sde_step_with_logprob(sched, v, t, x, prev_sample=prev_c.to(BF16))[1]
+    assert (torch.exp(again - lp_c) - 1).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="peer_compatible=True with out_dtype"):
+        flux_step(v, x.float(), 0.3, dance_sigmas(), 4, None, True, True, peer_compatible=True, out_dtype=BF16)
 
 
 def test_flow_grpo_deterministic_steps_give_zero_not_nan():

@@ -23,8 +23,9 @@ What differs from DanceGRPO (docs/integration.md):
 - ``prev_sample`` is emitted in ``out_dtype`` (default ``model_output.dtype``: bf16 under DanceGRPO's
   autocast) and ``log_prob`` is of that rounded sample, so the stored latent is the one the
   recompute reads (ratio exactly 1). DanceGRPO adds float32 noise to a float32 mean and returns the
-  float32 sample. ``peer_compatible=True`` reproduces that: the sample in DanceGRPO's dtype (or
-  ``out_dtype`` when given) and the log-prob of the float32 value.
+  float32 sample. ``peer_compatible=True`` reproduces that: the sample in DanceGRPO's dtype and the
+  log-prob of the float32 value (with an ``out_dtype`` other than float32: ``ValueError``, the
+  returned sample would not be the one scored).
 - flowrl computes the mean in float32. With a bf16 ``model_output`` DanceGRPO rounds ``dsigma *
   model_output`` and ``sigma * model_output`` to bf16 before adding them to the float32 latents (a
   0-d tensor times a bf16 tensor stays bf16), so its mean, sample and ``pred_original_sample`` differ
@@ -75,6 +76,12 @@ def flux_step(
     V.check_bool("sde_solver", sde_solver)
     V.check_bool("peer_compatible", peer_compatible)
     out_dtype = C.check_out_dtype(out_dtype)
+    if peer_compatible and out_dtype not in (None, torch.float32):
+        raise ValueError(
+            f"peer_compatible=True with out_dtype={out_dtype} would return the sample rounded to {out_dtype} with the "
+            "log-prob of the unrounded float32 sample, which the recompute from the stored sample does not reproduce; "
+            "drop peer_compatible (the log-prob of the rounded sample) or out_dtype (DanceGRPO's sample)"
+        )
     if grpo and not sde_solver:
         raise ValueError(
             "sde_solver=False with grpo=True (Euler mean with eta * sqrt(dt) noise) is not supported: flowrl's "

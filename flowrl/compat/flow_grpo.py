@@ -21,8 +21,15 @@ What differs from Flow-GRPO (docs/integration.md has the measurements):
   the rollout never used (first-update ratio != 1). Pass ``out_dtype=latents.dtype`` in that
   pipeline's call and the stored latent is the one the next step consumes: ratio exactly 1.
 - ``peer_compatible=True`` reproduces Flow-GRPO's values: the step is taken in float32 and the
-  log-prob is of the float32 sample before any rounding (the sample is returned in float32, or
-  rounded to ``out_dtype`` when given: exactly what Flow-GRPO's pipeline records).
+  log-prob is of the float32 sample, returned in float32 (what Flow-GRPO's pipeline records).
+  Together with an ``out_dtype`` other than float32 it raises ``ValueError``: the returned sample
+  would be rounded while its log-prob is of the unrounded one, so the recompute from the stored
+  sample disagrees (measured max |ratio - 1| = 4.6e-2 on a bf16 rollout).
+- Classifier-free guidance: Flow-GRPO's pipeline rounds the transformer's output to the prompt
+  embeddings' dtype and forms the guidance in that dtype (bf16 / fp16 under mixed precision), while
+  its trainer's ``compute_log_prob`` forms it in float32, so the two velocities differ and no step
+  function gives ratio 1. ``guidance(noise_pred_uncond, noise_pred_text, guidance_scale,
+  dtype=embeds.dtype)`` below, called in both places, gives both the same bits.
 - A deterministic step (``noise_level=0``; ``"cps"`` at the last step) has log-prob 0. Flow-GRPO
   gives NaN for ``"sde"`` at ``noise_level=0`` (0 / 0), and ``-mean((x' - mu)^2)`` of the stored
   sample's rounding at the last ``"cps"`` step.
@@ -42,6 +49,8 @@ the generators advance as in Flow-GRPO, also at ``noise_level=0``).
 """
 from __future__ import annotations
 
+import math
+from numbers import Real
 from typing import Optional, Union
 
 import torch
@@ -87,6 +96,13 @@ def sde_step_with_logprob(
     V.check_bool("return_sqrt_dt", return_sqrt_dt)
     V.check_bool("peer_compatible", peer_compatible)
     out_dtype = C.check_out_dtype(out_dtype)
+    if peer_compatible and out_dtype not in (None, torch.float32):
+        raise ValueError(
+            f"peer_compatible=True with out_dtype={out_dtype} would return the sample rounded to {out_dtype} with the "
+            "log-prob of the unrounded float32 sample, which the recompute from the stored sample does not reproduce; "
+            "drop peer_compatible (the log-prob of the rounded sample: ratio exactly 1) or drop out_dtype (Flow-GRPO's "
+            "float32 sample and its log-prob)"
+        )
     batch = sample.shape[0]
     idx, given = C.resolve_timesteps("timestep", timestep, timesteps, batch, sample.device)
     table = C.on_device(sigmas, sample.device)
@@ -116,4 +132,45 @@ def sde_step_with_logprob(
     return prev, log_prob, mean, std_dev_t
 
 
-__all__ = ["sde_step_with_logprob", "SDE_TYPES"]
+def guidance(
+    noise_pred_uncond: torch.Tensor,
+    noise_pred_text: torch.Tensor,
+    guidance_scale: float,
+    *,
+    dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """Classifier-free guidance ``uncond + guidance_scale * (text - uncond)``, float32, computed the same
+    way wherever it is called, so Flow-GRPO's pipeline and its trainer's ``compute_log_prob`` get the
+    same velocity bits (ratio exactly 1 with CFG under bf16 / fp16 mixed precision).
+
+    ``dtype``: the dtype the pipeline rounds the transformer's output to (``prompt_embeds.dtype``;
+    pass ``embeds.dtype`` in the trainer): both predictions are rounded to it first (a no-op where the
+    transformer already returns values of that dtype), then combined in float32. Differentiable in
+    both predictions (the trainer may pass ``noise_pred_uncond.detach()``). Replaces, in the pipeline,
+    ``noise_pred_uncond + self.guidance_scale * (noise_pred_text - noise_pred_uncond)`` (formed in
+    bf16 there) and, in ``compute_log_prob``, the same expression (formed in float32 there).
+    """
+    for name, t in (("noise_pred_uncond", noise_pred_uncond), ("noise_pred_text", noise_pred_text)):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point torch.Tensor; got "
+                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if noise_pred_text.shape != noise_pred_uncond.shape or noise_pred_text.device != noise_pred_uncond.device:
+        raise ValueError(f"noise_pred_text must have noise_pred_uncond's shape and device; got "
+                         f"{tuple(noise_pred_text.shape)} on {noise_pred_text.device} and "
+                         f"{tuple(noise_pred_uncond.shape)} on {noise_pred_uncond.device}")
+    if isinstance(guidance_scale, torch.Tensor) and guidance_scale.numel() == 1 and not guidance_scale.dtype.is_complex \
+            and guidance_scale.dtype != torch.bool:
+        guidance_scale = float(guidance_scale)
+    if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, Real):
+        raise TypeError(f"guidance_scale must be a real number; got {guidance_scale!r}")
+    if not math.isfinite(float(guidance_scale)):
+        raise ValueError(f"guidance_scale must be finite; got {guidance_scale!r}")
+    if dtype is not None:
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be None or a float torch.dtype (prompt_embeds.dtype); got {dtype!r}")
+        noise_pred_uncond, noise_pred_text = noise_pred_uncond.to(dtype), noise_pred_text.to(dtype)
+    uncond, text = noise_pred_uncond.to(torch.float32), noise_pred_text.to(torch.float32)
+    return uncond + float(guidance_scale) * (text - uncond)
+
+
+__all__ = ["sde_step_with_logprob", "guidance", "SDE_TYPES"]
