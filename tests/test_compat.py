@@ -811,3 +811,22 @@ def test_compat_imports():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         FlowMatchEulerDiscreteSDEScheduler(_class_name="x", _diffusers_version="0")
+
+
+def test_first_update_ratio_of_the_refused_peer_compatible_out_dtype_combination():
+    """The number docs/integration.md quotes for ``peer_compatible=True`` with ``out_dtype=latents_dtype``
+    (now refused): the old behaviour, the float32 sample's log-prob with its bf16 rounding stored,
+    reproduced by hand in Flow-GRPO's loop."""
+    sched, x0, velocities = _rollout_inputs()
+
+    def old_behaviour(self, v, t, x, prev_sample=None, out_dtype=None, **kw):
+        if prev_sample is not None:
+            return sde_step_with_logprob(self, v, t, x, prev_sample=prev_sample, **kw)
+        prev, lp, mean, std = sde_step_with_logprob(self, v, t, x, peer_compatible=True, **kw)
+        return prev.to(out_dtype), lp, mean, std
+
+    dev = _flow_grpo_style(old_behaviour, sched, x0, velocities, out_dtype="latents_dtype")
+    print(f"\npeer_compatible + out_dtype (old behaviour): max |ratio - 1| {dev.max().item():.3g}, "
+          f"{int((dev > CLIP_RANGE).any(0).sum())} of {STEPS} steps beyond the clip range")
+    assert f"{dev.max().item():.2g}" == "0.025"
+    assert int((dev > CLIP_RANGE).any(0).sum()) == 7

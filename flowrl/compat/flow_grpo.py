@@ -24,7 +24,7 @@ What differs from Flow-GRPO (docs/integration.md has the measurements):
   log-prob is of the float32 sample, returned in float32 (what Flow-GRPO's pipeline records).
   Together with an ``out_dtype`` other than float32 it raises ``ValueError``: the returned sample
   would be rounded while its log-prob is of the unrounded one, so the recompute from the stored
-  sample disagrees (measured max |ratio - 1| = 4.6e-2 on a bf16 rollout).
+  sample disagrees (docs/integration.md has the measurement).
 - Classifier-free guidance: Flow-GRPO's pipeline rounds the transformer's output to the prompt
   embeddings' dtype and forms the guidance in that dtype (bf16 / fp16 under mixed precision), while
   its trainer's ``compute_log_prob`` forms it in float32, so the two velocities differ and no step
