@@ -251,6 +251,140 @@ def test_dance_grpo_loop_ratio_exactly_one(wan, dtype, cfg):
     assert dev == 0.0
 
 
+# ---------------------------------------------------------------------------------- Flow-Factory
+def flow_factory_scheduler(steps=STEPS, noise_level=ETA, dynamics_type="Flow-SDE"):
+    """load_scheduler as Flow-Factory runs it once ``register()`` has pointed its registry here: the
+    class imported from the registered path, built from the pipeline scheduler's config plus the
+    scheduler arguments, then ``set_timesteps``."""
+    import importlib
+
+    module, name = flow_factory.SCHEDULER_PATH.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), name)
+    base = dict(diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0).config)
+    base.update(noise_level=noise_level, num_sde_steps=None, sde_steps=None, seed=42, dynamics_type=dynamics_type)
+    sched = cls(**base)
+    sched.set_timesteps(steps)
+    return sched
+
+
+def flow_factory_loop(pipe, dtype, cfg, dynamics_type):
+    """Flow-Factory's SD3 adapter: ``inference`` (rollout) and the trainer's replay both call ``forward``
+    (CFG, then ``scheduler.step``); the rollout casts the returned latents to the transformer's dtype."""
+    sched = flow_factory_scheduler(dynamics_type=dynamics_type)
+    model = prepared(pipe.transformer, dtype)
+    e = sd3_embeds(dtype)
+    scale = SCALE if cfg else 1.0
+
+    def forward(t, t_next, latents, next_latents=None, noise_level=None, compute_log_prob=True):
+        timestep = t.expand(BATCH).to(latents.dtype)
+        if scale > 1.0:
+            inp, ts = torch.cat([latents, latents]), timestep.repeat(2)
+            enc, pooled = torch.cat([e["neg"], e["pos"]]), torch.cat([e["neg_pooled"], e["pos_pooled"]])
+        else:
+            inp, ts, enc, pooled = latents, timestep, e["pos"], e["pos_pooled"]
+        noise_pred = model(hidden_states=inp, timestep=ts, encoder_hidden_states=enc, pooled_projections=pooled)
+        if scale > 1.0:
+            uncond, text = noise_pred.chunk(2)
+            noise_pred = uncond + scale * (text - uncond)
+        return sched.step(noise_pred=noise_pred, timestep=t, latents=latents, timestep_next=t_next,
+                          next_latents=next_latents, compute_log_prob=compute_log_prob, return_dict=True,
+                          noise_level=noise_level, generator=gen if next_latents is None else None)
+
+    gen = torch.Generator().manual_seed(6)
+    timesteps = sched.timesteps
+    latents = torch.randn(BATCH, 4, 8, 8, generator=torch.Generator().manual_seed(3)).to(dtype)
+    stored, log_probs = [latents], {}
+    with torch.no_grad():
+        for i, t in enumerate(timesteps):
+            level = sched.get_noise_level_for_timestep(t)
+            t_next = timesteps[i + 1] if i + 1 < len(timesteps) else torch.tensor(0)
+            out = forward(t, t_next, latents, noise_level=level, compute_log_prob=level > 0)
+            latents = out.next_latents.to(dtype)  # cast_latents(..., default_dtype=transformer dtype)
+            stored.append(latents)
+            if level > 0:
+                log_probs[i] = out.log_prob
+    dev = []
+    for i in sorted(log_probs):  # the trainer's optimize: forward with next_latents on the SDE steps
+        t = timesteps[i]
+        t_next = timesteps[i + 1] if i + 1 < len(timesteps) else torch.tensor(0)
+        out = forward(t, t_next, stored[i], next_latents=stored[i + 1], noise_level=sched.get_noise_level_for_timestep(t))
+        dev.append(ratio_dev(out.log_prob.detach(), log_probs[i]))
+    assert len(dev) == STEPS - 1  # every step but the last is an SDE step by default
+    return torch.stack(dev, dim=1).max().item()
+
+
+@pytest.mark.parametrize("dynamics_type", ["Flow-SDE", "Dance-SDE", "CPS"])
+@pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "nocfg"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_flow_factory_loop_ratio_exactly_one(sd3, dtype, cfg, dynamics_type):
+    dev = flow_factory_loop(sd3, DTYPES[dtype], cfg, dynamics_type)
+    RESULTS[("Flow-Factory", dtype, cfg, f"registered scheduler, {dynamics_type}")] = dev
+    assert dev == 0.0
+
+
+FAKE_REGISTRY = '''
+import importlib
+_SCHEDULER_REGISTRY = {"FlowMatchEulerDiscreteScheduler": "flow_factory.scheduler.own.FlowMatchEulerDiscreteSDEScheduler"}
+
+def register_scheduler(diffusers_class_name, sde_class_path):
+    _SCHEDULER_REGISTRY[diffusers_class_name] = sde_class_path
+
+def get_sde_scheduler_class(scheduler):
+    name = scheduler.__name__ if isinstance(scheduler, type) else type(scheduler).__name__
+    module, cls = _SCHEDULER_REGISTRY[name].rsplit(".", 1)
+    return getattr(importlib.import_module(module), cls)
+'''
+
+FAKE_TRAIN = '''
+import argparse, json, os, sys
+from diffusers import FlowMatchEulerDiscreteScheduler
+from flow_factory.scheduler import get_sde_scheduler_class
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config")
+    args, unknown = parser.parse_known_args()
+    pipe_scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    cls = get_sde_scheduler_class(pipe_scheduler)
+    sched = cls(**dict(pipe_scheduler.config), noise_level=0.5, sde_steps=None, num_sde_steps=None, seed=1,
+                dynamics_type="CPS")
+    with open(os.environ["FAKE_FF_OUT"], "w") as f:
+        json.dump({"config": args.config, "unknown": unknown, "class": cls.__module__ + "." + cls.__name__,
+                   "noise_level": sched.noise_level, "dynamics_type": sched.dynamics_type}, f)
+'''
+
+
+def test_flow_factory_entry_point_registers_then_runs_flow_factory_train(tmp_path):
+    """``python -m flowrl.compat.flow_factory cfg.yaml ...`` against a stand-in ``flow_factory`` package
+    written here with Flow-Factory's registry contract (scheduler/registry.py: ``register_scheduler``
+    maps a diffusers class name to a class path; ``load_scheduler`` imports the class registered for the
+    pipeline's scheduler and builds it from its config plus the scheduler arguments) and a ``train.main``
+    that parses ``sys.argv`` as Flow-Factory's does."""
+    import json
+    import subprocess
+
+    pkg = tmp_path / "flow_factory"
+    (pkg / "scheduler").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "scheduler" / "__init__.py").write_text(FAKE_REGISTRY)
+    (pkg / "train.py").write_text(FAKE_TRAIN)
+    out = tmp_path / "out.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+               FAKE_FF_OUT=str(out))
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "flowrl.compat.flow_factory",
+                           "cfg.yaml", "--extra", "1"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got == {"config": "cfg.yaml", "unknown": ["--extra", "1"], "class": flow_factory.SCHEDULER_PATH,
+                   "noise_level": 0.5, "dynamics_type": "CPS"}
+
+
+def test_flow_factory_register_without_flow_factory_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flow_factory", None)
+    with pytest.raises(ImportError, match="Flow-Factory"):
+        flow_factory.register()
+
+
 def test_print_ratio_table():
     """Runs last in this file (pytest keeps file order): the table docs/integration.md quotes."""
     if not RESULTS:

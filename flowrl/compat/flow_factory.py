@@ -1,7 +1,15 @@
 """Flow-Factory's SDE scheduler on flowrl's ops.
 
-    # before: from flow_factory.scheduler import FlowMatchEulerDiscreteSDEScheduler
-    from flowrl.compat.flow_factory import FlowMatchEulerDiscreteSDEScheduler
+    # before: accelerate launch -m flow_factory.train config.yaml
+    accelerate launch -m flowrl.compat.flow_factory config.yaml      # or: python -m flowrl.compat.flow_factory config.yaml
+
+Flow-Factory builds its scheduler from a registry of class paths
+(``src/flow_factory/scheduler/registry.py``: ``load_scheduler`` imports the class registered for the
+pipeline's scheduler class name), so importing this module's class in place of Flow-Factory's does
+nothing; ``register()`` points the registry's ``"FlowMatchEulerDiscreteScheduler"`` entry at
+``FlowMatchEulerDiscreteSDEScheduler`` below, and running this module (``python -m
+flowrl.compat.flow_factory <Flow-Factory's training arguments>``) calls ``register()`` and then
+Flow-Factory's own entry, ``flow_factory.train.main``, with the arguments unchanged.
 
 Flow-Factory (X-GenGroup/Flow-Factory, ``src/flow_factory/scheduler/flow_match_euler_discrete.py``)
 wraps diffusers' ``FlowMatchEulerDiscreteScheduler`` with SDE settings (``noise_level``, ``sde_steps``,
@@ -437,7 +445,39 @@ def _index_tensor(name: str, values) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int64)
 
 
+SCHEDULER_PATH = "flowrl.compat.flow_factory.FlowMatchEulerDiscreteSDEScheduler"
+REGISTRY_KEY = "FlowMatchEulerDiscreteScheduler"  # the diffusers class name Flow-Factory's registry maps
+
+
+def register() -> str:
+    """Point Flow-Factory's scheduler registry at flowrl's scheduler: every pipeline whose scheduler is a
+    ``FlowMatchEulerDiscreteScheduler`` (SD3, Flux, Qwen-Image, Wan, Z-Image ...) then gets
+    ``FlowMatchEulerDiscreteSDEScheduler`` from ``load_scheduler``. Call it in each process before the
+    trainer is built (running this module does). Returns the registered class path; ``ImportError``
+    when Flow-Factory is not installed."""
+    try:
+        from flow_factory.scheduler import register_scheduler
+    except ImportError as e:
+        raise ImportError("flowrl.compat.flow_factory.register() needs Flow-Factory (X-GenGroup/Flow-Factory) "
+                          "installed: flow_factory.scheduler.register_scheduler was not found") from e
+    register_scheduler(REGISTRY_KEY, SCHEDULER_PATH)
+    return SCHEDULER_PATH
+
+
+def main() -> None:
+    """``python -m flowrl.compat.flow_factory <args>``: ``register()``, then Flow-Factory's training
+    entry ``flow_factory.train.main()``, which reads the same command line (``sys.argv``)."""
+    register()
+    from flow_factory.train import main as flow_factory_main
+
+    flow_factory_main()
+
+
 __all__ = [
-    "step", "FlowMatchEulerDiscreteSDEScheduler", "FlowMatchEulerDiscreteSDESchedulerOutput", "SDESchedulerOutput",
+    "register", "main", "SCHEDULER_PATH", "step", "FlowMatchEulerDiscreteSDEScheduler", "FlowMatchEulerDiscreteSDESchedulerOutput", "SDESchedulerOutput",
     "DYNAMICS", "RETURN_KWARGS",
 ]
+
+
+if __name__ == "__main__":
+    main()
