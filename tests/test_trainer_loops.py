@@ -172,6 +172,8 @@ def test_flow_grpo_cfg_without_the_guidance_helper_is_not_one(sd3, dtype):
     peer = flow_grpo_loop(sd3, DTYPES[dtype], True, "peer")
     RESULTS[("Flow-GRPO", dtype, True, "Flow-GRPO as is")] = peer
     assert peer > 0
+    # the numbers docs/integration.md quotes
+    assert (f"{dev:.2g}", f"{peer:.2g}") == {"bf16": ("0.00039", "0.035"), "fp16": ("2.9e-05", "0.0029")}[dtype]
 
 
 def test_flow_grpo_fp32_cfg_is_exact_with_the_out_dtype_step_alone(sd3):
