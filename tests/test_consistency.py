@@ -13,9 +13,7 @@ Transcribed (written out here from the source, for the dense mask diffusion uses
   (``per_elem_loss * rollout_is_weights.detach()`` then ``torch.mean``).
 """
 import math
-import os
 import re
-import sys
 import warnings
 from pathlib import Path
 
@@ -25,7 +23,6 @@ import torch
 import flowrl
 from flowrl import _dispatch, consistency as C, losses as L
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 ROOT = Path(__file__).resolve().parents[1]
 VERL_COMMIT = "1dda039b9c6311889a9c9a26040677e1254814f9"

@@ -3,7 +3,6 @@ pairs into forwards of a chosen size with per-row step indices; with a batch-inv
 recomputed log-probs equal the step-by-step recompute's and the rollout's bit for bit (ratio exactly 1),
 for every batch size and order; bench/replay.py (docs/performance.md) on the example's tiny transformer."""
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
