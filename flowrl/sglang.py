@@ -20,7 +20,16 @@ Tensors are flowrl's wire envelopes (``{"__tensor__": true, "data": base64 safet
 flowrl.serialization, the same code as SGLang's ``_maybe_serialize``). The sampling settings are the
 *request's* (``rollout_sde_type``, ``rollout_noise_level``, ``rollout_log_prob_no_const``,
 ``rollout_sde_step_indices``, ``rollout_return_step_indices``): pass the request (``request=``) or
-responses that carry them (``to_sglang`` writes them into each response).
+responses that carry them (``to_sglang`` writes them into each response). A request's
+``extra_sampling_params`` override its top-level ``rollout_*`` fields, as the server resolves them
+(sgl-project/sglang commit 078e5e2a5227bb6af1727574bb6212f0afb25250, .../post_training/rollout_api.py
+``_build_sampling_kwargs``: the top-level fields, ``update(extra_sampling_params)``, then every None
+dropped, so a null override falls back to ``SamplingParams``' default, not to the top-level value).
+
+Keys flowrl does not read inside ``dit_trajectory``, ``denoising_env`` and ``rollout_debug_tensors`` are
+accepted when their value is null, and so are the ones SGLang forks add that flowrl ignores
+(``IGNORED_KEYS``: ``dit_trajectory.model_timesteps``, ``denoising_env.sample_layout``); any other is
+refused, named.
 
 Which loop steps the K latents are: ``latent_step_indices`` when given, else the request's
 ``rollout_return_step_indices`` when the timesteps are not one per latent, else each of K timesteps matched
@@ -49,6 +58,10 @@ REQUEST_DEFAULTS = {"rollout_sde_type": "sde", "rollout_noise_level": 0.7, "roll
 DEBUG_FIELDS = ("rollout_variance_noises", "rollout_prev_sample_means", "rollout_noise_std_devs",
                 "rollout_model_outputs")
 ENV_FIELDS = ("image_kwargs", "pos_cond_kwargs", "neg_cond_kwargs", "guidance")
+DIT_FIELDS = ("latents", "timesteps", "sigmas", "latent_step_indices")
+# keys SGLang forks add that flowrl accepts with any value and does not read
+IGNORED_KEYS = {"dit_trajectory": ("model_timesteps",), "denoising_env": ("sample_layout",),
+                "rollout_debug_tensors": ()}
 
 
 class SGLangDenoisingEnv:
@@ -92,17 +105,37 @@ def _parse(response: Any, max_bytes: int) -> List[Dict[str, Any]]:
         raise ValueError(f"SGLang response: {exc}") from None
 
 
-def _settings(samples: List[Dict[str, Any]], request: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+def _unknown_keys(obj: Dict[str, Any], known, group: str, where: str) -> None:
+    """Refuse a key of ``obj`` (the response's ``group`` object) that flowrl neither reads nor ignores
+    (IGNORED_KEYS), unless its value is null."""
+    extra = sorted(k for k in set(obj) - set(known) - set(IGNORED_KEYS[group]) if obj[k] is not None)
+    if extra:
+        _fail(f"{where}['{extra[0]}']", f"unexpected keys {extra} with non-null values in {group} (flowrl reads "
+              f"{list(known)}, ignores {list(IGNORED_KEYS[group])} and accepts any other key only when null)")
+
+
+def _settings(samples: List[Dict[str, Any]], request: Optional[Dict[str, Any]]):
+    """(settings, origin): the rollout settings and, per setting, the field it came from (for messages)."""
     carried = [{k: s[k] for k in SETTING_FIELDS if k in s} for s in samples]
     if request is not None:
         if not isinstance(request, dict):
             raise TypeError(f"request must be the /rollout/generate request dict; got {type(request).__name__}")
+        extra = request.get("extra_sampling_params")
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError(f"request['extra_sampling_params'] must be an object or null; got {type(extra).__name__}")
         settings = {k: request.get(k, REQUEST_DEFAULTS[k]) for k in SETTING_FIELDS}
+        origin = {k: f"request['{k}']" for k in SETTING_FIELDS}
+        # the server's _build_sampling_kwargs: extra_sampling_params override, then None is dropped
+        # (SamplingParams' default applies; its rollout defaults are RolloutRequest's)
+        for k in SETTING_FIELDS:
+            if extra and k in extra:
+                settings[k] = REQUEST_DEFAULTS[k] if extra[k] is None else extra[k]
+                origin[k] = f"request['extra_sampling_params']['{k}']"
         for i, c in enumerate(carried):
             for k, v in c.items():
                 if v != settings[k]:
-                    _fail(f"[{i}] {k}", f"{v!r} disagrees with the request's {settings[k]!r}")
-        return settings
+                    _fail(f"[{i}] {k}", f"{v!r} disagrees with the request's {settings[k]!r} (from {origin[k]})")
+        return settings, origin
     if not carried[0]:
         raise ValueError(
             "SGLang response: rollout_sde_type, rollout_noise_level and rollout_log_prob_no_const are missing: "
@@ -115,7 +148,7 @@ def _settings(samples: List[Dict[str, Any]], request: Optional[Dict[str, Any]]) 
     missing = [k for k in SETTING_FIELDS[:3] if k not in carried[0]]
     if missing:
         _fail("", f"missing {missing[0]}")
-    return {k: carried[0].get(k) for k in SETTING_FIELDS}
+    return {k: carried[0].get(k) for k in SETTING_FIELDS}, {k: k for k in SETTING_FIELDS}
 
 
 def _index_list(value, name: str) -> Optional[List[int]]:
@@ -164,18 +197,18 @@ def from_sglang(response: Any, *, request: Optional[Dict[str, Any]] = None, num_
     from .trajectory import RolloutTrajectory
 
     samples = _parse(response, DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
-    settings = _settings(samples, request)
+    settings, origin = _settings(samples, request)
     sde_type = settings["rollout_sde_type"]
     if sde_type not in SDE_TYPES:
-        _fail("rollout_sde_type", f"must be one of {sorted(SDE_TYPES)}; got {sde_type!r}")
+        _fail(origin["rollout_sde_type"], f"must be one of {sorted(SDE_TYPES)}; got {sde_type!r}")
     noise_level = settings["rollout_noise_level"]
     if isinstance(noise_level, bool) or not isinstance(noise_level, Real):
-        _fail("rollout_noise_level", f"must be a number; got {noise_level!r}")
+        _fail(origin["rollout_noise_level"], f"must be a number; got {noise_level!r}")
     if not isinstance(settings["rollout_log_prob_no_const"], bool):
-        _fail("rollout_log_prob_no_const", f"must be a bool; got {settings['rollout_log_prob_no_const']!r}")
+        _fail(origin["rollout_log_prob_no_const"], f"must be a bool; got {settings['rollout_log_prob_no_const']!r}")
     log_prob = "sq_err" if settings["rollout_log_prob_no_const"] else "gaussian"
-    sde_steps = _index_list(settings["rollout_sde_step_indices"], "rollout_sde_step_indices")
-    return_steps = _index_list(settings["rollout_return_step_indices"], "rollout_return_step_indices")
+    sde_steps = _index_list(settings["rollout_sde_step_indices"], origin["rollout_sde_step_indices"])
+    return_steps = _index_list(settings["rollout_return_step_indices"], origin["rollout_return_step_indices"])
 
     latents, log_probs, envs, debug_rows = [], [], [], []
     schedule = None
@@ -184,9 +217,7 @@ def from_sglang(response: Any, *, request: Optional[Dict[str, Any]] = None, num_
         dit = s.get("dit_trajectory")
         if not isinstance(dit, dict):
             _fail(f"{where}['dit_trajectory']", "is missing: request rollout_return_dit_trajectory=True")
-        extra = set(dit) - {"latents", "timesteps", "sigmas", "latent_step_indices"}
-        if extra:
-            _fail(f"{where}['dit_trajectory']", f"unexpected keys {sorted(extra)}")
+        _unknown_keys(dit, DIT_FIELDS, "dit_trajectory", f"{where}['dit_trajectory']")
         for key in ("latents", "timesteps", "sigmas"):
             if dit.get(key) is None:
                 _fail(f"{where}['dit_trajectory']['{key}']", "is missing")
@@ -211,25 +242,41 @@ def from_sglang(response: Any, *, request: Optional[Dict[str, Any]] = None, num_
         lp = _tensor(s.get("rollout_log_probs"), f"{where}['rollout_log_probs']")
         if lp.dtype != torch.float32 or tuple(lp.shape) != (sig.numel() - 1,):
             _fail(f"{where}['rollout_log_probs']", f"must be float32 [T] = [{sig.numel() - 1}]; got {lp.dtype} {tuple(lp.shape)}")
+        if not bool(torch.isfinite(lp).all()):
+            bad = (~torch.isfinite(lp)).nonzero()[:, 0].tolist()
+            _fail(f"{where}['rollout_log_probs']", f"is {float(lp[bad[0]])} at loop step {bad[0]} (non-finite at steps "
+                  f"{bad} of T = {lp.numel()}): no ratio can be formed against it (SGLang's gaussian log-prob divides by "
+                  "the step's std, which is 0 at the last cps step)")
         if latents and (lat.shape != latents[0].shape or lat.dtype != latents[0].dtype):
             _fail(f"{where}['dit_trajectory']['latents']", f"{lat.dtype} {tuple(lat.shape)} differs from sample 0's "
                   f"{latents[0].dtype} {tuple(latents[0].shape)}")
         latents.append(lat)
         log_probs.append(lp)
         env = s.get("denoising_env")
-        if env is not None and (not isinstance(env, dict) or set(env) - set(ENV_FIELDS)):
+        if env is not None and not isinstance(env, dict):
             _fail(f"{where}['denoising_env']", f"must be null or an object with keys {list(ENV_FIELDS)}")
+        if env is not None:
+            _unknown_keys(env, ENV_FIELDS, "denoising_env", f"{where}['denoising_env']")
         envs.append(env)
         dbg = s.get("rollout_debug_tensors")
         if dbg is not None:
-            if not isinstance(dbg, dict) or set(dbg) != set(DEBUG_FIELDS):
+            if not isinstance(dbg, dict) or not set(DEBUG_FIELDS) <= set(dbg):
                 _fail(f"{where}['rollout_debug_tensors']", f"must be null or an object with keys {list(DEBUG_FIELDS)}")
+            _unknown_keys(dbg, DEBUG_FIELDS, "rollout_debug_tensors", f"{where}['rollout_debug_tensors']")
             for k in DEBUG_FIELDS:
                 _tensor(dbg[k], f"{where}['rollout_debug_tensors']['{k}']")
         debug_rows.append(dbg)
 
     sigmas, timesteps, given_steps = schedule
     num_steps, kept = sigmas.numel() - 1, int(latents[0].shape[0])
+    # step filters checked against the schedule here, so a bad entry is named, not found later as a bad index
+    for name, values, upper, what in (
+            ("rollout_return_step_indices", return_steps, num_steps, "loop steps 0..T - 1 and T, the final latent"),
+            ("rollout_sde_step_indices", sde_steps, num_steps - 1, "loop steps 0..T - 1")):
+        for v in values or ():
+            if v < 0 or v > upper:
+                _fail(origin[name], f"entry {v} is outside [0, {upper}]: the response's schedule (dit_trajectory.sigmas, "
+                      f"T + 1 = {num_steps + 1} values) has T = {num_steps} steps, and the entries name {what}")
     if given_steps is not None:
         steps = _tensor(given_steps, "[0]['dit_trajectory']['latent_step_indices']")
         for i, s in enumerate(samples[1:], 1):
@@ -310,4 +357,4 @@ def to_sglang(traj, *, wire: bool = True, **fields) -> List[Dict[str, Any]]:
     return out
 
 
-__all__ = ["from_sglang", "to_sglang", "SGLangDenoisingEnv", "SDE_TYPES", "REQUEST_DEFAULTS"]
+__all__ = ["from_sglang", "to_sglang", "SGLangDenoisingEnv", "SDE_TYPES", "REQUEST_DEFAULTS", "IGNORED_KEYS"]

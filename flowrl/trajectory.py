@@ -164,6 +164,13 @@ class RolloutTrajectory:
         inputs = {k: to(v) for k, v in self.step_inputs(j).items()}
         return step_log_prob(model_output=model_output, **{**inputs, **kwargs})
 
+    def replay_plan(self, batch_size: int, **kwargs):
+        """The recompute as forwards of at most ``batch_size`` (sample, step) pairs, each with its own
+        step index (``flowrl.replay.replay_plan``; docs/performance.md, Batched replay)."""
+        from .replay import replay_plan
+
+        return replay_plan(self, batch_size, **kwargs)
+
     @classmethod
     def from_sglang(cls, response, **kwargs) -> "RolloutTrajectory":
         """A batch trajectory from SGLang ``/rollout/generate`` response(s) (``flowrl.sglang``)."""

@@ -263,3 +263,152 @@ def test_sglang_log_probs_score_the_float32_sample_not_the_returned_one(capsys):
     with capsys.disabled():
         print(f"\n[sglang] |ratio - 1| from SGLang's float32-sample log-probs at bf16, 20 steps: max {worst:.3g} "
               f"(the last step, sigma {float(sigmas[-2]):.3g}), {before_last:.3g} over the other steps")
+
+
+# ------------------------------------------------------------------------------------------------------
+# issue 23, item 5: extra_sampling_params, unknown keys, NaN log-probs, step filters past T
+
+SGLANG_COMMIT = "078e5e2a5227bb6af1727574bb6212f0afb25250"  # sgl-project/sglang, rollout_api.py
+# SamplingParams' rollout defaults (RLRolloutArgs; the step filters default to None = all steps)
+SAMPLING_PARAMS_DEFAULTS = {"rollout_sde_type": "sde", "rollout_noise_level": 0.7, "rollout_log_prob_no_const": False,
+                            "rollout_sde_step_indices": None, "rollout_return_step_indices": None}
+
+
+def server_settings(request):
+    """The settings the server runs with, transcribed from rollout_api.py ``_build_sampling_kwargs`` (commit
+    above): RolloutRequest's fields (its defaults for omitted ones), ``update(extra_sampling_params)``,
+    every None dropped, then SamplingParams' default for a dropped key."""
+    kwargs = {k: request.get(k, SAMPLING_PARAMS_DEFAULTS[k]) for k in SAMPLING_PARAMS_DEFAULTS}
+    if request.get("extra_sampling_params"):
+        kwargs.update(request["extra_sampling_params"])
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    return {k: kwargs.get(k, SAMPLING_PARAMS_DEFAULTS[k]) for k in SAMPLING_PARAMS_DEFAULTS}
+
+
+def velocity_weight(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    torch.randn(B, *SHAPE, generator=g)
+    return torch.randn(SHAPE[-1], SHAPE[-1], generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("request_", [
+    {"rollout_sde_type": "sde", "rollout_noise_level": 0.7,
+     "extra_sampling_params": {"rollout_sde_type": "cps", "rollout_noise_level": 0.3, "guidance_scale": 4.5}},
+    {"extra_sampling_params": {"rollout_sde_type": "cps", "rollout_noise_level": 0.3}},  # top-level defaults
+    {"rollout_sde_type": "cps", "rollout_noise_level": 0.3, "extra_sampling_params": {"num_inference_steps": T}},
+    {"rollout_sde_type": "cps", "rollout_noise_level": 0.3, "extra_sampling_params": None},
+], ids=["extra-overrides", "extra-over-defaults", "extra-without-settings", "extra-null"])
+def test_extra_sampling_params_resolve_as_the_server_does(request_):
+    """A server that ran cps at noise 0.3 because extra_sampling_params said so is read as cps at 0.3
+    (issue 23: it was read as sde at 0.7), and the recompute then gives ratio exactly 1."""
+    traj = rollout(mode="cps", noise_level=0.3)
+    assert server_settings(request_)["rollout_sde_type"] == "cps"
+    assert server_settings(request_)["rollout_noise_level"] == 0.3
+    got = from_sglang(sglang_responses(traj), request=request_)
+    assert (got.mode, got.noise_level) == ("cps", 0.3)
+    w = velocity_weight()
+    for j in range(T):
+        v = got.latents[:, j] @ w * (got.timesteps[j] / 1000)
+        assert torch.equal(torch.exp(got.step_log_prob(j, v) - got.log_probs[:, j]), torch.ones(B))
+
+
+@pytest.mark.parametrize("request_", [
+    {"rollout_noise_level": 0.3, "extra_sampling_params": {"rollout_noise_level": None}},  # null: the default
+    {"rollout_sde_type": "cps", "extra_sampling_params": {"rollout_sde_type": "sde", "rollout_log_prob_no_const": True}},
+    {"rollout_log_prob_no_const": True, "extra_sampling_params": {"rollout_log_prob_no_const": False}},
+    {"rollout_sde_step_indices": [0], "extra_sampling_params": {"rollout_sde_step_indices": None}},
+    {"rollout_sde_step_indices": [0, 1], "extra_sampling_params": {"rollout_sde_step_indices": [1, 2]}},
+    {"extra_sampling_params": {"rollout_return_step_indices": [0, 2, 4]}},
+], ids=["null-override", "type-and-const", "const-false", "sde-steps-null", "sde-steps", "return-steps"])
+def test_resolved_settings_equal_the_transcribed_server(request_):
+    settings = server_settings(request_)
+    traj = rollout(mode=settings["rollout_sde_type"], noise_level=settings["rollout_noise_level"],
+                   log_prob="sq_err" if settings["rollout_log_prob_no_const"] else "gaussian",
+                   sde_steps=settings["rollout_sde_step_indices"], return_step_indices=settings["rollout_return_step_indices"])
+    got = from_sglang(sglang_responses(traj, timesteps="all" if traj.latents.shape[1] == T + 1 else "kept"),
+                      request=request_)
+    assert_same(got, traj)
+    assert got.mode == settings["rollout_sde_type"] and got.noise_level == settings["rollout_noise_level"]
+    assert (got.sde_steps is None) == (settings["rollout_sde_step_indices"] is None)
+
+
+def test_extra_sampling_params_errors_name_where_the_setting_came_from():
+    responses = sglang_responses(rollout())
+    with pytest.raises(ValueError, match=r"request\['extra_sampling_params'\] must be an object or null"):
+        from_sglang(responses, request={**REQUEST, "extra_sampling_params": [1]})
+    with pytest.raises(ValueError, match=r"request\['extra_sampling_params'\]\['rollout_sde_type'\]: must be one of"):
+        from_sglang(responses, request={**REQUEST, "extra_sampling_params": {"rollout_sde_type": "dance"}})
+    with pytest.raises(ValueError, match=r"request\['extra_sampling_params'\]\['rollout_noise_level'\]: must be a number"):
+        from_sglang(responses, request={**REQUEST, "extra_sampling_params": {"rollout_noise_level": "0.3"}})
+    # settings a response carries are checked against the resolved ones
+    carried = flowrl.RolloutTrajectory.to_sglang(rollout())  # carries sde at 0.7
+    with pytest.raises(ValueError, match=r"rollout_noise_level: 0.7 disagrees with the request's 0.3 \(from "
+                                         r"request\['extra_sampling_params'\]\['rollout_noise_level'\]\)"):
+        from_sglang(carried, request={**REQUEST, "extra_sampling_params": {"rollout_noise_level": 0.3}})
+
+
+def test_unknown_keys_are_accepted_when_null_or_ignored_and_refused_otherwise():
+    traj = rollout(debug=True)
+    debug = traj.debug_tensors.as_dict()
+    env = [{"image_kwargs": None, "pos_cond_kwargs": {"h": torch.randn(3, 2)}, "neg_cond_kwargs": None,
+            "guidance": None} for _ in range(B)]
+    good = sglang_responses(traj, env=env, debug=debug)
+    # SGLang forks' documented-ignored keys, any value; any unknown key whose value is null
+    accepted = copy.deepcopy(good)
+    for r in accepted:
+        r["dit_trajectory"]["model_timesteps"] = to_wire(traj.timesteps * 1.0)
+        r["dit_trajectory"]["some_fork_field"] = None
+        r["denoising_env"]["sample_layout"] = "BCHW"
+        r["denoising_env"]["other"] = None
+        r["rollout_debug_tensors"]["rollout_extra_debug"] = None
+    got = from_sglang(accepted, request=REQUEST)
+    assert_same(got, traj)
+    assert got.denoising_env.samples[0]["sample_layout"] == "BCHW"  # kept as sent, not read
+    for path, pattern in (
+            (["dit_trajectory", "some_fork_field"], r"\[1\]\['dit_trajectory'\]\['some_fork_field'\]: unexpected keys "
+                                                    r"\['some_fork_field'\]"),
+            (["denoising_env", "other"], r"\[1\]\['denoising_env'\]\['other'\]: unexpected keys"),
+            (["rollout_debug_tensors", "rollout_extra_debug"], r"\[1\]\['rollout_debug_tensors'\]\['rollout_extra_debug'\]")):
+        bad = copy.deepcopy(accepted)
+        d = bad[1]
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = 0
+        with pytest.raises(ValueError, match=pattern):
+            from_sglang(bad, request=REQUEST)
+    assert set(flowrl.sglang.IGNORED_KEYS["dit_trajectory"]) == {"model_timesteps"}
+    assert set(flowrl.sglang.IGNORED_KEYS["denoising_env"]) == {"sample_layout"}
+
+
+def test_nan_log_probs_are_refused_naming_the_field_and_the_step():
+    # the last cps step has std sigma' sin(eta pi / 2) = 0 (sigma' = 0): a gaussian log-prob there divides by 0
+    sched = flowrl.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    sched.set_timesteps(T)
+    coef = flowrl.reference.mode_coefficients(sched.sigmas, torch.tensor([T - 1]), flowrl.contract.Mode.CPS, 0.7,
+                                              torch.float32)
+    assert float(coef[2]) == 0.0
+    responses = sglang_responses(rollout(mode="cps"))
+    lp = flowrl.serialization.from_wire(responses[1]["rollout_log_probs"])
+    lp[T - 1] = float("nan")
+    responses[1]["rollout_log_probs"] = to_wire(lp)
+    with pytest.raises(ValueError, match=rf"\[1\]\['rollout_log_probs'\]: is nan at loop step {T - 1} "
+                                         rf"\(non-finite at steps \[{T - 1}\] of T = {T}\)"):
+        from_sglang(responses, request={**REQUEST, "rollout_sde_type": "cps"})
+    lp[T - 1], lp[0] = 0.0, float("-inf")
+    responses[1]["rollout_log_probs"] = to_wire(lp)
+    with pytest.raises(ValueError, match=r"\[1\]\['rollout_log_probs'\]: is -inf at loop step 0"):
+        from_sglang(responses, request={**REQUEST, "rollout_sde_type": "cps"})
+
+
+@pytest.mark.parametrize("field, values, upper", [
+    ("rollout_return_step_indices", [0, 2, T + 1], T), ("rollout_return_step_indices", [-1, 2, 4], T),
+    ("rollout_sde_step_indices", [0, T], T - 1)])
+@pytest.mark.parametrize("place", ["top", "extra"])
+def test_step_filters_past_t_name_the_field_and_t(field, values, upper, place):
+    traj = rollout(return_step_indices=[0, 2, 4])
+    request = ({**REQUEST, field: values} if place == "top"
+               else {**REQUEST, "extra_sampling_params": {field: values}})
+    named = rf"request\['{field}'\]" if place == "top" else rf"request\['extra_sampling_params'\]\['{field}'\]"
+    bad = values[-1] if values[0] >= 0 else values[0]
+    with pytest.raises(ValueError, match=rf"{named}: entry {bad} is outside \[0, {upper}\]: .* has T = {T} steps"):
+        from_sglang(sglang_responses(traj, timesteps="kept"), request=request)

@@ -66,7 +66,8 @@ class GRPOLossOutput(NamedTuple):
     logging). Fields a variant does not compute are None.
 
     loss: policy_loss + kl_coef * mean(kl).
-    policy_loss: the batch mean of the per-sample surrogate (GRPO-Guard: each divided by its step's D).
+    policy_loss: the batch mean of the per-sample surrogate (GRPO-Guard: each divided by its step's D;
+        times ``rollout_is_weights`` when given).
     log_prob: [B] the recomputed log-prob, bit for bit ``flowrl.step_log_prob``'s on the same backend.
     ratio: [B] the importance ratio (GRPO-Guard: its corrected ratio).
     kl: [B] exact KL to the reference policy (when ``ref_model_output`` is given).
@@ -191,9 +192,12 @@ def _grpo_values(backend, spec, x, v, prev, ref, old_mean, trust, seed):
 # --------------------------------------------------------------------- the GRPO family's loss block
 
 
-def _policy_loss(variant, lp, kl, tr, old_lp, adv, clip, kl_coef, guard_weights, kl_threshold) -> GRPOLossOutput:
+def _policy_loss(variant, lp, kl, tr, old_lp, adv, clip, kl_coef, guard_weights, kl_threshold,
+                 is_weights=None) -> GRPOLossOutput:
     """The per-sample [B] arithmetic after the reductions, shared by both backends. ``guard_weights``:
-    GRPO-Guard's (log_ratio, loss) weights, (std, 1/D) from flowrl.weights.scheme_weights."""
+    GRPO-Guard's (log_ratio, loss) weights, (std, 1/D) from flowrl.weights.scheme_weights.
+    ``is_weights``: rollout-correction weights [B] multiplying the per-sample policy loss before the
+    batch mean (verl-omni's ``rollout_is_weights``; flowrl.consistency), not the KL term."""
     log_ratio = lp - old_lp
     if variant is _Variant.GUARD:  # GRPO-Guard: rho = exp((dlogp + D_s) * std)
         ratio = torch.exp((log_ratio + tr) * guard_weights[0])
@@ -216,6 +220,8 @@ def _policy_loss(variant, lp, kl, tr, old_lp, adv, clip, kl_coef, guard_weights,
             low, high = ratio < 1.0 - lo, ratio > 1.0 + hi
             clip_low, clip_high = low.float().mean(), high.float().mean()
             clip_fraction = (low | high).float().mean()
+    if is_weights is not None:  # rollout correction: per sample, before the batch mean (verl-omni)
+        per_sample = per_sample * is_weights
     policy_loss = per_sample.mean()
     loss = policy_loss + kl_coef * kl.mean() if kl is not None and kl_coef != 0 else policy_loss
     with torch.no_grad():
@@ -228,7 +234,7 @@ def _policy_loss(variant, lp, kl, tr, old_lp, adv, clip, kl_coef, guard_weights,
 
 def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, *,
                  clip_range, mode, noise_level, log_prob, reduction, kl_coef, ref_model_output,
-                 old_prev_sample_mean, noise_seed, kl_threshold, backend) -> GRPOLossOutput:
+                 old_prev_sample_mean, noise_seed, kl_threshold, backend, rollout_is_weights=None) -> GRPOLossOutput:
     sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
     if mode is Mode.DDIM:  # its mean is not a * x + c * v (x0's clip; an alpha-bar table), which the loss kernels fuse
         raise ValueError("mode='ddim' is not supported by flowrl.losses; compute step_log_prob(mode='ddim', ...) and "
@@ -238,12 +244,15 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
     batch = sample.shape[0]
     old_log_prob = _check_per_sample("old_log_prob", old_log_prob, batch, sample.device)
     advantages = _check_per_sample("advantages", advantages, batch, sample.device)
+    if rollout_is_weights is not None:
+        rollout_is_weights = _check_per_sample("rollout_is_weights", rollout_is_weights, batch, sample.device)
     clip = check_clip_range(clip_range) if variant is not _Variant.DPPO else None
     kl_coef = _check_scalar("kl_coef", kl_coef)
     if kl_coef != 0 and ref_model_output is None:
         raise ValueError("kl_coef is nonzero but ref_model_output is None: pass the reference policy's model_output")
     _check_no_grad(sample=sample, prev_sample=prev_sample, ref_model_output=ref_model_output,
-                   old_prev_sample_mean=old_prev_sample_mean, old_log_prob=old_log_prob, advantages=advantages)
+                   old_prev_sample_mean=old_prev_sample_mean, old_log_prob=old_log_prob, advantages=advantages,
+                   rollout_is_weights=rollout_is_weights)
     trust, seed = TrustSource.NONE, None
     if variant is not _Variant.GRPO:
         if (old_prev_sample_mean is None) == (noise_seed is None):
@@ -265,7 +274,8 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
     guard_weights = scheme_weights("grpo_guard", sigmas, idx, mode, eta, dtype) if variant is _Variant.GUARD else None
     return _policy_loss(variant, lp, kl if ref_model_output is not None else None,
                         tr if trust is not TrustSource.NONE else None, old_log_prob.to(dtype), advantages.to(dtype),
-                        clip, kl_coef, guard_weights, kl_threshold)
+                        clip, kl_coef, guard_weights, kl_threshold,
+                        None if rollout_is_weights is None else rollout_is_weights.to(dtype))
 
 
 def grpo_loss(
@@ -285,6 +295,7 @@ def grpo_loss(
     kl_coef: float = 0.0,
     ref_model_output: Optional[torch.Tensor] = None,
     backend: str = "auto",
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> GRPOLossOutput:
     """Flow-GRPO's training loss block for one SDE step, in one call.
 
@@ -293,12 +304,15 @@ def grpo_loss(
     ``kl_coef`` x the batch mean of the exact KL to ``ref_model_output``'s transition (docs/contract.md,
     KL). ``clip_range``: eps or (eps_low, eps_high). ``advantages`` are used as given (clamp them as
     your trainer does). On the Triton backend: one pass over x, v, x' (and v_ref) forward, one backward
-    writing d loss / d model_output.
+    writing d loss / d model_output. ``rollout_is_weights``: [B] rollout-correction weights (detached;
+    ``flowrl.consistency.correction_weights``' column of this step) multiplying each sample's surrogate
+    before the batch mean, as verl-omni applies them; not the KL term (docs/consistency.md).
     """
     return _grpo_family(_Variant.GRPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
-                        old_prev_sample_mean=None, noise_seed=None, kl_threshold=None, backend=backend)
+                        old_prev_sample_mean=None, noise_seed=None, kl_threshold=None, backend=backend,
+                        rollout_is_weights=rollout_is_weights)
 
 
 def grpo_guard_loss(
@@ -320,6 +334,7 @@ def grpo_guard_loss(
     kl_coef: float = 0.0,
     ref_model_output: Optional[torch.Tensor] = None,
     backend: str = "auto",
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> GRPOLossOutput:
     """GRPO-Guard (arXiv 2510.22319; verl-omni ``GRPOGuardLoss``, Flow-Factory ``GRPOGuardTrainer``).
 
@@ -327,12 +342,13 @@ def grpo_guard_loss(
     D_s) * std), the clipped surrogate divided by the step's D = sigma - sigma', batch mean. std and D
     are each sample's own (the peers use the batch's shared step). mu_old: ``old_prev_sample_mean``
     (the rollout's ``prev_sample_mean``), or replayed from ``prev_sample`` and the rollout's
-    ``noise_seed`` (docs/losses.md, Replaying mu_old)."""
+    ``noise_seed`` (docs/losses.md, Replaying mu_old). ``rollout_is_weights``: as ``grpo_loss``'s (on
+    the surrogate after its 1/D scale)."""
     return _grpo_family(_Variant.GUARD, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=None,
-                        backend=backend)
+                        backend=backend, rollout_is_weights=rollout_is_weights)
 
 
 def flow_dppo_loss(
@@ -354,17 +370,18 @@ def flow_dppo_loss(
     kl_coef: float = 0.0,
     ref_model_output: Optional[torch.Tensor] = None,
     backend: str = "auto",
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> GRPOLossOutput:
     """Flow-DPPO (verl-omni ``FlowDPPOLoss``): per sample -rho A, masked (0) when D_s = mean ||mu_theta -
     mu_old||^2 / (2 std^2) >= ``kl_threshold`` and the ratio moves in the advantage's direction (rho > 1
     with A > 0, or rho < 1 with A < 0); no ratio clipping; batch mean. mu_old as in
-    ``grpo_guard_loss``."""
+    ``grpo_guard_loss``. ``rollout_is_weights``: as ``grpo_loss``'s."""
     kl_threshold = _check_scalar("kl_threshold", kl_threshold)
     return _grpo_family(_Variant.DPPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=None, mode=mode, noise_level=noise_level, log_prob=log_prob,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=kl_threshold,
-                        backend=backend)
+                        backend=backend, rollout_is_weights=rollout_is_weights)
 
 
 def teacher_kl_loss(
@@ -538,18 +555,22 @@ def awm_loss(
     weighting: str = "uniform",
     ghuber_power: float = 0.25,
     backend: str = "auto",
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> GRPOLossOutput:
     """Advantage Weighted Matching (Flow-Factory trainers/awm.py): ``awm_log_prob`` under the current
-    policy, rho = exp(l - old_log_prob), the clipped surrogate of ``grpo_loss``, batch mean."""
+    policy, rho = exp(l - old_log_prob), the clipped surrogate of ``grpo_loss``, batch mean.
+    ``rollout_is_weights``: as ``grpo_loss``'s."""
     batch = model_output.shape[0]
     old_log_prob = _check_per_sample("old_log_prob", old_log_prob, batch, model_output.device)
     advantages = _check_per_sample("advantages", advantages, batch, model_output.device)
-    _check_no_grad(old_log_prob=old_log_prob, advantages=advantages)
+    if rollout_is_weights is not None:
+        rollout_is_weights = _check_per_sample("rollout_is_weights", rollout_is_weights, batch, model_output.device)
+    _check_no_grad(old_log_prob=old_log_prob, advantages=advantages, rollout_is_weights=rollout_is_weights)
     clip = check_clip_range(clip_range)
     lp = awm_log_prob(model_output, noise, clean_sample, sigma, weighting=weighting, ghuber_power=ghuber_power,
                       backend=backend)
     return _policy_loss(_Variant.GRPO, lp, None, None, old_log_prob.to(lp.dtype), advantages.to(lp.dtype), clip,
-                        0.0, None, None)
+                        0.0, None, None, None if rollout_is_weights is None else rollout_is_weights.to(lp.dtype))
 
 
 __all__ = [
