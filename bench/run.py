@@ -726,7 +726,7 @@ def loss_min_bytes(op: str, numel: int, batch: int, itemsize: int) -> int:
 
 
 def loss_kernel_bytes(op: str, numel: int, batch: int, itemsize: int) -> int:
-    """Bytes flowrl's loss kernels move (kernels/loss.py, flowrl/losses/_triton.py): the forward
+    """Bytes flowrl's loss kernels move (kernels/loss.py, flowrl/_triton_losses.py): the forward
     element pass reads the LOSS_INPUTS tensors (Ns each) and writes LOSS_SUMS float32 partial sets
     (4BP each), read back by the finalize (8BP each with the write); the backward re-reads the inputs
     and writes grad_v (Ns), reading the per-sample grads (4B per sum). Per-sample [B] scalars besides

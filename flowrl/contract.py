@@ -91,6 +91,22 @@ class Prediction(_Named):
     V_PREDICTION = 2
 
 
+class TrustSource(_Named):
+    """Where the trust-region losses' mu_old comes from (kernels/loss.py's TRUST_* switches): none, a
+    stored tensor (``old_prev_sample_mean``), or replayed from x' and the rollout's Philox noise."""
+
+    NONE = 0
+    GIVEN = 1
+    REPLAY = 2
+
+
+class FlowLoss(_Named):
+    """Which forward-process loss (kernels/loss.py's LOSS_* switches)."""
+
+    NFT = 0
+    AWM = 1
+
+
 # Elements per reduction chunk: the unit of the deterministic, shard-invariant reduction order. Each
 # chunk is summed by the halving tree t[:h] + t[h:] (zero-padded to CHUNK_SIZE), and a sample's chunk
 # partials by the same tree, zero-padded to a power of two (docs/contract.md, Reduction order).
@@ -132,6 +148,7 @@ COSPI_C10 = -2.755731998149713e-07
 COSPI_C12 = 2.0876755879584152e-09
 
 __all__ = [
-    "Mode", "Prediction", "LogProbKind", "LOG_PROB_KINDS", "Reduction", "Op", "NoiseSource", "CHUNK_SIZE",
+    "Mode", "Prediction", "LogProbKind", "LOG_PROB_KINDS", "Reduction", "Op", "NoiseSource", "TrustSource", "FlowLoss",
+    "CHUNK_SIZE",
     "LOG2_CHUNK_SIZE", "HALF_LOG_2PI", "SIGMA_ONE_RTOL", "SIGMA_ONE_ATOL", "SIGMA_ONE_TOL", "STD_FLOOR",
 ]

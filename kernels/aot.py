@@ -185,7 +185,7 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
     Their mode math is kernels/common.py's, compiled in every mode by the step kernels above."""
     configs = _launch_configs()
     largest, smallest = configs[-1], configs[0]
-    from flowrl.losses._triton import REPLAY_BACKWARD_CONFIG
+    from flowrl._triton_losses import REPLAY_BACKWARD_CONFIG
 
     for backward in (False, True):
         if not backward:  # the replaying backward runs at REPLAY_BACKWARD_CONFIG only
