@@ -88,7 +88,7 @@ def second_order(prev_x0_pred, mode: Mode, sample: torch.Tensor) -> dict:
     shape; only mode='dpm_sde' reads one (docs/contract.md, dpm_sde)."""
     if prev_x0_pred is None:
         return {}
-    if mode is not Mode.DPM_SDE:
+    if "prev_x0_pred" not in mode.rules.extra_inputs:
         raise ValueError(f"prev_x0_pred is mode='dpm_sde''s (its second order); got mode={mode.label!r}")
     return {"prev_x0_pred": V.check_batch_tensor("prev_x0_pred", prev_x0_pred, sample)}
 

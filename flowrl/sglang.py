@@ -37,10 +37,11 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from . import _validate as V
+from .contract import Mode
 from .serialization import DEFAULT_MAX_BYTES, from_wire, to_wire
 
 # rollout_sde_type -> flowrl mode; rollout_log_prob_no_const -> flowrl log_prob kind (docs/contract.md)
-SDE_TYPES = {"sde": "sde", "cps": "cps", "ode": "ode"}
+SDE_TYPES = {mode.rules.sglang: mode.label for mode in Mode if mode.rules.sglang is not None}
 SETTING_FIELDS = ("rollout_sde_type", "rollout_noise_level", "rollout_log_prob_no_const",
                   "rollout_sde_step_indices", "rollout_return_step_indices")
 # SGLang's RolloutRequest defaults, which the server applies to a request that omits a field

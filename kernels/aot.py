@@ -29,7 +29,7 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from typing import Dict, Iterator, List, NamedTuple, Sequence
 
-from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, LogProbKind, Mode, NoiseSource, Op, Prediction
+from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, LogProbKind, Mode, NoiseSource, Op, Prediction, Variants
 
 STORAGES = ("bf16", "fp16", "fp32")
 ARCHS = (90, 80)
@@ -201,7 +201,7 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
 # Modes whose kernels differ from compiled ones in per-sample coefficients only (flash_sde is sde's path
 # with another s; dpm_sde adds one read, p * x0_prev, under HAS_PREV): one specialization per op and
 # switch, not the full matrix (CI time).
-FEW_SPECIALIZATIONS = (Mode.DPM_SDE, Mode.FLASH_SDE)
+FEW_SPECIALIZATIONS = tuple(mode for mode in Mode if mode.rules.aot is Variants.FEW)  # flowrl.contract.MODE_RULES
 
 
 def _few(storage, mode, config) -> Iterator[Specialization]:
@@ -269,7 +269,7 @@ def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Spec
         yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (True, True, True), *largest)
         return
     for mode in Mode:
-        if mode is Mode.DDIM:
+        if mode.rules.aot is Variants.DDIM:
             yield from _ddim(storage, largest)
             continue
         if mode in FEW_SPECIALIZATIONS:  # coefficient-only variants of compiled paths: one of each op
@@ -301,7 +301,7 @@ def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Spec
     if storage == STORAGES[0]:  # the finalize reads float32 partials whatever the latents' dtype
         yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, True, 64, count_given=True, has_log=True)
         yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, False, 64, count_given=True)
-        for mode in (m for m in Mode if m not in FEW_SPECIALIZATIONS and m is not Mode.DDIM):
+        for mode in (m for m in Mode if m.rules.aot is Variants.FULL):
             for kind in LogProbKind:
                 for mean in (True, False):
                     yield _finalize(mode, kind, mean, 64)

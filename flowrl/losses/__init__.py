@@ -184,8 +184,8 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
                  clip_range, mode, noise_level, log_prob, reduction, kl_coef, ref_model_output,
                  old_prev_sample_mean, noise_seed, kl_threshold, backend) -> GRPOLossOutput:
     sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
-    if mode is Mode.DDIM:  # its mean is not a * x + c * v (x0's clip; an alpha-bar table), which the loss kernels fuse
-        raise ValueError("mode='ddim' is not supported by flowrl.losses; compute step_log_prob(mode='ddim', ...) and "
+    if not mode.rules.losses:  # ddim: its mean is not a * x + c * v (x0's clip; an alpha-bar table), which the loss kernels fuse
+        raise ValueError(f"mode={mode.label!r} is not supported by flowrl.losses; compute step_log_prob(mode={mode.label!r}, ...) and "
                          "form the loss from it")
     V.check_batch_tensor("prev_sample", prev_sample, sample)
     _step_sample_tensor("ref_model_output", ref_model_output, sample)
