@@ -51,13 +51,13 @@ class Specialization(NamedTuple):
 
 def _launch_configs():
     """The distinct (chunks per program, num_warps) of the launcher's table."""
-    from flowrl._triton_ops import LAUNCH_TABLE
+    from flowrl.backends._triton_ops import LAUNCH_TABLE
 
     return sorted({(group, warps) for _, group, warps in LAUNCH_TABLE})
 
 
 def _unaligned_philox_config():
-    from flowrl._triton_ops import UNALIGNED_PHILOX_CONFIG
+    from flowrl.backends._triton_ops import UNALIGNED_PHILOX_CONFIG
 
     return UNALIGNED_PHILOX_CONFIG
 
@@ -106,7 +106,7 @@ def _finalize(mode, kind, mean, width, count_given=False, has_log=False):
            "last_index": "i32", "clip_range": "fp32"}
     cx = {"MODE": int(mode), "KIND": int(kind), "MEAN": mean, "WIDTH": width, "LOG2_WIDTH": width.bit_length() - 1,
           "COUNT_GIVEN": count_given, "HAS_LOG": has_log, **_ddim_cx(mode, (Prediction.EPSILON, False))}
-    from flowrl._triton_ops import finalize_warps
+    from flowrl.backends._triton_ops import finalize_warps
 
     warps = finalize_warps(width)
     label = f"{mode.label} {kind.label} {'mean' if mean else 'sum'} width={width}" + (
@@ -185,7 +185,7 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
     Their mode math is kernels/common.py's, compiled in every mode by the step kernels above."""
     configs = _launch_configs()
     largest, smallest = configs[-1], configs[0]
-    from flowrl._triton_losses import REPLAY_BACKWARD_CONFIG
+    from flowrl.backends._triton_losses import REPLAY_BACKWARD_CONFIG
 
     for backward in (False, True):
         if not backward:  # the replaying backward runs at REPLAY_BACKWARD_CONFIG only
@@ -305,7 +305,7 @@ def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Spec
             for kind in LogProbKind:
                 for mean in (True, False):
                     yield _finalize(mode, kind, mean, 64)
-        from flowrl._triton_ops import MAX_FINALIZE_WIDTH
+        from flowrl.backends._triton_ops import MAX_FINALIZE_WIDTH
 
         for width in (2, 1024, MAX_FINALIZE_WIDTH):
             yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, True, width)

@@ -46,8 +46,8 @@ from typing import Optional, Union
 
 import torch
 
-from ..functional import step_log_prob
-from .. import _validate as V
+from ..ops.functional import step_log_prob
+from ..core import _validate as V
 from . import _common as C
 
 SDE_TYPES = {"sde": ("sde", "gaussian"), "cps": ("cps", "sq_err")}

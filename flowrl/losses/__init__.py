@@ -30,12 +30,12 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from .. import _dispatch
-from .. import _validate as V
+from ..backends import _dispatch
+from ..core import _validate as V
 from ..contract import FlowLoss, Mode, Op, Reduction, TrustSource
-from ..functional import step_kl
-from ..step_spec import StepSpec, log_prob_kind, schedule_and_steps
-from ..weights import scheme_weights
+from ..ops.functional import step_kl
+from ..core.step_spec import StepSpec, log_prob_kind, schedule_and_steps
+from ..ops.weights import scheme_weights
 
 ClipRange = Union[float, Tuple[float, float]]
 

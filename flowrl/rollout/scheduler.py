@@ -28,9 +28,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from . import _validate as V
+from ..core import _validate as V
 from . import timestep_lookup
-from .functional import GeneratorArg, draw_noise
+from ..ops.functional import GeneratorArg, draw_noise
 
 try:  # optional: the copy runs without diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler as DiffusersFlowMatchEulerDiscreteScheduler

@@ -19,7 +19,7 @@ from typing import NamedTuple, Sequence, Union
 import numpy as np
 import torch
 
-from .contract import LOG_PROB_KINDS, SIGMA_ONE_TOL, Mode, Reduction
+from ..contract import LOG_PROB_KINDS, SIGMA_ONE_TOL, Mode, Reduction
 
 MODES = Mode.labels()
 REDUCTIONS = Reduction.labels()

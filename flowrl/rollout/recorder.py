@@ -32,11 +32,11 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from . import _validate as V
-from ._dispatch import BACKENDS
-from .contract import Mode, Schedule
-from .denoising_env import check_env_options, finish_env, start_env
-from .functional import GeneratorArg, combine_streams, sde_step
+from ..core import _validate as V
+from ..backends._dispatch import BACKENDS
+from ..contract import Mode, Schedule
+from ..data.denoising_env import check_env_options, finish_env, start_env
+from ..ops.functional import GeneratorArg, combine_streams, sde_step
 from .scheduler import (
     DiffusersFlowMatchEulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
@@ -44,7 +44,7 @@ from .scheduler import (
     check_step_timestep,
 )
 from .timestep_lookup import index_for_timestep
-from .trajectory import RolloutTrajectory
+from ..data.trajectory import RolloutTrajectory
 
 # instance attributes a rollout sets on a recording scheduler (and removes when it ends): the two methods
 # it records through, and the two hooks copy.deepcopy / copy.copy read from an instance (a copy becomes

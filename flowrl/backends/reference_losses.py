@@ -10,8 +10,8 @@ import dataclasses
 import torch
 
 from . import reference
-from .contract import FlowLoss, LogProbKind, Op, Reduction, TrustSource
-from .step_spec import StepSpec
+from ..contract import FlowLoss, LogProbKind, Op, Reduction, TrustSource
+from ..core.step_spec import StepSpec
 
 
 def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed):

@@ -18,7 +18,7 @@ from typing import List, Optional
 import torch
 
 import flowrl
-from flowrl._dispatch import BACKENDS
+from flowrl.backends._dispatch import BACKENDS
 from flowrl.contract import Mode, Schedule
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -26,9 +26,9 @@ from typing import NamedTuple, Union
 
 import torch
 
-from . import _validate as V
-from .contract import Mode, Schedule
-from .reference import mode_coefficients
+from ..core import _validate as V
+from ..contract import Mode, Schedule
+from ..backends.reference import mode_coefficients
 
 SCHEMES = ("grpo_guard", "tempflow_grpo", "flash_grpo")
 

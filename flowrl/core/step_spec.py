@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from . import _validate as V
-from .contract import CHUNK_SIZE, LogProbKind, Mode, NoiseSource, Op, Prediction, Reduction, Schedule  # noqa: F401 (field types)
+from ..contract import CHUNK_SIZE, LogProbKind, Mode, NoiseSource, Op, Prediction, Reduction, Schedule  # noqa: F401 (field types)
 
 GeneratorArg = Union[None, torch.Generator, Sequence[torch.Generator]]
 

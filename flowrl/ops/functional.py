@@ -12,10 +12,10 @@ from typing import List, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from . import _dispatch
-from . import _validate as V
-from .contract import LogProbKind, Mode, NoiseSource, Op, Reduction
-from .step_spec import (
+from ..backends import _dispatch
+from ..core import _validate as V
+from ..contract import LogProbKind, Mode, NoiseSource, Op, Reduction
+from ..core.step_spec import (
     GeneratorArg, ShardContext, StepSpec, ddim_options, draw_noise, elements_per_sample, elementwise_inputs,
     log_prob_kind,
     schedule_and_steps,

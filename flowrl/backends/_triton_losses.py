@@ -15,7 +15,7 @@ import dataclasses
 import torch
 import triton
 
-from flowrl._triton_ops import LAUNCH_TABLE, _KernelScalars, _finalize, _launch, _LAUNCH, launch_config
+from flowrl.backends._triton_ops import LAUNCH_TABLE, _KernelScalars, _finalize, _launch, _LAUNCH, launch_config
 from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, LogProbKind, Reduction
 from flowrl.kernels.loss import flow_backward_kernel, flow_partials_kernel, grpo_backward_kernel, grpo_partials_kernel
 
