@@ -135,7 +135,7 @@ def min_bytes(op: str, numel: int, batch: int, itemsize: int, noise: str = "tens
 
 def kernel_bytes(op: str, numel: int, batch: int, itemsize: int, noise: str = "tensor",
                  write_mean: bool = False, second_order: bool = False) -> int:
-    """Bytes flowrl's Triton kernels move for ``op`` by their launch design (flowrl/_triton_ops.py,
+    """Bytes flowrl's Triton kernels move for ``op`` by their launch design (flowrl/backends/_triton_ops.py,
     kernels/step.py), the traffic model set beside ``min_bytes``: GB/s over these bytes, against the
     copy bandwidth, says how close the kernels run to the bandwidth limit; GB/s over ``min_bytes``
     says how close their design plus that speed come to an ideal kernel. Update it here when the
@@ -726,7 +726,7 @@ def loss_min_bytes(op: str, numel: int, batch: int, itemsize: int) -> int:
 
 
 def loss_kernel_bytes(op: str, numel: int, batch: int, itemsize: int) -> int:
-    """Bytes flowrl's loss kernels move (kernels/loss.py, flowrl/losses/_triton.py): the forward
+    """Bytes flowrl's loss kernels move (kernels/loss.py, flowrl/_triton_losses.py): the forward
     element pass reads the LOSS_INPUTS tensors (Ns each) and writes LOSS_SUMS float32 partial sets
     (4BP each), read back by the finalize (8BP each with the write); the backward re-reads the inputs
     and writes grad_v (Ns), reading the per-sample grads (4B per sum). Per-sample [B] scalars besides

@@ -7,27 +7,31 @@ from __future__ import annotations
 
 import importlib
 
-from ._validate import no_value_checks
+from . import _moved
+
+_moved.install()  # the old module paths (flowrl.scheduler, flowrl.trajectory, ...) stay importable
+
+from .core._validate import no_value_checks
 from .contract import CHUNK_SIZE
-from .functional import LogProbWithCount, SDEStepOutput, combine_streams, draw_noise, sde_step, step_kl, step_log_prob
-from .step_spec import StepSpec
+from .ops.functional import LogProbWithCount, SDEStepOutput, combine_streams, draw_noise, sde_step, step_kl, step_log_prob
+from .core.step_spec import StepSpec
 
 __version__ = "0.1.0"
 
 # Heavier parts load on first use, so `import flowrl` stays light.
 _LAZY = {
-    "FlowMatchEulerDiscreteScheduler": ("flowrl.scheduler", "FlowMatchEulerDiscreteScheduler"),
-    "DDIMScheduler": ("flowrl.ddim", "DDIMScheduler"),  # needs diffusers (its base class)
-    "ddim": ("flowrl.ddim", None),
-    "RolloutRecorder": ("flowrl.recorder", "RolloutRecorder"),
-    "recorder": ("flowrl.recorder", None),
-    "RolloutTrajectory": ("flowrl.trajectory", "RolloutTrajectory"),
-    "serialization": ("flowrl.serialization", None),
-    "distributed": ("flowrl.distributed", None),
-    "reference": ("flowrl.reference", None),
+    "FlowMatchEulerDiscreteScheduler": ("flowrl.rollout.scheduler", "FlowMatchEulerDiscreteScheduler"),
+    "DDIMScheduler": ("flowrl.rollout.ddim", "DDIMScheduler"),  # needs diffusers (its base class)
+    "ddim": ("flowrl.rollout.ddim", None),
+    "RolloutRecorder": ("flowrl.rollout.recorder", "RolloutRecorder"),
+    "recorder": ("flowrl.rollout.recorder", None),
+    "RolloutTrajectory": ("flowrl.data.trajectory", "RolloutTrajectory"),
+    "serialization": ("flowrl.data.serialization", None),
+    "distributed": ("flowrl.ops.distributed", None),
+    "reference": ("flowrl.backends.reference", None),
     "losses": ("flowrl.losses", None),
-    "step_weights": ("flowrl.weights", "step_weights"),
-    "StepWeights": ("flowrl.weights", "StepWeights"),
+    "step_weights": ("flowrl.ops.weights", "step_weights"),
+    "StepWeights": ("flowrl.ops.weights", "StepWeights"),
 }
 
 
@@ -36,12 +40,14 @@ def __getattr__(name):
         module_name, attr = _LAZY[name]
         module = importlib.import_module(module_name)
         return module if attr is None else getattr(module, attr)
+    if f"flowrl.{name}" in _moved.MOVED:  # an old module path: flowrl.sglang, flowrl.functional, ...
+        return importlib.import_module(_moved.MOVED[f"flowrl.{name}"])
     raise AttributeError(f"module 'flowrl' has no attribute {name!r}")
 
 
 def available_backends():
     """Backends that can run here: always "torch"; "triton" when triton imports."""
-    from ._dispatch import triton_available
+    from .backends._dispatch import triton_available
 
     return ["torch"] + (["triton"] if triton_available() else [])
 

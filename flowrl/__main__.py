@@ -10,11 +10,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv else "demo"
     if command == "demo":
-        from .demo import main as demo_main
+        from .apps.demo import main as demo_main
 
         return demo_main(argv)
     if command == "example":
-        from .example import main as example_main
+        from .apps.example import main as example_main
 
         return example_main(argv)
     if command == "info":

@@ -12,7 +12,7 @@ recompute, the first-update ratio is not 1 and the mismatch has to be measured a
   "Seq-MIS"), per step (verl's "token" level: a diffusion step is a token) or per trajectory (verl's
   "sequence" level). ``correction_weights`` folds IS and RS into one [B, T] multiplier, as verl-omni
   does; pass column j as ``rollout_is_weights=`` to step j's ``flowrl.losses`` call.
-- ``check_clip_range``: warns once when the clip range is below the measured mismatch floor.
+- ``guard_clip_range``: warns once when the clip range is below the measured mismatch floor.
 
 The formulas are written here from verl's definitions (not copied), and tested against a transcription
 of them (tests/test_consistency.py):
@@ -42,6 +42,8 @@ from numbers import Real
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
+
+from .losses import check_clip_range as parse_clip_range
 
 SAFETY_BOUND = 20.0  # verl's clamp of the log-ratio before exp
 VERL_COMMIT = "1dda039b9c6311889a9c9a26040677e1254814f9"
@@ -81,12 +83,6 @@ def _log_prob_pair(rollout_log_probs, recomputed_log_probs) -> Tuple[torch.Tenso
     if a.device != b.device:
         raise ValueError(f"rollout_log_probs is on {a.device} but recomputed_log_probs is on {b.device}")
     return a, b
-
-
-def _clip(clip_range) -> Tuple[float, float]:
-    from .losses import check_clip_range
-
-    return check_clip_range(clip_range)
 
 
 def _positive(name: str, value) -> float:
@@ -180,7 +176,7 @@ def mismatch(rollout_log_probs: torch.Tensor, recomputed_log_probs: torch.Tensor
     is loop step ``steps[j]`` (default ``range(T)``). Statistics (float64) of |dlogp| and |ratio - 1|,
     dlogp = recomputed - rollout: mean, p99, max, overall and per step; with ``clip_range`` (eps or
     (eps_low, eps_high), as ``flowrl.losses`` takes it) the fraction of pairs whose first-update ratio
-    would be clipped. ``warn``: with a clip range, ``check_clip_range`` warns (once per process) when
+    would be clipped. ``warn``: with a clip range, ``guard_clip_range`` warns (once per process) when
     the clip range is below the mismatch floor."""
     rollout, recomputed = _log_prob_pair(rollout_log_probs, recomputed_log_probs)
     num_steps = rollout.shape[1]
@@ -190,25 +186,25 @@ def mismatch(rollout_log_probs: torch.Tensor, recomputed_log_probs: torch.Tensor
         steps = tuple(int(s) for s in steps)
         if len(steps) != num_steps:
             raise ValueError(f"steps must name one loop step per column: {num_steps} columns, got {len(steps)} steps")
-    clip = _clip(clip_range) if clip_range is not None else None
+    clip = parse_clip_range(clip_range) if clip_range is not None else None
     dlogp64 = recomputed.double() - rollout.double()
     ratio = torch.exp(recomputed - rollout)  # as flowrl.losses forms it (the log-probs' dtype)
     result = Mismatch(_stats(dlogp64, ratio, clip),
                       tuple(_stats(dlogp64[:, j], ratio[:, j], clip) for j in range(num_steps)), steps, clip)
     if warn and clip is not None:
-        check_clip_range(clip_range, result)
+        guard_clip_range(clip_range, result)
     return result
 
 
 class ClipBelowMismatchWarning(UserWarning):
-    """The clip range is below the rollout / recompute mismatch floor (``check_clip_range``)."""
+    """The clip range is below the rollout / recompute mismatch floor (``guard_clip_range``)."""
 
 
 _warned = False
 FLOORS = ("mean", "p99", "max")
 
 
-def check_clip_range(clip_range, measured: Mismatch, *, floor: str = "mean") -> bool:
+def guard_clip_range(clip_range, measured: Mismatch, *, floor: str = "mean") -> bool:
     """True when the clip range is at or above the mismatch floor; else warns (a
     ``ClipBelowMismatchWarning``, once per process) and returns False.
 
@@ -222,7 +218,7 @@ def check_clip_range(clip_range, measured: Mismatch, *, floor: str = "mean") -> 
         raise TypeError(f"measured must be flowrl.consistency.mismatch(...)'s result; got {type(measured).__name__}")
     if floor not in FLOORS:
         raise ValueError(f"floor must be one of {FLOORS}; got {floor!r}")
-    lo, hi = _clip(clip_range)
+    lo, hi = parse_clip_range(clip_range)
     eps = min(lo, hi)
     stats = measured.overall
     value = getattr(stats, f"ratio_dev_{floor}")
@@ -245,7 +241,7 @@ def check_clip_range(clip_range, measured: Mismatch, *, floor: str = "mean") -> 
 
 
 def _reset_warning() -> None:
-    """Forget that ``check_clip_range`` warned (tests)."""
+    """Forget that ``guard_clip_range`` warned (tests)."""
     global _warned
     _warned = False
 
@@ -376,6 +372,6 @@ def correction_weights(rollout_log_probs: torch.Tensor, recomputed_log_probs: to
 
 
 __all__ = [
-    "mismatch", "Mismatch", "MismatchStats", "check_clip_range", "ClipBelowMismatchWarning", "importance_weights",
+    "mismatch", "Mismatch", "MismatchStats", "guard_clip_range", "ClipBelowMismatchWarning", "importance_weights",
     "rejection_mask", "correction_weights", "RS_OPTIONS", "IS_LEVELS", "SAFETY_BOUND", "FLOORS",
 ]

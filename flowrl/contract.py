@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import enum
 import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 
 class _Named(enum.IntEnum):
@@ -44,6 +46,73 @@ class Mode(_Named):
     DDIM = 4
     DPM_SDE = 5
     FLASH_SDE = 6
+
+    @property
+    def rules(self) -> "ModeRules":
+        """This mode's row of ``MODE_RULES``."""
+        return MODE_RULES[self]
+
+
+class Schedule(_Named):
+    """What a mode's ``sigmas=`` holds: a flow schedule [T + 1] (sigma from <= 1 down to 0), or ddim's
+    alpha-bar table [2T] of (alpha_bar_t, alpha_bar_prev) pairs."""
+
+    SIGMAS = 0
+    ALPHA_BAR = 1
+
+
+class Variants(_Named):
+    """How many kernel specializations kernels/aot.py compiles for a mode: FULL (every op x noise
+    source x log-prob kind x reduction), FEW (one per op: a mode whose kernels differ from compiled ones
+    in per-sample coefficients only), DDIM (ddim's own list, per prediction type and clip)."""
+
+    FULL = 0
+    FEW = 1
+    DDIM = 2
+
+
+@dataclass(frozen=True)
+class ModeRules:
+    """What a mode allows, read by every place that decides it (docs/contributing.md): the argument
+    checks (``flowrl._validate``, ``flowrl.step_spec``, ``flowrl.functional``), the losses, the step
+    weights, the rollout recorder, the SGLang converter, the demo's CLI and kernels/aot.py.
+
+    noise_level: the inclusive range [lo, hi] of ``noise_level`` (hi may be inf; lo == hi: fixed).
+    fixed_why: why the noise level is fixed, for the error message ("" when it is not).
+    order: 2 when the step may read the previous step's data prediction (``prev_x0_pred``), else 1.
+    extra_inputs: the public keyword arguments only this mode reads.
+    schedule: what ``sigmas=`` holds (``Schedule``).
+    per_token, frozen: whether ``token_sigmas=`` / ``frozen=`` are defined for it (first-order steps).
+    losses: whether flowrl.losses takes it (the loss kernels fuse a mean ``a x + c v``).
+    sglang: SGLang's ``rollout_sde_type`` for it (the wire key), None where SGLang has none.
+    aot: the kernel specializations kernels/aot.py compiles (``Variants``).
+    """
+
+    noise_level: Tuple[float, float] = (0.0, math.inf)
+    fixed_why: str = ""
+    order: int = 1
+    extra_inputs: Tuple[str, ...] = ()
+    schedule: Schedule = Schedule.SIGMAS
+    per_token: bool = True
+    frozen: bool = True
+    losses: bool = True
+    sglang: Optional[str] = None
+    aot: Variants = Variants.FULL
+
+
+MODE_RULES = {
+    Mode.ODE: ModeRules(sglang="ode"),
+    Mode.SDE: ModeRules(sglang="sde"),
+    Mode.DANCE: ModeRules(),
+    Mode.CPS: ModeRules(noise_level=(0.0, 1.0), sglang="cps"),
+    Mode.DDIM: ModeRules(noise_level=(0.0, 1.0), extra_inputs=("prediction_type", "clip_sample_range"),
+                         schedule=Schedule.ALPHA_BAR, per_token=False, frozen=False, losses=False, aot=Variants.DDIM),
+    # SDE-DPM-Solver++ (MixGRPO): its std sigma' sqrt(1 - e^(-2h)) is fixed by the schedule
+    Mode.DPM_SDE: ModeRules(noise_level=(1.0, 1.0), fixed_why="its std sigma' sqrt(1 - e^(-2h)) has no noise level",
+                            order=2, extra_inputs=("prev_x0_pred",), aot=Variants.FEW),
+    Mode.FLASH_SDE: ModeRules(aot=Variants.FEW),  # sde's kernel path with another noise scale
+}
+assert set(MODE_RULES) == set(Mode), "every Mode needs its row in MODE_RULES"
 
 
 class LogProbKind(_Named):
@@ -91,6 +160,22 @@ class Prediction(_Named):
     V_PREDICTION = 2
 
 
+class TrustSource(_Named):
+    """Where the trust-region losses' mu_old comes from (kernels/loss.py's TRUST_* switches): none, a
+    stored tensor (``old_prev_sample_mean``), or replayed from x' and the rollout's Philox noise."""
+
+    NONE = 0
+    GIVEN = 1
+    REPLAY = 2
+
+
+class FlowLoss(_Named):
+    """Which forward-process loss (kernels/loss.py's LOSS_* switches)."""
+
+    NFT = 0
+    AWM = 1
+
+
 # Elements per reduction chunk: the unit of the deterministic, shard-invariant reduction order. Each
 # chunk is summed by the halving tree t[:h] + t[h:] (zero-padded to CHUNK_SIZE), and a sample's chunk
 # partials by the same tree, zero-padded to a power of two (docs/contract.md, Reduction order).
@@ -132,6 +217,7 @@ COSPI_C10 = -2.755731998149713e-07
 COSPI_C12 = 2.0876755879584152e-09
 
 __all__ = [
-    "Mode", "Prediction", "LogProbKind", "LOG_PROB_KINDS", "Reduction", "Op", "NoiseSource", "CHUNK_SIZE",
+    "Mode", "ModeRules", "MODE_RULES", "Schedule", "Variants", "Prediction", "LogProbKind", "LOG_PROB_KINDS", "Reduction", "Op", "NoiseSource", "TrustSource", "FlowLoss",
+    "CHUNK_SIZE",
     "LOG2_CHUNK_SIZE", "HALF_LOG_2PI", "SIGMA_ONE_RTOL", "SIGMA_ONE_ATOL", "SIGMA_ONE_TOL", "STD_FLOOR",
 ]

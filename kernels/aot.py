@@ -29,7 +29,7 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from typing import Dict, Iterator, List, NamedTuple, Sequence
 
-from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, LogProbKind, Mode, NoiseSource, Op, Prediction
+from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, LogProbKind, Mode, NoiseSource, Op, Prediction, Variants
 
 STORAGES = ("bf16", "fp16", "fp32")
 ARCHS = (90, 80)
@@ -51,13 +51,13 @@ class Specialization(NamedTuple):
 
 def _launch_configs():
     """The distinct (chunks per program, num_warps) of the launcher's table."""
-    from flowrl._triton_ops import LAUNCH_TABLE
+    from flowrl.backends._triton_ops import LAUNCH_TABLE
 
     return sorted({(group, warps) for _, group, warps in LAUNCH_TABLE})
 
 
 def _unaligned_philox_config():
-    from flowrl._triton_ops import UNALIGNED_PHILOX_CONFIG
+    from flowrl.backends._triton_ops import UNALIGNED_PHILOX_CONFIG
 
     return UNALIGNED_PHILOX_CONFIG
 
@@ -106,7 +106,7 @@ def _finalize(mode, kind, mean, width, count_given=False, has_log=False):
            "last_index": "i32", "clip_range": "fp32"}
     cx = {"MODE": int(mode), "KIND": int(kind), "MEAN": mean, "WIDTH": width, "LOG2_WIDTH": width.bit_length() - 1,
           "COUNT_GIVEN": count_given, "HAS_LOG": has_log, **_ddim_cx(mode, (Prediction.EPSILON, False))}
-    from flowrl._triton_ops import finalize_warps
+    from flowrl.backends._triton_ops import finalize_warps
 
     warps = finalize_warps(width)
     label = f"{mode.label} {kind.label} {'mean' if mean else 'sum'} width={width}" + (
@@ -185,7 +185,7 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
     Their mode math is kernels/common.py's, compiled in every mode by the step kernels above."""
     configs = _launch_configs()
     largest, smallest = configs[-1], configs[0]
-    from flowrl.losses._triton import REPLAY_BACKWARD_CONFIG
+    from flowrl.backends._triton_losses import REPLAY_BACKWARD_CONFIG
 
     for backward in (False, True):
         if not backward:  # the replaying backward runs at REPLAY_BACKWARD_CONFIG only
@@ -201,7 +201,7 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
 # Modes whose kernels differ from compiled ones in per-sample coefficients only (flash_sde is sde's path
 # with another s; dpm_sde adds one read, p * x0_prev, under HAS_PREV): one specialization per op and
 # switch, not the full matrix (CI time).
-FEW_SPECIALIZATIONS = (Mode.DPM_SDE, Mode.FLASH_SDE)
+FEW_SPECIALIZATIONS = tuple(mode for mode in Mode if mode.rules.aot is Variants.FEW)  # flowrl.contract.MODE_RULES
 
 
 def _few(storage, mode, config) -> Iterator[Specialization]:
@@ -269,7 +269,7 @@ def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Spec
         yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (True, True, True), *largest)
         return
     for mode in Mode:
-        if mode is Mode.DDIM:
+        if mode.rules.aot is Variants.DDIM:
             yield from _ddim(storage, largest)
             continue
         if mode in FEW_SPECIALIZATIONS:  # coefficient-only variants of compiled paths: one of each op
@@ -301,11 +301,11 @@ def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Spec
     if storage == STORAGES[0]:  # the finalize reads float32 partials whatever the latents' dtype
         yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, True, 64, count_given=True, has_log=True)
         yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, False, 64, count_given=True)
-        for mode in (m for m in Mode if m not in FEW_SPECIALIZATIONS and m is not Mode.DDIM):
+        for mode in (m for m in Mode if m.rules.aot is Variants.FULL):
             for kind in LogProbKind:
                 for mean in (True, False):
                     yield _finalize(mode, kind, mean, 64)
-        from flowrl._triton_ops import MAX_FINALIZE_WIDTH
+        from flowrl.backends._triton_ops import MAX_FINALIZE_WIDTH
 
         for width in (2, 1024, MAX_FINALIZE_WIDTH):
             yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, True, width)

@@ -1,4 +1,4 @@
-"""Fused training-loss kernels (launchers and autograd Functions live in flowrl/losses/_triton.py).
+"""Fused training-loss kernels (launchers and autograd Functions live in flowrl/_triton_losses.py).
 
 Two element passes, each with its backward, on the step kernels' 1-D grid (one program per sample
 and group of CHUNK-element chunks, kernels/step.py's ``_block_offsets``) and their fixed halving-tree

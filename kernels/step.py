@@ -1,5 +1,5 @@
 """Fused forward, finalize and backward kernels of flowrl's three ops (launchers and autograd
-Functions live in flowrl/_triton_ops.py).
+Functions live in flowrl/backends/_triton_ops.py).
 
 Forward: one program per (sample, group of GROUP consecutive chunks); it reads its elements of x, v
 and a third input once and writes one float32 partial per chunk = sum of squared residuals over the

@@ -214,8 +214,8 @@ def test_arguments_are_checked_naming_them():
          lambda: C.rejection_mask(r, c, criterion="token_k2,token_k3", threshold="1,2,3")),
         (ValueError, "pass rollout_is", lambda: C.correction_weights(r, c)),
         (ValueError, "rollout_rs_threshold must be given", lambda: C.correction_weights(r, c, rollout_rs="token_k1")),
-        (TypeError, "measured must be", lambda: C.check_clip_range(0.2, {"x": 1})),
-        (ValueError, "floor must be one of", lambda: C.check_clip_range(0.2, C.mismatch(r, c), floor="p50")),
+        (TypeError, "measured must be", lambda: C.guard_clip_range(0.2, {"x": 1})),
+        (ValueError, "floor must be one of", lambda: C.guard_clip_range(0.2, C.mismatch(r, c), floor="p50")),
     ]
     for exc, pattern, call in cases:
         with pytest.raises(exc, match=pattern):
@@ -269,7 +269,7 @@ def test_guard_warns_once_naming_the_clip_range_and_the_floor():
         assert 1e-5 < floor < 1e-4
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert C.check_clip_range(1e-4, C.mismatch(rollout, recomputed, clip_range=1e-4))  # above: silent
+            assert C.guard_clip_range(1e-4, C.mismatch(rollout, recomputed, clip_range=1e-4))  # above: silent
         with pytest.warns(C.ClipBelowMismatchWarning) as caught:
             C.mismatch(rollout, recomputed, clip_range=(1e-5, 1e-3))
         text = str(caught[0].message)
@@ -278,12 +278,12 @@ def test_guard_warns_once_naming_the_clip_range_and_the_floor():
         assert re.search(r"\d+\.\d% of them would clip at this range", text)
         with warnings.catch_warnings():  # once per process
             warnings.simplefilter("error")
-            assert not C.check_clip_range(1e-6, C.mismatch(rollout, recomputed, warn=False))
+            assert not C.guard_clip_range(1e-6, C.mismatch(rollout, recomputed, warn=False))
             C.mismatch(rollout, recomputed, clip_range=1e-6)
         # the floor statistic is selectable: a clip range between the mean and the max passes at "mean" only
         m = C.mismatch(rollout, recomputed, warn=False)
         between = (m.overall.ratio_dev_mean + m.overall.ratio_dev_max) / 2
-        assert C.check_clip_range(between, m) and not C.check_clip_range(between, m, floor="max")
+        assert C.guard_clip_range(between, m) and not C.guard_clip_range(between, m, floor="max")
     finally:
         C._reset_warning()
 

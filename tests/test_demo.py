@@ -27,7 +27,9 @@ def demo(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "flags", [["--mode", "sde"], ["--mode", "cps", "--log-prob", "sq_err"]], ids=["sde", "cps-sq_err"],
+    "flags", [["--mode", "sde"], ["--mode", "cps", "--log-prob", "sq_err"], ["--mode", "ode"], ["--mode", "dance"],
+              ["--mode", "ddim"], ["--mode", "dpm_sde"], ["--mode", "flash_sde"]],
+    ids=["sde", "cps-sq_err", "ode", "dance", "ddim", "dpm_sde", "flash_sde"],
 )
 def test_demo_ratios_are_exactly_one(flags):
     res = demo(*SMALL, *flags)
@@ -50,7 +52,7 @@ def test_demo_ratios_are_exactly_one(flags):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--mode", "ddim"], "argument --mode: invalid choice: 'ddim'"),
+        (["--mode", "heun"], "argument --mode: invalid choice: 'heun'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--steps", "0"], "--steps, --batch and --dim must be positive"),
         (["--noise-level", "1.5", "--mode", "cps"], "flowrl demo: error: noise_level must be in [0, 1] for mode='cps'"),

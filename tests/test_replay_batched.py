@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flowrl
-from flowrl.replay import ReplayPlan
+from flowrl.data.replay import ReplayPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 B, T, SHAPE = 5, 6, (3, 8)

@@ -174,7 +174,7 @@ def test_is_diffusers_scheduler_when_diffusers_is_installed():
     assert isinstance(ours, diffusers.FlowMatchEulerDiscreteScheduler) and isinstance(ours, diffusers.SchedulerMixin)
     # the instance reports diffusers' module (what a pipeline records); the class and pickles stay flowrl's
     assert ours.__module__ == diffusers.FlowMatchEulerDiscreteScheduler.__module__
-    assert Sched.__module__ == "flowrl.scheduler" and type(pickle.loads(pickle.dumps(ours))) is Sched
+    assert Sched.__module__ == "flowrl.rollout.scheduler" and type(pickle.loads(pickle.dumps(ours))) is Sched
 
     # every method diffusers defines for the scheduler is flowrl's: the base contributes only the type
     # (a method a new diffusers adds would run on flowrl's state untested, so this fails then)
@@ -561,7 +561,7 @@ def test_flow_shift_of_wan_and_sana_configs_becomes_shift(family, caplog):
     make = {"wan-unipc": diffusers.UniPCMultistepScheduler, "sana-dpm": diffusers.DPMSolverMultistepScheduler}[family]
     shipped = make(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0).config
     assert "shift" not in shipped and shipped["flow_shift"] == 5.0
-    with caplog.at_level(logging.INFO, logger="flowrl.scheduler"):
+    with caplog.at_level(logging.INFO, logger="flowrl.rollout.scheduler"):
         ours = Sched.from_config(shipped)
     assert ours.config.shift == 5.0
     assert [r.levelno for r in caplog.records if "flow_shift" in r.getMessage()] == [logging.INFO]

@@ -17,7 +17,7 @@ import torch
 
 import flowrl
 from flowrl.serialization import to_wire
-from flowrl.sglang import SGLangDenoisingEnv, from_sglang
+from flowrl.sglang import SGLangDenoisingEnv, from_sglang, to_sglang
 
 B, T, SHAPE = 2, 4, (4, 6)
 REQUEST = {"prompt": "p", "rollout_sde_type": "sde", "rollout_noise_level": 0.7, "rollout_log_prob_no_const": False}
@@ -73,7 +73,7 @@ def test_from_sglang_builds_the_batch_trajectory(dtype):
         got = from_sglang(given, request=REQUEST)
         assert_same(got, traj)
     # one response (or its JSON text): a batch of one
-    one = flowrl.RolloutTrajectory.from_sglang(json.dumps(responses[1]), request=REQUEST)
+    one = from_sglang(json.dumps(responses[1]), request=REQUEST)
     assert one.batch_size == 1 and torch.equal(one.latents[0], traj.latents[1])
     # the recompute from the decoded trajectory gives the rollout's log-probs bit for bit
     g = torch.Generator().manual_seed(0)
@@ -111,7 +111,7 @@ def test_schedule_length_equal_to_batch_size_is_never_sliced(batch, steps):
 def test_to_sglang_round_trips_bit_for_bit_with_debug_tensors_and_env():
     for traj in (rollout(dtype=torch.bfloat16, debug=True),
                  rollout(return_step_indices=[1, 3], sde_steps=[2], log_prob="sq_err", noise_level=0.3)):
-        responses = traj.to_sglang(request_id="r", seed=3)
+        responses = to_sglang(traj, request_id="r", seed=3)
         assert len(responses) == traj.batch_size and responses[0]["seed"] == 3
         text = json.dumps(responses)
         back = from_sglang(text)  # to_sglang writes the settings into every response
@@ -119,7 +119,7 @@ def test_to_sglang_round_trips_bit_for_bit_with_debug_tensors_and_env():
         if traj.debug_tensors is not None:
             for k, v in traj.debug_tensors.as_dict().items():
                 assert torch.equal(getattr(back.debug_tensors, k), v), k
-        again = back.to_sglang(request_id="r", seed=3)
+        again = to_sglang(back, request_id="r", seed=3)
         assert json.dumps(again) == text
     # SGLang's denoising_env dicts travel per sample, unchanged
     traj = rollout()
@@ -131,7 +131,7 @@ def test_to_sglang_round_trips_bit_for_bit_with_debug_tensors_and_env():
                        env[1]["pos_cond_kwargs"]["encoder_hidden_states"])
     with pytest.raises(TypeError, match="SGLang denoising_env"):
         got.model_inputs(0)
-    assert json.dumps(got.to_sglang()[1]["denoising_env"]) == json.dumps(to_wire(env[1]))
+    assert json.dumps(to_sglang(got)[1]["denoising_env"]) == json.dumps(to_wire(env[1]))
 
 
 def _mutations():
@@ -341,7 +341,7 @@ def test_extra_sampling_params_errors_name_where_the_setting_came_from():
     with pytest.raises(ValueError, match=r"request\['extra_sampling_params'\]\['rollout_noise_level'\]: must be a number"):
         from_sglang(responses, request={**REQUEST, "extra_sampling_params": {"rollout_noise_level": "0.3"}})
     # settings a response carries are checked against the resolved ones
-    carried = flowrl.RolloutTrajectory.to_sglang(rollout())  # carries sde at 0.7
+    carried = to_sglang(rollout())  # carries sde at 0.7
     with pytest.raises(ValueError, match=r"rollout_noise_level: 0.7 disagrees with the request's 0.3 \(from "
                                          r"request\['extra_sampling_params'\]\['rollout_noise_level'\]\)"):
         from_sglang(carried, request={**REQUEST, "extra_sampling_params": {"rollout_noise_level": 0.3}})

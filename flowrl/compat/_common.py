@@ -12,10 +12,10 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .. import _validate as V
-from .. import timestep_lookup
-from ..functional import draw_noise, sde_step
-from .. import reference
+from ..core import _validate as V
+from ..rollout import timestep_lookup
+from ..ops.functional import draw_noise, sde_step
+from ..backends import reference
 
 _DEVICE_COPIES: dict = {}  # (id(src), version, device) -> (weakref to src, copy on device)
 

@@ -43,8 +43,8 @@ from typing import Optional, Union
 
 import torch
 
-from .. import _validate as V
-from ..functional import step_log_prob
+from ..core import _validate as V
+from ..ops.functional import step_log_prob
 from . import _common as C
 
 

@@ -61,9 +61,9 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from ..functional import step_log_prob
-from ..scheduler import FlowMatchEulerDiscreteScheduler, _DEFAULTS
-from .. import _validate as V
+from ..ops.functional import step_log_prob
+from ..rollout.scheduler import FlowMatchEulerDiscreteScheduler, _DEFAULTS
+from ..core import _validate as V
 from . import _common as C
 
 DYNAMICS = {"Flow-SDE": ("sde", "gaussian"), "Dance-SDE": ("dance", "gaussian"), "CPS": ("cps", "sq_err"),

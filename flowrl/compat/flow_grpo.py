@@ -61,8 +61,8 @@ from typing import Optional, Union
 
 import torch
 
-from ..functional import sde_step, step_log_prob
-from .. import _validate as V
+from ..ops.functional import sde_step, step_log_prob
+from ..core import _validate as V
 from . import _common as C
 
 SDE_TYPES = {"sde": ("sde", "gaussian"), "cps": ("cps", "sq_err")}

@@ -49,10 +49,10 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .. import _validate as V
-from ..functional import step_log_prob
+from ..core import _validate as V
 from ..losses import nft_loss
-from ..scheduler import FlowMatchEulerDiscreteScheduler
+from ..ops.functional import step_log_prob
+from ..rollout.scheduler import FlowMatchEulerDiscreteScheduler
 from . import _common as C
 from .flow_factory import _assemble, _groups
 

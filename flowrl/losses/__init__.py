@@ -10,8 +10,10 @@
 - ``nft_loss`` (DiffusionNFT) and ``awm_loss`` / ``awm_log_prob`` (Advantage Weighted Matching):
   forward-process losses that use no SDE log-prob.
 
-Each has a torch backend (flowrl.reference's math, the oracle) and a Triton backend (kernels/loss.py:
-one element pass forward, one backward that writes d loss / d model_output). Per-sample values are
+Each reaches its per-sample values through the backend table (``flowrl._dispatch``), like the step
+ops: the torch backend's (flowrl.reference_losses, with flowrl.reference's math: the oracle) or the
+Triton backend's (flowrl._triton_losses, kernels/loss.py: one element pass forward, one backward that
+writes d loss / d model_output). Per-sample values are
 reduced in the contract's fixed chunked halving-tree order: deterministic and batch-invariant; only
 the final batch mean depends on the batch. The per-sample [B] arithmetic after the reductions
 (ratio, clip, masks, weights) is written once, here, for both backends.
@@ -21,7 +23,6 @@ outputs and the stored means are data, and a tensor among them that requires gra
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 from numbers import Real
@@ -29,29 +30,14 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from .. import _dispatch, reference
-from .. import _validate as V
-from ..contract import LogProbKind, Mode, Op, Reduction
-from ..functional import step_kl
-from ..step_spec import StepSpec, log_prob_kind, schedule_and_steps
-from ..weights import scheme_weights
+from ..backends import _dispatch
+from ..core import _validate as V
+from ..contract import FlowLoss, Mode, Op, Reduction, TrustSource
+from ..ops.functional import step_kl
+from ..core.step_spec import StepSpec, log_prob_kind, schedule_and_steps
+from ..ops.weights import scheme_weights
 
 ClipRange = Union[float, Tuple[float, float]]
-
-
-class TrustSource(enum.IntEnum):
-    """Where mu_old comes from (kernels/loss.py's TRUST_* switches)."""
-
-    NONE = 0
-    GIVEN = 1
-    REPLAY = 2
-
-
-class FlowLoss(enum.IntEnum):
-    """Which forward-process loss (kernels/loss.py's LOSS_* switches)."""
-
-    NFT = 0
-    AWM = 1
 
 
 class _Variant(enum.IntEnum):
@@ -157,38 +143,6 @@ def _step_sample_tensor(name, t, sample):
     return t
 
 
-# ------------------------------------------------------------------- per-sample values (backends)
-
-
-def _torch_grpo_values(spec, x, v, prev, ref, old_mean, trust, seed):
-    """The torch backend's (log_prob, kl, trust_divergence) [B]: flowrl.reference's ops and math."""
-    lp, _ = reference.step_log_prob(spec, x, v, prev)
-    zeros = torch.zeros_like(lp)
-    kl = reference.step_kl(dataclasses.replace(spec, kind=LogProbKind.KL), x, v, ref)[0] if ref is not None else zeros
-    tr = zeros
-    if trust is not TrustSource.NONE:
-        dtype = reference.compute_dtype(x, v, prev)
-        a, c, std = reference.mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
-        mu = reference._mean(x, v, a, c)
-        if trust is TrustSource.GIVEN:
-            old = reference._rows(old_mean).to(dtype)
-        else:  # mu_old = x' - std * eps, eps the rollout's Philox noise
-            eps = reference.philox_normal(seed, mu.shape[1]).to(dtype)
-            old = reference._rows(prev).to(dtype) - reference._col(std) * eps
-        tr_spec = StepSpec(Op.KL, spec.sigmas, spec.step_index, spec.mode, spec.noise_level, LogProbKind.KL,
-                           Reduction.MEAN, spec.numel)
-        tr, _ = reference._reduce(tr_spec, mu - old, std)
-    return lp, kl, tr
-
-
-def _grpo_values(backend, spec, x, v, prev, ref, old_mean, trust, seed):
-    if backend.name == "triton":
-        from . import _triton
-
-        return _triton.grpo_values(spec, x, v, prev, ref, old_mean, trust, seed)
-    return _torch_grpo_values(spec, x, v, prev, ref, old_mean, trust, seed)
-
-
 # --------------------------------------------------------------------- the GRPO family's loss block
 
 
@@ -236,8 +190,8 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
                  clip_range, mode, noise_level, log_prob, reduction, kl_coef, ref_model_output,
                  old_prev_sample_mean, noise_seed, kl_threshold, backend, rollout_is_weights=None) -> GRPOLossOutput:
     sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
-    if mode is Mode.DDIM:  # its mean is not a * x + c * v (x0's clip; an alpha-bar table), which the loss kernels fuse
-        raise ValueError("mode='ddim' is not supported by flowrl.losses; compute step_log_prob(mode='ddim', ...) and "
+    if not mode.rules.losses:  # ddim: its mean is not a * x + c * v (x0's clip; an alpha-bar table), which the loss kernels fuse
+        raise ValueError(f"mode={mode.label!r} is not supported by flowrl.losses; compute step_log_prob(mode={mode.label!r}, ...) and "
                          "form the loss from it")
     V.check_batch_tensor("prev_sample", prev_sample, sample)
     _step_sample_tensor("ref_model_output", ref_model_output, sample)
@@ -267,8 +221,8 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
                     sample.numel() // batch)
     tensors = [t for t in (sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean) if t is not None]
     ops = _dispatch.select(backend, *tensors)
-    lp, kl, tr = _grpo_values(ops, spec, sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean,
-                              trust, seed)
+    lp, kl, tr = ops.grpo_values(spec, sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean,
+                                 trust, seed)
     dtype = lp.dtype
     # GRPO-Guard's weights: std on the corrected log-ratio, 1/D on the loss (flowrl.weights)
     guard_weights = scheme_weights("grpo_guard", sigmas, idx, mode, eta, dtype) if variant is _Variant.GUARD else None
@@ -414,36 +368,9 @@ def _flow_t(name, t, batch, like) -> torch.Tensor:
     return _check_per_sample(name, t, batch, like.device)
 
 
-def _torch_flow_sums(kind, xt, v, other, x0, ref, t, coefs):
-    """The torch backend's [K, B] sums (kernels/loss.py's flow_partials_kernel, same operations)."""
-    dtype = reference.compute_dtype(xt, v, other, x0, ref)
-    rows = [reference._rows(u).to(dtype) if u is not None else None for u in (xt, v, other, x0, ref)]
-    xt, v, other, x0, ref = rows
-    if kind is FlowLoss.NFT:
-        beta, one_minus, one_plus = coefs
-        tc = reference._col(t.to(dtype))
-        e_pos = (xt - tc * (beta * v + one_minus * other)) - x0
-        e_neg = (xt - tc * (one_plus * other - beta * v)) - x0
-        terms = [e_pos.abs(), e_pos * e_pos, e_neg.abs(), e_neg * e_neg]
-        if ref is not None:
-            d = v - ref
-            terms.append(d * d)
-    else:
-        e = v - (other - x0)
-        terms = [e * e]
-    stacked = torch.stack(terms)  # [K, B, N]
-    k, b, n = stacked.shape
-    return reference.combine_partials(reference.chunk_partials(stacked.reshape(k * b, n))).reshape(k, b)
-
-
 def _flow_sums(backend_arg, kind, count, xt, v, other, x0, ref, t, coefs):
     tensors = [u for u in (xt, v, other, x0, ref) if u is not None]
-    ops = _dispatch.select(backend_arg, *tensors)
-    if ops.name == "triton":
-        from . import _triton
-
-        return _triton.flow_sums(kind, count, xt, v, other, x0, ref, t, coefs)
-    return _torch_flow_sums(kind, xt, v, other, x0, ref, t, coefs)
+    return _dispatch.select(backend_arg, *tensors).flow_sums(kind, count, xt, v, other, x0, ref, t, coefs)
 
 
 def nft_loss(

@@ -26,10 +26,10 @@ from typing import Optional
 
 import torch
 
-from . import _validate as V
+from ..core import _validate as V
 from .recorder import RolloutRecorder
 from .scheduler import FlowMatchEulerDiscreteSchedulerOutput
-from .step_spec import ddim_options
+from ..core.step_spec import ddim_options
 from .timestep_lookup import index_for_timestep
 
 try:

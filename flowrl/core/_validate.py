@@ -19,7 +19,7 @@ from typing import NamedTuple, Sequence, Union
 import numpy as np
 import torch
 
-from .contract import LOG_PROB_KINDS, SIGMA_ONE_TOL, Mode, Reduction
+from ..contract import LOG_PROB_KINDS, SIGMA_ONE_TOL, Mode, Reduction
 
 MODES = Mode.labels()
 REDUCTIONS = Reduction.labels()
@@ -121,7 +121,8 @@ def check_sample(sample, name: str = "sample") -> torch.Tensor:
 
 
 def check_noise_level(noise_level, mode: str, name: str = "noise_level") -> float:
-    """A finite real >= 0 (<= 1 for cps), as a float."""
+    """A finite real in the mode's range (``Mode.rules.noise_level``: >= 0, <= 1 for cps and ddim,
+    exactly 1 for dpm_sde), as a float."""
     if isinstance(noise_level, bool) or not isinstance(noise_level, Real):
         raise TypeError(f"{name} must be a real number; got {type(noise_level).__name__}")
     eta = float(noise_level)
@@ -129,12 +130,12 @@ def check_noise_level(noise_level, mode: str, name: str = "noise_level") -> floa
         raise ValueError(f"{name} must be finite; got {eta}")
     if eta < 0:
         raise ValueError(f"{name} must be >= 0; got {eta}")
-    if mode in ("cps", "ddim") and eta > 1:
-        raise ValueError(f"{name} must be in [0, 1] for mode={mode!r}; got {eta}")
-    if mode == "dpm_sde" and eta != 1:
-        # SDE-DPM-Solver++ has no noise level (MixGRPO): its std is fixed by the schedule
-        raise ValueError(f"{name} must be 1.0 for mode='dpm_sde' (its std sigma' sqrt(1 - e^(-2h)) has no "
-                         f"noise level); got {eta}")
+    rules = Mode.parse("mode", mode).rules
+    lo, hi = rules.noise_level
+    if lo == hi and eta != lo:
+        raise ValueError(f"{name} must be {lo} for mode={mode!r} ({rules.fixed_why}); got {eta}")
+    if not lo <= eta <= hi:
+        raise ValueError(f"{name} must be in [{lo:g}, {hi:g}] for mode={mode!r}; got {eta}")
     return eta
 
 

@@ -32,10 +32,11 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from . import _validate as V
-from ._dispatch import BACKENDS
-from .denoising_env import check_env_options, finish_env, start_env
-from .functional import GeneratorArg, combine_streams, sde_step
+from ..core import _validate as V
+from ..backends._dispatch import BACKENDS
+from ..contract import Mode, Schedule
+from ..data.denoising_env import check_env_options, finish_env, start_env
+from ..ops.functional import GeneratorArg, combine_streams, sde_step
 from .scheduler import (
     DiffusersFlowMatchEulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
@@ -43,7 +44,7 @@ from .scheduler import (
     check_step_timestep,
 )
 from .timestep_lookup import index_for_timestep
-from .trajectory import RolloutTrajectory
+from ..data.trajectory import RolloutTrajectory
 
 # instance attributes a rollout sets on a recording scheduler (and removes when it ends): the two methods
 # it records through, and the two hooks copy.deepcopy / copy.copy read from an instance (a copy becomes
@@ -73,7 +74,7 @@ def check_scheduler(scheduler, mode: Optional[str] = None, noise_level: Optional
             f"{type(scheduler).__name__}. A rollout replaces the Euler step x + (sigma' - sigma) v of that "
             "scheduler; other schedulers (Heun, LCM, multistep, DDIM) step differently"
         )
-    if mode == "ddim":
+    if mode is not None and Mode.parse("mode", mode).rules.schedule is not Schedule.SIGMAS:
         raise ValueError("mode='ddim' steps an alpha-bar (DDPM) schedule, not this scheduler's sigma table: record it "
                          "with flowrl.DDIMScheduler(...).rollout() (or flowrl.ddim.DDIMRolloutRecorder)")
     config = scheduler.config
@@ -100,7 +101,7 @@ def check_scheduler(scheduler, mode: Optional[str] = None, noise_level: Optional
 
 def _solver_order(mode: str, solver_order) -> Optional[int]:
     """dpm_sde's solver order (1 or 2; default 2, diffusers' DPM solvers' default); None for other modes."""
-    if mode != "dpm_sde":
+    if Mode.parse("mode", mode).rules.order == 1:
         if solver_order is not None:
             raise ValueError(f"solver_order is mode='dpm_sde''s; got it with mode={mode!r}")
         return None

@@ -18,7 +18,8 @@ from typing import List, Optional
 import torch
 
 import flowrl
-from flowrl._dispatch import BACKENDS
+from flowrl.backends._dispatch import BACKENDS
+from flowrl.contract import Mode, Schedule
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -46,9 +47,10 @@ class GaussianMixtureVelocity:
     def dim(self) -> int:
         return int(self.means.shape[1])
 
-    def _component_terms(self, x: torch.Tensor, sigma: torch.Tensor):
+    def _component_terms(self, x: torch.Tensor, sigma: torch.Tensor, signal: Optional[torch.Tensor] = None):
         # per component k: x_sigma | k ~ N((1 - sigma) m_k, tau_k^2 I), tau_k^2 = (1 - sigma)^2 s_k^2 + sigma^2
-        one_minus = (1 - sigma)[:, None]  # [B, 1]
+        # (``signal``: x0's scale where it is not 1 - sigma, sqrt(alpha_bar) of a DDPM schedule)
+        one_minus = (1 - sigma if signal is None else signal)[:, None]  # [B, 1]
         tau2 = one_minus**2 * self.stds[None] ** 2 + sigma[:, None] ** 2  # [B, K]
         resid = x[:, None, :] - one_minus[:, :, None] * self.means[None]  # [B, K, dim]
         logp = self.log_weights[None] - 0.5 * (resid**2).sum(-1) / tau2 - 0.5 * self.dim * torch.log(2 * math.pi * tau2)
@@ -62,6 +64,13 @@ class GaussianMixtureVelocity:
         e_eps = sigma[:, None, None] / tau2[..., None] * resid
         e_x0 = self.means[None] + ((1 - sigma)[:, None, None] * self.stds[None, :, None] ** 2 / tau2[..., None]) * resid
         return (post[..., None] * (e_eps - e_x0)).sum(1)
+
+    def epsilon(self, x: torch.Tensor, alpha_bar: torch.Tensor) -> torch.Tensor:
+        """E[eps | x_t = sqrt(a) x0 + sqrt(1 - a) eps = x] in float64 (a DDPM model's epsilon-prediction)."""
+        x, a = x.double().reshape(x.shape[0], -1), alpha_bar.double()
+        tau2, resid, logp = self._component_terms(x, torch.sqrt(1 - a), torch.sqrt(a))
+        post = torch.softmax(logp, dim=1)
+        return (post[..., None] * (torch.sqrt(1 - a)[:, None, None] / tau2[..., None] * resid)).sum(1)
 
     def __call__(self, latents: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
         t = torch.as_tensor(timestep, dtype=torch.float64).reshape(-1).expand(latents.shape[0])
@@ -83,12 +92,37 @@ class GaussianMixtureVelocity:
         return logp.argmax(1)
 
 
+class _EpsilonModel:
+    """The mixture as a DDPM model (mode='ddim'): ``(latents, timestep)`` -> epsilon-prediction, with
+    alpha_bar from the scheduler's table."""
+
+    def __init__(self, model: GaussianMixtureVelocity, alphas_cumprod: torch.Tensor):
+        self.model, self.alphas_cumprod = model, alphas_cumprod
+        self.dim = model.dim
+
+    def __call__(self, latents: torch.Tensor, timestep) -> torch.Tensor:
+        t = torch.as_tensor(timestep).reshape(-1).long().cpu().expand(latents.shape[0])
+        eps = self.model.epsilon(latents.cpu(), self.alphas_cumprod[t])
+        return eps.reshape(latents.shape).to(device=latents.device, dtype=latents.dtype)
+
+
+def _scheduler_and_model(model, mode: Mode, shift: float):
+    """The drop-in scheduler that records ``mode`` (by its ``sigmas=`` kind, ``Mode.rules.schedule``) and
+    the model it calls: flowrl's flow scheduler and the velocity, or flowrl.DDIMScheduler and epsilon."""
+    if mode.rules.schedule is Schedule.ALPHA_BAR:
+        scheduler = flowrl.DDIMScheduler(num_train_timesteps=model.num_train_timesteps)
+        return scheduler, _EpsilonModel(model, scheduler.alphas_cumprod)
+    return flowrl.FlowMatchEulerDiscreteScheduler(shift=shift), model
+
+
 def _rollout(model, scheduler, args, dtype, device):
     gens = [torch.Generator().manual_seed(args.seed * 1000 + i) for i in range(args.batch)]
     latents = torch.cat([torch.randn(1, model.dim, generator=g) for g in gens]).to(device=device, dtype=dtype)
     scheduler.set_timesteps(args.steps, device=device)
-    rec = scheduler.rollout(mode=args.mode, noise_level=args.noise_level, log_prob=args.log_prob, generator=gens,
-                            backend=args.backend)
+    options = dict(noise_level=args.noise_level, log_prob=args.log_prob, generator=gens, backend=args.backend)
+    if Mode.parse("mode", args.mode).rules.schedule is Schedule.SIGMAS:  # flowrl.DDIMScheduler's is ddim
+        options["mode"] = args.mode
+    rec = scheduler.rollout(**options)
     with rec:
         for t in scheduler.timesteps:
             v = model(latents, t)
@@ -102,12 +136,7 @@ def _recompute(model, traj, backend):
     for i in range(traj.num_steps):
         x = traj.latents[:, i]
         v = model(x, traj.timesteps[i])
-        lps.append(
-            flowrl.step_log_prob(
-                x, v, traj.latents[:, i + 1], traj.sigmas, i, mode=traj.mode, noise_level=traj.noise_level,
-                log_prob=traj.log_prob, reduction=traj.reduction, backend=backend,
-            )
-        )
+        lps.append(flowrl.step_log_prob(model_output=v, backend=backend, **traj.step_inputs(i)))
     return torch.stack(lps, dim=1)
 
 
@@ -142,11 +171,12 @@ def _backends_here(device: torch.device) -> List[str]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flowrl demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", default="sde", choices=["sde", "dance", "cps", "ode"])
+    p.add_argument("--mode", default="sde", choices=list(Mode.labels()))  # flowrl.contract.MODE_RULES
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--dim", type=int, default=64, help="dimension of the Gaussian-mixture target")
-    p.add_argument("--noise-level", type=float, default=0.7)
+    p.add_argument("--noise-level", type=float, default=None,
+                   help="default 0.7, or the mode's fixed level (dpm_sde: 1.0)")
     p.add_argument("--log-prob", default="gaussian", choices=["gaussian", "kernel", "sq_err"])
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="storage dtype of latents")
     p.add_argument("--shift", type=float, default=1.0, help="the scheduler's timestep shift")
@@ -154,6 +184,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.noise_level is None:  # the mode's range (flowrl.contract.MODE_RULES)
+        lo, hi = Mode.parse("mode", args.mode).rules.noise_level
+        args.noise_level = 0.7 if lo <= 0.7 <= hi else lo
     if args.steps < 1 or args.batch < 1 or args.dim < 1:
         p.error("--steps, --batch and --dim must be positive")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
@@ -170,12 +203,12 @@ def _report(args) -> int:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     model = GaussianMixtureVelocity.default(dim=args.dim, seed=args.seed)
-    scheduler = flowrl.FlowMatchEulerDiscreteScheduler(shift=args.shift)
+    scheduler, step_model = _scheduler_and_model(model, Mode.parse("mode", args.mode), args.shift)
 
     t0 = time.perf_counter()
-    traj, final = _rollout(model, scheduler, args, dtype, device)
+    traj, final = _rollout(step_model, scheduler, args, dtype, device)
     rollout_s = time.perf_counter() - t0
-    recomputed = _recompute(model, traj, args.backend)
+    recomputed = _recompute(step_model, traj, args.backend)
     ratios = torch.exp(recomputed - traj.log_probs)
 
     print(f"flowrl demo: {args.batch} samples x {args.steps} steps, mode={args.mode}, noise_level={args.noise_level}, "

@@ -11,6 +11,10 @@ installed the class also subclasses diffusers' ``FlowMatchEulerDiscreteScheduler
 diffusers checks to save a pipeline component, and what pipelines check with ``isinstance``; every
 method diffusers defines for it is overridden here. docs/scheduler.md says why.
 
+Copied from diffusers' ``diffusers/schedulers/scheduling_flow_match_euler_discrete.py`` as of
+diffusers 0.42.1 (setup.cfg's tested upper bound); tests/test_diffusers_mirror.py fails when the
+installed diffusers changes a method this copy mirrors.
+
 The bf16-safe timestep lookup lives in ``flowrl.timestep_lookup``; the rollout recorder, which also
 wraps diffusers' own scheduler, in ``flowrl.recorder`` (``RolloutRecorder`` is re-exported here).
 """
@@ -28,9 +32,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from . import _validate as V
+from ..core import _validate as V
 from . import timestep_lookup
-from .functional import GeneratorArg, draw_noise
+from ..ops.functional import GeneratorArg, draw_noise
 
 try:  # optional: the copy runs without diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler as DiffusersFlowMatchEulerDiscreteScheduler

@@ -27,6 +27,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..ops.functional import step_log_prob
+
 ORDERS = ("step", "sample")
 
 
@@ -80,8 +82,6 @@ class ReplayChunk:
     def log_prob(self, traj, model_output: torch.Tensor, **kwargs) -> torch.Tensor:
         """``flowrl.step_log_prob(model_output=model_output, **self.inputs(traj), **kwargs)``, the
         trajectory's tensors moved to ``model_output``'s device: [N]."""
-        from .functional import step_log_prob
-
         device = model_output.device
         inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.inputs(traj).items()}
         return step_log_prob(model_output=model_output, **{**inputs, **kwargs})

@@ -33,8 +33,8 @@ from triton.runtime import errors as runtime_errors
 from flowrl.kernels.step import finalize_kernel, step_backward_kernel, step_partials_kernel
 
 from . import reference
-from .contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, SIGMA_ONE_TOL, LogProbKind, Mode, NoiseSource, Op, Reduction
-from .step_spec import flat_layout
+from ..contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, SIGMA_ONE_TOL, LogProbKind, Mode, NoiseSource, Op, Reduction
+from ..core.step_spec import flat_layout
 
 # Largest partial count combined by the finalize kernel in one program (16M elements per sample at
 # CHUNK_SIZE 1024; 16 warps, 32 values per thread: at 65536 triton 3.6 spilled 40 bytes on sm_90a);

@@ -26,9 +26,9 @@ from typing import NamedTuple, Union
 
 import torch
 
-from . import _validate as V
-from .contract import Mode
-from .reference import mode_coefficients
+from ..core import _validate as V
+from ..contract import Mode, Schedule
+from ..backends.reference import mode_coefficients
 
 SCHEMES = ("grpo_guard", "tempflow_grpo", "flash_grpo")
 
@@ -52,8 +52,8 @@ def step_weights(
     integer tensor [B]) of the float32 schedule ``sigmas`` under ``mode`` / ``noise_level``."""
     V.check_choice("scheme", scheme, SCHEMES)
     mode = Mode.parse("mode", mode)
-    if mode is Mode.DDIM:
-        raise ValueError("step_weights reads a flow schedule (sigmas); mode='ddim' is not one")
+    if mode.rules.schedule is not Schedule.SIGMAS:
+        raise ValueError(f"step_weights reads a flow schedule (sigmas); mode={mode.label!r} is not one")
     eta = V.check_noise_level(noise_level, mode.label)
     table = V.check_sigmas(sigmas, sigmas.device if isinstance(sigmas, torch.Tensor) else torch.device("cpu"))
     scalar = not isinstance(step_index, torch.Tensor)

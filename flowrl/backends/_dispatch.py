@@ -1,7 +1,8 @@
 """The backend table and the one place that decides which backend runs.
 
-``BACKEND_TABLE`` maps a backend's name to its three ops, each taking a ``StepSpec`` and the
-tensors. ``backend="auto"`` runs the Triton kernels on CUDA tensors when triton imports, the torch
+``BACKEND_TABLE`` maps a backend's name to its ops: the three step ops, each taking a ``StepSpec``
+and the tensors, and the two per-sample reductions of ``flowrl.losses``. The public ops and the
+losses both pick their backend here, and each backend keeps its helpers to itself. ``backend="auto"`` runs the Triton kernels on CUDA tensors when triton imports, the torch
 reference otherwise. ``FLOWRL_BACKEND=torch|triton`` in the environment replaces ``"auto"`` (an
 explicit ``backend=`` argument always wins). Triton on CPU tensors runs only under
 ``TRITON_INTERPRET=1``.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -23,24 +24,33 @@ ENV_VAR = "FLOWRL_BACKEND"
 class Backend:
     """One backend's ops: ``sde_step(spec, sample, model_output, noise)`` -> (prev_sample, log_prob,
     mean or None, std, count); ``step_log_prob(spec, sample, model_output, prev_sample)`` and
-    ``step_kl(spec, sample, model_output, ref_model_output)`` -> (value [B], count [B])."""
+    ``step_kl(spec, sample, model_output, ref_model_output)`` -> (value [B], count [B]).
+
+    The losses' ops (flowrl.losses): ``grpo_values(spec, sample, model_output, prev_sample, ref_model_output,
+    old_mean, trust, seed)`` -> (log_prob, kl, trust_divergence) [B] (zeros where absent; ``trust`` a
+    ``contract.TrustSource``); ``flow_sums(kind, count, xt, v, other, x0, ref, t, coefs)`` -> the
+    forward-process loss ``kind``'s (``contract.FlowLoss``) per-sample sums [count, B]."""
 
     name: str
     sde_step: Callable
     step_log_prob: Callable
     step_kl: Callable
+    grpo_values: Optional[Callable] = None
+    flow_sums: Optional[Callable] = None
 
 
 def _torch_backend() -> Backend:
-    from . import reference
+    from . import reference, reference_losses
 
-    return Backend("torch", reference.sde_step, reference.step_log_prob, reference.step_kl)
+    return Backend("torch", reference.sde_step, reference.step_log_prob, reference.step_kl,
+                   reference_losses.grpo_values, reference_losses.flow_sums)
 
 
 def _triton_backend() -> Backend:
-    from . import _triton_ops
+    from . import _triton_losses, _triton_ops
 
-    return Backend("triton", _triton_ops.sde_step, _triton_ops.step_log_prob, _triton_ops.step_kl)
+    return Backend("triton", _triton_ops.sde_step, _triton_ops.step_log_prob, _triton_ops.step_kl,
+                   _triton_losses.grpo_values, _triton_losses.flow_sums)
 
 
 # name -> loader (the Triton backend imports triton, so it loads on first use)

@@ -45,11 +45,14 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import _validate as V
+from ..core import _validate as V
+from .debug import DebugTensors
+from ..contract import Mode
 from .serialization import DEFAULT_MAX_BYTES, from_wire, to_wire
+from .trajectory import RolloutTrajectory
 
 # rollout_sde_type -> flowrl mode; rollout_log_prob_no_const -> flowrl log_prob kind (docs/contract.md)
-SDE_TYPES = {"sde": "sde", "cps": "cps", "ode": "ode"}
+SDE_TYPES = {mode.rules.sglang: mode.label for mode in Mode if mode.rules.sglang is not None}
 SETTING_FIELDS = ("rollout_sde_type", "rollout_noise_level", "rollout_log_prob_no_const",
                   "rollout_sde_step_indices", "rollout_return_step_indices")
 # SGLang's RolloutRequest defaults, which the server applies to a request that omits a field
@@ -193,9 +196,6 @@ def from_sglang(response: Any, *, request: Optional[Dict[str, Any]] = None, num_
     missing, inconsistent or malformed raises ``ValueError`` naming the field. ``request``: the request
     dict whose ``rollout_*`` settings the rollout used (needed unless the responses carry them).
     ``reduction``: SGLang averages the per-element log-prob ("mean")."""
-    from .debug import DebugTensors
-    from .trajectory import RolloutTrajectory
-
     samples = _parse(response, DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
     settings, origin = _settings(samples, request)
     sde_type = settings["rollout_sde_type"]

@@ -23,9 +23,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import contract as C
-from ._validate import NoiseSeed
-from .contract import CHUNK_SIZE, HALF_LOG_2PI, SIGMA_ONE_TOL, STD_FLOOR, LogProbKind, Mode, NoiseSource, Reduction
+from .. import contract as C
+from ..core._validate import NoiseSeed
+from ..contract import CHUNK_SIZE, HALF_LOG_2PI, SIGMA_ONE_TOL, STD_FLOOR, LogProbKind, Mode, NoiseSource, Reduction
 
 
 def compute_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:

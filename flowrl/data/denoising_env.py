@@ -31,6 +31,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .debug import DebugTensorRecorder
+
 UserTransform = Callable[[List[torch.Tensor]], torch.Tensor]
 
 _INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
@@ -576,8 +578,6 @@ def check_env_options(model, env_device, output_transform, debug):
 
 def start_env(options):
     """A rollout's model-call recorder (hooks attached) and debug recorder, per ``with`` block."""
-    from .debug import DebugTensorRecorder
-
     model, env_device, output_transform, debug = options
     env = None
     if model is not None:

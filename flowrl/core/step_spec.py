@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from . import _validate as V
-from .contract import CHUNK_SIZE, LogProbKind, Mode, NoiseSource, Op, Prediction, Reduction  # noqa: F401 (field types)
+from ..contract import CHUNK_SIZE, LogProbKind, Mode, NoiseSource, Op, Prediction, Reduction, Schedule  # noqa: F401 (field types)
 
 GeneratorArg = Union[None, torch.Generator, Sequence[torch.Generator]]
 
@@ -161,7 +161,7 @@ def schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_lev
     V.check_batch_tensor("model_output", model_output, sample)
     mode = Mode.parse("mode", mode)
     eta = V.check_noise_level(noise_level, mode.label)
-    if mode is Mode.DDIM:
+    if mode.rules.schedule is Schedule.ALPHA_BAR:
         allow_zero = prediction is not None and prediction is not Prediction.EPSILON
         sigmas = V.check_alpha_bar_table(sigmas, sample.device, allow_zero_alpha=allow_zero)
         num_steps = sigmas.numel() // 2
@@ -175,11 +175,13 @@ def schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_lev
 def elementwise_inputs(sample, sigmas, token_sigmas, frozen, mode: Mode = Mode.SDE, second_order: bool = False):
     """The checked per-token schedule and frozen mask of an op: ``dict(token_sigmas=, token_sigmas_next=,
     frozen=)`` for ``StepSpec`` (Nones when not given). ddim (alpha-bar table) and dpm_sde's second
-    order (which reads the previous step) take neither: refused, never approximated."""
+    order (which reads the previous step) take neither (``Mode.rules.per_token`` / ``frozen``): refused,
+    never approximated."""
     fields = dict(token_sigmas=None, token_sigmas_next=None, frozen=None)
-    if (token_sigmas is not None or frozen is not None) and (mode is Mode.DDIM or second_order):
+    refused = (token_sigmas is not None and not mode.rules.per_token) or (frozen is not None and not mode.rules.frozen)
+    if (token_sigmas is not None or frozen is not None) and (refused or second_order):
         given = "token_sigmas" if token_sigmas is not None else "frozen"
-        what = "mode='ddim'" if mode is Mode.DDIM else "a second-order dpm_sde step (prev_x0_pred)"
+        what = f"mode={mode.label!r}" if refused else "a second-order dpm_sde step (prev_x0_pred)"
         raise ValueError(f"{given} is not supported with {what}: per-token schedules and frozen masks are "
                          "defined for the flow modes' per-element steps (docs/contract.md)")
     if token_sigmas is not None:
@@ -194,7 +196,7 @@ def ddim_options(mode, prediction_type, clip_sample_range) -> dict:
     """StepSpec's ddim fields from the public ``prediction_type`` / ``clip_sample_range``: for ddim,
     prediction_type is one of diffusers' ("epsilon" when None) and clip_sample_range None or > 0; other
     modes take neither (their model output is a velocity, and nothing is clipped)."""
-    if Mode.parse("mode", mode) is not Mode.DDIM:
+    if "prediction_type" not in Mode.parse("mode", mode).rules.extra_inputs:
         if prediction_type is not None or clip_sample_range is not None:
             raise ValueError("prediction_type and clip_sample_range are mode='ddim' options; got "
                              f"prediction_type={prediction_type!r}, clip_sample_range={clip_sample_range!r} "

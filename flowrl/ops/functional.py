@@ -12,10 +12,10 @@ from typing import List, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from . import _dispatch
-from . import _validate as V
-from .contract import LogProbKind, Mode, NoiseSource, Op, Reduction
-from .step_spec import (
+from ..backends import _dispatch
+from ..core import _validate as V
+from ..contract import LogProbKind, Mode, NoiseSource, Op, Reduction
+from ..core.step_spec import (
     GeneratorArg, ShardContext, StepSpec, ddim_options, draw_noise, elements_per_sample, elementwise_inputs,
     log_prob_kind,
     schedule_and_steps,
@@ -88,7 +88,7 @@ def second_order(prev_x0_pred, mode: Mode, sample: torch.Tensor) -> dict:
     shape; only mode='dpm_sde' reads one (docs/contract.md, dpm_sde)."""
     if prev_x0_pred is None:
         return {}
-    if mode is not Mode.DPM_SDE:
+    if "prev_x0_pred" not in mode.rules.extra_inputs:
         raise ValueError(f"prev_x0_pred is mode='dpm_sde''s (its second order); got mode={mode.label!r}")
     return {"prev_x0_pred": V.check_batch_tensor("prev_x0_pred", prev_x0_pred, sample)}
 

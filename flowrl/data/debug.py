@@ -15,8 +15,9 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from . import _validate as V
-from .step_spec import draw_noise
+from ..core import _validate as V
+from ..core.step_spec import draw_noise
+from .serialization import load_safetensors, save_safetensors
 
 NAMES = ("rollout_prev_sample_means", "rollout_noise_std_devs", "rollout_variance_noises", "rollout_model_outputs")
 FORMAT = "flowrl.DebugTensors/1"
@@ -35,14 +36,10 @@ class DebugTensors:
         return {name: getattr(self, name) for name in NAMES}
 
     def save(self, path) -> None:
-        from .serialization import save_safetensors
-
         save_safetensors(path, self.as_dict(), {"format": FORMAT})
 
     @classmethod
     def load(cls, path) -> "DebugTensors":
-        from .serialization import load_safetensors
-
         tensors, metadata = load_safetensors(path)
         if metadata.get("format") != FORMAT or set(tensors) != set(NAMES):
             raise ValueError(f"{os.fspath(path)}: not a flowrl debug-tensor file (format {metadata.get('format')!r}, "

@@ -29,10 +29,10 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _validate as V
+from ..core import _validate as V
 from . import functional as F
-from .contract import CHUNK_SIZE
-from .step_spec import GeneratorArg, ShardContext, draw_noise
+from ..contract import CHUNK_SIZE
+from ..core.step_spec import GeneratorArg, ShardContext, draw_noise
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from typing import List, Optional
 import torch
 
 import flowrl
-from flowrl._dispatch import BACKENDS, resolve
+from flowrl.backends._dispatch import BACKENDS, resolve
 
 MODES = ("sde", "cps")
 TRAINED = ("norm_out.", "proj_out.")  # the parameters that train: the transformer's output layers

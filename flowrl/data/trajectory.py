@@ -8,8 +8,12 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import _validate as V
-from .step_spec import ddim_options
+from ..core import _validate as V
+from ..core.step_spec import ddim_options
+from ..ops.functional import step_log_prob
+from .denoising_env import env_of
+from .replay import replay_plan
+from .serialization import DEFAULT_MAX_BYTES, from_wire, load_safetensors, save_safetensors, to_wire
 
 # identifies the wire dict and the safetensors file; bump the version when the layout changes.
 # /2 adds token_sigmas, frozen, counts and streams (all optional); /1 payloads and files still load.
@@ -125,35 +129,25 @@ class RolloutTrajectory:
 
     def model_inputs(self, j: int, device=None):
         """Step ``j``'s recorded model call kwargs (a dict; a list of dicts for several calls)."""
-        from .denoising_env import env_of
-
         return env_of(self).model_inputs(j, device)
 
     def model_calls(self, j: int, device=None):
         """Step ``j``'s recorded model call kwargs, always a list (one dict per call)."""
-        from .denoising_env import env_of
-
         return env_of(self).model_calls(j, device)
 
     def model_indices(self, j: int):
         """Per call of step ``j``, the index of its module in ``rollout(model=...)`` (0 for one module)."""
-        from .denoising_env import env_of
-
         return env_of(self).model_indices(j)
 
     def step_model_output(self, j: int, raw_output):
         """The replayed call output(s) of step ``j`` turned into the velocity the step used (what
         ``scheduler.step`` received; negated on a per-token step): ``step_log_prob(j, ...)``'s input."""
-        from .denoising_env import env_of
-
         return env_of(self).step_model_output(j, raw_output)
 
     def step_log_prob(self, j: Union[int, torch.Tensor], model_output, **kwargs) -> torch.Tensor:
         """``flowrl.step_log_prob(model_output=model_output, **self.step_inputs(j), **kwargs)``, the
         trajectory's tensors moved to ``model_output``'s device (for a joint rollout, a tuple in stream
         order: the first entry's device)."""
-        from .functional import step_log_prob
-
         device = (model_output[0] if isinstance(model_output, tuple) else model_output).device
 
         def to(v):
@@ -166,23 +160,8 @@ class RolloutTrajectory:
 
     def replay_plan(self, batch_size: int, **kwargs):
         """The recompute as forwards of at most ``batch_size`` (sample, step) pairs, each with its own
-        step index (``flowrl.replay.replay_plan``; docs/performance.md, Batched replay)."""
-        from .replay import replay_plan
-
+        step index (``flowrl.data.replay.replay_plan``; docs/performance.md, Batched replay)."""
         return replay_plan(self, batch_size, **kwargs)
-
-    @classmethod
-    def from_sglang(cls, response, **kwargs) -> "RolloutTrajectory":
-        """A batch trajectory from SGLang ``/rollout/generate`` response(s) (``flowrl.sglang``)."""
-        from .sglang import from_sglang
-
-        return from_sglang(response, **kwargs)
-
-    def to_sglang(self, **kwargs):
-        """Per-sample SGLang-style response dicts (``flowrl.sglang``)."""
-        from .sglang import to_sglang
-
-        return to_sglang(self, **kwargs)
 
     # ----------------------------------------------------------------------------------------------
     # per-sample split, wire format, files
@@ -303,8 +282,6 @@ class RolloutTrajectory:
     def to_wire(self) -> Dict[str, Any]:
         """A JSON-safe dict: tensors as SGLang tensor envelopes, settings as plain values; a joint
         rollout's ``streams`` as a list of such dicts."""
-        from .serialization import to_wire
-
         wire = to_wire(self._tensors())
         for name in _OPTIONAL_TENSORS:
             wire[name] = wire.get(name)
@@ -323,8 +300,6 @@ class RolloutTrajectory:
         checked by ``flowrl.serialization.from_wire``, then shapes, dtypes and settings checked;
         anything malformed raises ``ValueError``. Format /1 payloads (before per-token sigmas, masks
         and streams) still load."""
-        from .serialization import DEFAULT_MAX_BYTES, from_wire
-
         where = _where
         if not isinstance(wire, dict):
             raise ValueError(f"{where} must be an object; got {type(wire).__name__}")
@@ -362,8 +337,6 @@ class RolloutTrajectory:
         """Write a safetensors file: the tensors under their field names (a joint rollout's streams under
         ``streams.<k>.<field>``), the settings (and the format tag) as string metadata. Readable by any
         safetensors reader."""
-        from .serialization import save_safetensors
-
         metadata = {name: str(getattr(self, name)) for name in ("mode", "log_prob", "reduction")}
         metadata["noise_level"] = repr(float(self.noise_level))  # repr round-trips a float exactly
         if self.mode == "ddim":  # JSON: None and a float round-trip exactly
@@ -378,8 +351,6 @@ class RolloutTrajectory:
     @classmethod
     def load(cls, path, *, max_bytes: Optional[int] = None, device=None) -> "RolloutTrajectory":
         """Read a file written by ``save`` (format /2, or /1), validated as strictly as ``from_wire``."""
-        from .serialization import DEFAULT_MAX_BYTES, load_safetensors
-
         where = f"RolloutTrajectory file {str(path)!r}"
         tensors, metadata = load_safetensors(path, max_bytes=DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
         version = metadata.get("format")

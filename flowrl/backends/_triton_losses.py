@@ -1,4 +1,5 @@
-"""Triton launchers and autograd Functions of flowrl.losses (kernels in flowrl/kernels/loss.py).
+"""The Triton backend's half of flowrl.losses: launchers and autograd Functions (kernels in
+flowrl/kernels/loss.py), reached through the backend table (``flowrl._dispatch``).
 
 The element passes use the step kernels' launch design (``flowrl._triton_ops.launch_config``: the
 same chunks per program and warps, every choice the same bits), the log-prob and KL partials are
@@ -14,11 +15,11 @@ import dataclasses
 import torch
 import triton
 
-from flowrl._triton_ops import LAUNCH_TABLE, _KernelScalars, _finalize, _launch, _LAUNCH, launch_config
+from flowrl.backends._triton_ops import LAUNCH_TABLE, _KernelScalars, _finalize, _launch, _LAUNCH, launch_config
 from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, LogProbKind, Reduction
 from flowrl.kernels.loss import flow_backward_kernel, flow_partials_kernel, grpo_backward_kernel, grpo_partials_kernel
 
-from .. import reference
+from . import reference
 
 
 # The backward with mu_old replayed from Philox noise runs one chunk per program on 4 warps: at 4 chunks

@@ -1,0 +1,1 @@
+"""Entry points: ``python -m flowrl demo`` (``demo``) and ``python -m flowrl example`` (``example``)."""

@@ -1,0 +1,61 @@
+"""The torch backend's half of ``flowrl.losses``: the per-sample values the losses reduce, in plain
+torch with ``flowrl.reference``'s ops and math (the oracle the loss kernels, flowrl._triton_losses,
+are tested against). Reached through the backend table (``flowrl._dispatch``), like the step ops;
+the per-sample [B] arithmetic after these reductions is flowrl.losses', shared by both backends.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import reference
+from ..contract import FlowLoss, LogProbKind, Op, Reduction, TrustSource
+from ..core.step_spec import StepSpec
+
+
+def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed):
+    """The torch backend's (log_prob, kl, trust_divergence) [B]: flowrl.reference's ops and math."""
+    lp, _ = reference.step_log_prob(spec, x, v, prev)
+    zeros = torch.zeros_like(lp)
+    kl = reference.step_kl(dataclasses.replace(spec, kind=LogProbKind.KL), x, v, ref)[0] if ref is not None else zeros
+    tr = zeros
+    if trust is not TrustSource.NONE:
+        dtype = reference.compute_dtype(x, v, prev)
+        a, c, std = reference.mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
+        mu = reference._mean(x, v, a, c)
+        if trust is TrustSource.GIVEN:
+            old = reference._rows(old_mean).to(dtype)
+        else:  # mu_old = x' - std * eps, eps the rollout's Philox noise
+            eps = reference.philox_normal(seed, mu.shape[1]).to(dtype)
+            old = reference._rows(prev).to(dtype) - reference._col(std) * eps
+        tr_spec = StepSpec(Op.KL, spec.sigmas, spec.step_index, spec.mode, spec.noise_level, LogProbKind.KL,
+                           Reduction.MEAN, spec.numel)
+        tr, _ = reference._reduce(tr_spec, mu - old, std)
+    return lp, kl, tr
+
+
+def flow_sums(kind, count, xt, v, other, x0, ref, t, coefs):
+    """The torch backend's [K, B] sums (kernels/loss.py's flow_partials_kernel, same operations);
+    ``count`` (K) is implied by ``kind`` and ``ref`` here."""
+    dtype = reference.compute_dtype(xt, v, other, x0, ref)
+    rows = [reference._rows(u).to(dtype) if u is not None else None for u in (xt, v, other, x0, ref)]
+    xt, v, other, x0, ref = rows
+    if kind is FlowLoss.NFT:
+        beta, one_minus, one_plus = coefs
+        tc = reference._col(t.to(dtype))
+        e_pos = (xt - tc * (beta * v + one_minus * other)) - x0
+        e_neg = (xt - tc * (one_plus * other - beta * v)) - x0
+        terms = [e_pos.abs(), e_pos * e_pos, e_neg.abs(), e_neg * e_neg]
+        if ref is not None:
+            d = v - ref
+            terms.append(d * d)
+    else:
+        e = v - (other - x0)
+        terms = [e * e]
+    stacked = torch.stack(terms)  # [K, B, N]
+    k, b, n = stacked.shape
+    return reference.combine_partials(reference.chunk_partials(stacked.reshape(k * b, n))).reshape(k, b)
+
+
+__all__ = ["grpo_values", "flow_sums"]
