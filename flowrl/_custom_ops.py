@@ -6,9 +6,9 @@ with no graph break (docs/compile.md).
 ops here instead of calling the backend directly. Each op is registered once:
 
 - ``flowrl::sde_step``, ``flowrl::step_log_prob``, ``flowrl::step_kl``: the forward, taking the tensors,
-  the spec flattened to what a custom-op schema holds (``_pack``: its tensors as ``Tensor?[]``, its
+  the spec flattened to what a custom-op schema holds (``pack_spec``: its tensors as ``Tensor?[]``, its
   switches as ``int[]``, the noise level, ddim's clip range, the rollout's out dtype) and the backend's
-  name. Its implementation rebuilds the spec (``_unpack``) and runs that backend's op, the same code as
+  name. Its implementation rebuilds the spec (``unpack_spec``) and runs that backend's op, the same code as
   eager mode, so the values are eager's bit for bit: the op is opaque to the compiler (Inductor does not
   re-derive the math).
 - ``flowrl::<op>_backward``: the registered autograd formula. It replays the backend's op under
@@ -52,7 +52,7 @@ def unpack_seed(seeds: Optional[torch.Tensor], ints: Sequence[int]) -> Optional[
     return None if seeds is None else NoiseSeed(seeds, int(ints[0]), int(ints[1]))
 
 
-def _pack(spec: StepSpec):
+def pack_spec(spec: StepSpec):
     """The spec as schema values: (tensors [sigmas, step_index, token_sigmas, token_sigmas_next, frozen,
     seeds], ints [op, mode, kind, reduction, numel, noise_source, return_mean, prediction, stream_stride,
     elem_offset], noise_level, clip_sample_range, out_dtype)."""
@@ -63,7 +63,7 @@ def _pack(spec: StepSpec):
     return tensors, ints, float(spec.noise_level), spec.clip_sample_range, spec.out_dtype
 
 
-def _unpack(tensors: Sequence[Optional[torch.Tensor]], ints: Sequence[int], noise_level: float,
+def unpack_spec(tensors: Sequence[Optional[torch.Tensor]], ints: Sequence[int], noise_level: float,
             clip_sample_range: Optional[float], out_dtype: Optional[torch.dtype]) -> StepSpec:
     sigmas, step_index, token_sigmas, token_sigmas_next, frozen, seeds = tensors
     op, mode, kind, reduction, numel, source, return_mean, prediction = ints[:8]
@@ -142,7 +142,7 @@ def _sde_step_op(sample: torch.Tensor, model_output: torch.Tensor, noise: Option
                  prev_x0_pred: Optional[torch.Tensor], spec_tensors: List[Optional[torch.Tensor]],
                  spec_ints: List[int], noise_level: float, clip_sample_range: Optional[float],
                  out_dtype: Optional[torch.dtype], backend: str) -> List[torch.Tensor]:
-    spec = _unpack(spec_tensors, spec_ints, noise_level, clip_sample_range, out_dtype)
+    spec = unpack_spec(spec_tensors, spec_ints, noise_level, clip_sample_range, out_dtype)
     with torch.no_grad():
         out = _sde_step_eager(backend, spec, sample, model_output, noise, prev_x0_pred)
     return fresh(out, [sample, model_output, noise, prev_x0_pred, *spec_tensors])
@@ -171,7 +171,7 @@ def _sde_step_backward_op(grads: List[Optional[torch.Tensor]], sample: torch.Ten
                           spec_tensors: List[Optional[torch.Tensor]], spec_ints: List[int], noise_level: float,
                           clip_sample_range: Optional[float], out_dtype: Optional[torch.dtype], backend: str,
                           needs: List[bool]) -> List[torch.Tensor]:
-    spec = _unpack(spec_tensors, spec_ints, noise_level, clip_sample_range, out_dtype)
+    spec = unpack_spec(spec_tensors, spec_ints, noise_level, clip_sample_range, out_dtype)
 
     def forward(x, v, eps, x0):
         prev, lp, mean, _, _ = _sde_step_eager(backend, spec, x, v, eps, x0)
@@ -210,7 +210,7 @@ def sde_step(ops, spec: StepSpec, sample, model_output, noise, prev_x0_pred=None
     """``ops.sde_step`` (eager), or ``flowrl::sde_step`` while ``torch.compile`` traces."""
     if not traced(spec):
         return ops.sde_step(spec, sample, model_output, noise, **_second(prev_x0_pred))
-    tensors, ints, eta, clip, out_dtype = _pack(spec)
+    tensors, ints, eta, clip, out_dtype = pack_spec(spec)
     prev, lp, mean, std, count = _sde_step_op(sample, model_output, noise, prev_x0_pred, tensors, ints, eta, clip,
                                               out_dtype, ops.name)
     return prev, lp, (mean if spec.return_mean else None), std, count
@@ -232,7 +232,7 @@ def _define_value_op(name: str):
     def impl(sample: torch.Tensor, model_output: torch.Tensor, third: torch.Tensor,
              prev_x0_pred: Optional[torch.Tensor], spec_tensors: List[Optional[torch.Tensor]], spec_ints: List[int],
              noise_level: float, clip_sample_range: Optional[float], backend: str) -> List[torch.Tensor]:
-        spec = _unpack(spec_tensors, spec_ints, noise_level, clip_sample_range, None)
+        spec = unpack_spec(spec_tensors, spec_ints, noise_level, clip_sample_range, None)
         with torch.no_grad():
             out = _value_eager(backend, spec, sample, model_output, third, prev_x0_pred)
         return fresh(out, [sample, model_output, third, prev_x0_pred, *spec_tensors])
@@ -249,7 +249,7 @@ def _define_value_op(name: str):
                       prev_x0_pred: Optional[torch.Tensor], spec_tensors: List[Optional[torch.Tensor]],
                       spec_ints: List[int], noise_level: float, clip_sample_range: Optional[float], backend: str,
                       needs: List[bool]) -> List[torch.Tensor]:
-        spec = _unpack(spec_tensors, spec_ints, noise_level, clip_sample_range, None)
+        spec = unpack_spec(spec_tensors, spec_ints, noise_level, clip_sample_range, None)
 
         def forward(x, v, t, x0):
             return _value_eager(backend, spec, x, v, t, x0)[:1]
@@ -292,10 +292,10 @@ def step_value(ops, spec: StepSpec, sample, model_output, third, prev_x0_pred=No
     if not traced(spec):
         run = ops.step_kl if spec.op is Op.KL else ops.step_log_prob
         return run(spec, sample, model_output, third, **_second(prev_x0_pred))
-    tensors, ints, eta, clip, _ = _pack(spec)
+    tensors, ints, eta, clip, _ = pack_spec(spec)
     op = _step_kl_op if spec.op is Op.KL else _step_log_prob_op
     value, count = op(sample, model_output, third, prev_x0_pred, tensors, ints, eta, clip, ops.name)
     return value, count
 
 
-__all__ = ["traced", "sde_step", "step_value", "pack_seed", "unpack_seed", "absent", "fresh", "grads_by_replay"]
+__all__ = ["traced", "sde_step", "step_value", "pack_spec", "unpack_spec", "pack_seed", "unpack_seed", "absent", "fresh", "grads_by_replay"]

@@ -31,6 +31,7 @@ import torch
 
 from .. import _dispatch, reference
 from .. import _validate as V
+from .._custom_ops import traced as _traced
 from ..contract import LogProbKind, Mode, Op, Reduction
 from ..functional import step_kl
 from ..step_spec import StepSpec, log_prob_kind, schedule_and_steps
@@ -258,11 +259,24 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
                     sample.numel() // batch)
     tensors = [t for t in (sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean) if t is not None]
     ops = _dispatch.select(backend, *tensors)
+    args = (variant, ops, spec, sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
+            old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold)
+    if _traced():  # while torch.compile traces: the custom op flowrl::grpo_family_loss
+        from ._custom_ops import grpo_family_loss
+
+        return grpo_family_loss(*args)
+    return _grpo_from_spec(*args)
+
+
+def _grpo_from_spec(variant, ops, spec, sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
+                    old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold) -> GRPOLossOutput:
+    """The GRPO family's loss from its validated arguments (``_grpo_family``), on backend ``ops``."""
     lp, kl, tr = _grpo_values(ops, spec, sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean,
                               trust, seed)
     dtype = lp.dtype
     # GRPO-Guard's weights: std on the corrected log-ratio, 1/D on the loss (flowrl.weights)
-    guard_weights = scheme_weights("grpo_guard", sigmas, idx, mode, eta, dtype) if variant is _Variant.GUARD else None
+    guard_weights = (scheme_weights("grpo_guard", spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
+                     if variant is _Variant.GUARD else None)
     return _policy_loss(variant, lp, kl if ref_model_output is not None else None,
                         tr if trust is not TrustSource.NONE else None, old_log_prob.to(dtype), advantages.to(dtype),
                         clip, kl_coef, guard_weights, kl_threshold)
