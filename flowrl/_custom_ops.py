@@ -124,6 +124,12 @@ def grads_by_replay(forward, inputs: Sequence[Optional[torch.Tensor]], needs: Se
     return out
 
 
+def list_grad(tensors: Sequence[Optional[torch.Tensor]]):
+    """The (None) gradient of a ``Tensor?[]`` input in the structure torch.library checks: one None for a
+    list holding a None (flattened as one leaf), else a list of Nones of its length."""
+    return None if any(t is None for t in tensors) else [None] * len(tensors)
+
+
 def _none_if_absent(t: torch.Tensor) -> Optional[torch.Tensor]:
     return None if t.numel() == 0 else t
 
@@ -200,7 +206,7 @@ def _sde_step_backward(ctx, grads):
     g = _sde_step_backward_op([None if t is None else t for t in grads[:3]], *saved[:4], list(saved[4:]),
                               *ctx.scalars, needs)
     g = [None if not need or t.numel() == 0 else t for t, need in zip(g, needs)]
-    return (*g, None, None, None, None, None, None)
+    return (*g, list_grad(saved[4:]), None, None, None, None, None)
 
 
 _sde_step_op.register_autograd(_sde_step_backward, setup_context=_sde_step_setup)
@@ -272,11 +278,12 @@ def _define_value_op(name: str):
     def backward(ctx, grads):
         saved = ctx.saved_tensors
         needs = [bool(n) for n in ctx.needs_input_grad[:4]]
+        spec_grads = list_grad(saved[4:])
         if grads[0] is None or not any(needs):
-            return None, None, None, None, None, None, None, None, None
+            return None, None, None, None, spec_grads, None, None, None, None
         g = backward_op(grads[0], *saved[:4], list(saved[4:]), *ctx.scalars, needs)
         g = [None if not need or t.numel() == 0 else t for t, need in zip(g, needs)]
-        return (*g, None, None, None, None, None)
+        return (*g, spec_grads, None, None, None, None)
 
     op.register_autograd(backward, setup_context=setup_context)
     return op
@@ -298,4 +305,5 @@ def step_value(ops, spec: StepSpec, sample, model_output, third, prev_x0_pred=No
     return value, count
 
 
-__all__ = ["traced", "sde_step", "step_value", "pack_spec", "unpack_spec", "pack_seed", "unpack_seed", "absent", "fresh", "grads_by_replay"]
+__all__ = ["traced", "sde_step", "step_value", "pack_spec", "unpack_spec", "pack_seed", "unpack_seed", "absent", "fresh",
+           "grads_by_replay", "list_grad"]

@@ -33,13 +33,15 @@ def _present(variant: int, has_ref: bool, trust: int) -> List[bool]:
 
 
 def _run(sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean,
-         spec_tensors, spec_ints, noise_level, seeds, seed_ints, variant, trust, clip, kl_coef, kl_threshold, backend):
+         spec_tensors, spec_ints, noise_level, seeds, seed_ints, variant, trust, clip_low, clip_high, kl_coef,
+         kl_threshold, backend):
     from . import TrustSource, _grpo_from_spec, _Variant
 
     spec = C.unpack_spec(spec_tensors, spec_ints, noise_level, None, None)
     return _grpo_from_spec(_Variant(variant), _dispatch.backend(backend), spec, sample, model_output, prev_sample,
                            old_log_prob, advantages, ref_model_output, old_prev_sample_mean, TrustSource(trust),
-                           C.unpack_seed(seeds, seed_ints), tuple(clip) if clip else None, kl_coef, kl_threshold)
+                           C.unpack_seed(seeds, seed_ints), None if clip_low is None else (clip_low, clip_high), kl_coef,
+                           kl_threshold)
 
 
 @torch.library.custom_op("flowrl::grpo_family_loss", mutates_args=())
@@ -47,12 +49,12 @@ def _grpo_op(sample: torch.Tensor, model_output: torch.Tensor, prev_sample: torc
              advantages: torch.Tensor, ref_model_output: Optional[torch.Tensor],
              old_prev_sample_mean: Optional[torch.Tensor], spec_tensors: List[Optional[torch.Tensor]],
              spec_ints: List[int], noise_level: float, seeds: Optional[torch.Tensor], seed_ints: List[int], variant: int,
-             trust: int, clip: List[float], kl_coef: float, kl_threshold: Optional[float],
-             backend: str) -> List[torch.Tensor]:
+             trust: int, clip_low: Optional[float], clip_high: Optional[float], kl_coef: float,
+             kl_threshold: Optional[float], backend: str) -> List[torch.Tensor]:
     with torch.no_grad():
         out = _run(sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean,
-                   spec_tensors, spec_ints, noise_level, seeds, seed_ints, variant, trust, clip, kl_coef, kl_threshold,
-                   backend)
+                   spec_tensors, spec_ints, noise_level, seeds, seed_ints, variant, trust, clip_low, clip_high, kl_coef,
+                   kl_threshold, backend)
     fields = [C.absent(out.log_prob) if t is None else t for t in out]
     return C.fresh(fields, [sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
                             old_prev_sample_mean, seeds, *spec_tensors])
@@ -60,14 +62,16 @@ def _grpo_op(sample: torch.Tensor, model_output: torch.Tensor, prev_sample: torc
 
 @_grpo_op.register_fake
 def _(sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean, spec_tensors,
-      spec_ints, noise_level, seeds, seed_ints, variant, trust, clip, kl_coef, kl_threshold, backend):
+      spec_ints, noise_level, seeds, seed_ints, variant, trust, clip_low, clip_high, kl_coef, kl_threshold, backend):
     b = sample.shape[0]
     wide = backend == "torch" and any(t.dtype == torch.float64 for t in (sample, model_output, prev_sample))
     dtype = torch.float64 if wide else torch.float32
     shapes = [(), (), (b,), (b,), (b,), (b,), (), (), (), (), (), (), (), ()]
     dtypes = [dtype] * 6 + [torch.float32] * 4 + [dtype] * 4  # the fractions are bool means: float32
     present = _present(variant, ref_model_output is not None, trust)
-    return [sample.new_empty(shape if p else (0,), dtype=d) for shape, d, p in zip(shapes, dtypes, present)]
+    # an absent field is ``absent(log_prob)``: empty, in the log-prob's dtype
+    return [sample.new_empty(shape, dtype=d) if p else sample.new_empty((0,), dtype=dtype)
+            for shape, d, p in zip(shapes, dtypes, present)]
 
 
 @torch.library.custom_op("flowrl::grpo_family_loss_backward", mutates_args=())
@@ -75,12 +79,13 @@ def _grpo_backward_op(grad_loss: torch.Tensor, sample: torch.Tensor, model_outpu
                       prev_sample: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
                       ref_model_output: Optional[torch.Tensor], old_prev_sample_mean: Optional[torch.Tensor],
                       spec_tensors: List[Optional[torch.Tensor]], spec_ints: List[int], noise_level: float,
-                      seeds: Optional[torch.Tensor], seed_ints: List[int], variant: int, trust: int, clip: List[float],
+                      seeds: Optional[torch.Tensor], seed_ints: List[int], variant: int, trust: int,
+                      clip_low: Optional[float], clip_high: Optional[float],
                       kl_coef: float, kl_threshold: Optional[float], backend: str) -> torch.Tensor:
     def forward(v):
         return (_run(sample, v, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean,
-                     spec_tensors, spec_ints, noise_level, seeds, seed_ints, variant, trust, clip, kl_coef,
-                     kl_threshold, backend).loss,)
+                     spec_tensors, spec_ints, noise_level, seeds, seed_ints, variant, trust, clip_low, clip_high,
+                     kl_coef, kl_threshold, backend).loss,)
 
     return C.grads_by_replay(forward, [model_output], [True], [grad_loss])[0]
 
@@ -97,14 +102,14 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, grads):
-    n_in = 18
-    if grads[0] is None or not ctx.needs_input_grad[1]:
-        return (None,) * n_in
     saved = ctx.saved_tensors
+    none = (None,) * 7 + (C.list_grad(saved[8:]),) + (None,) * 11
+    if grads[0] is None or not ctx.needs_input_grad[1]:
+        return none
     spec_ints, noise_level, seed_ints, *rest = ctx.scalars
     grad_v = _grpo_backward_op(grads[0], *saved[:7], list(saved[8:]), spec_ints, noise_level, saved[7], seed_ints,
                                *rest)
-    return (None, grad_v) + (None,) * (n_in - 2)
+    return (none[0], grad_v) + none[2:]
 
 
 _grpo_op.register_autograd(_backward, setup_context=_setup)
@@ -118,7 +123,7 @@ def grpo_family_loss(variant, ops, spec, sample, model_output, prev_sample, old_
     tensors, ints, eta, _, _ = C.pack_spec(spec)
     seeds, seed_ints = C.pack_seed(seed)
     out = _grpo_op(sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean,
-                   tensors, ints, eta, seeds, seed_ints, int(variant), int(trust), list(clip) if clip else [],
+                   tensors, ints, eta, seeds, seed_ints, int(variant), int(trust), *(clip if clip else (None, None)),
                    float(kl_coef), kl_threshold, ops.name)
     present = _present(int(variant), ref_model_output is not None, int(trust))
     return GRPOLossOutput(*(t if p else None for t, p in zip(out, present)))
