@@ -54,9 +54,10 @@ else
   device=cuda
   # The list: CUDA graphs, int64 offsets, grid limits (test_gpu), the kernels against the
   # references (test_kernels), in-kernel noise (test_philox), host reads (test_capturable), sequence
-  # parallelism in one process (test_distributed, test_per_token_distributed).
+  # parallelism in one process (test_distributed, test_per_token_distributed), torch.compile of a
+  # training step through the custom ops on CUDA (test_torch_compile).
   first_tests=()
-  for f in test_gpu.py test_kernels.py test_philox.py test_capturable.py test_distributed.py test_per_token_distributed.py; do
+  for f in test_gpu.py test_kernels.py test_philox.py test_capturable.py test_torch_compile.py test_distributed.py test_per_token_distributed.py; do
     [ -f "tests/$f" ] && first_tests+=("tests/$f")
   done
   rest_tests=(tests)
@@ -74,7 +75,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 mkdir "$tmp/src" "$tmp/parts"
 parts=$tmp/parts
-cp -r setup.cfg pyproject.toml README.md flowrl kernels "$tmp/src/"
+cp -r setup.cfg setup.py pyproject.toml README.md flowrl kernels "$tmp/src/"
 say "== install flowrl into $tmp/site"
 if ! PIP_ROOT_USER_ACTION=ignore "$py" -m pip install -q --no-deps --no-build-isolation --no-index --disable-pip-version-check \
     --target "$tmp/site" "$tmp/src" 2>&1 | tee -a "$log"; then

@@ -4,8 +4,9 @@ Each check raises ``ValueError`` / ``TypeError`` whose message names the argumen
 tensor *values* (the schedule, tensor step indices) need a host sync on CUDA. They are cached per
 tensor identity and version (a schedule, or a step-index tensor reused across the log-prob, KL and
 loss calls of a batch, is read once), skipped while a CUDA graph is being captured (values cannot be
-read then), and skipped inside ``flowrl.no_value_checks()``, the explicit opt-out for loops that
-must not sync.
+read then), skipped while ``torch.compile`` traces the op (``torch.compiler.is_compiling()``: the
+values are not known at trace time; docs/compile.md), and skipped inside ``flowrl.no_value_checks()``,
+the explicit opt-out for loops that must not sync.
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def capturing() -> bool:
 
 
 def _skip_value_reads() -> bool:
-    return getattr(_skip, "active", False) or capturing()
+    # compiling first: the other two are host state that torch.compile need not trace
+    return torch.compiler.is_compiling() or getattr(_skip, "active", False) or capturing()
 
 
 def check_choice(name: str, value, choices: Sequence[str]) -> str:
@@ -155,7 +157,7 @@ def check_sigmas(sigmas, device: torch.device) -> torch.Tensor:
         raise ValueError(f"sigmas must hold at least 2 values (T >= 1); got {sigmas.numel()}")
     if sigmas.device != device:
         raise ValueError(f"sigmas is on {sigmas.device} but sample is on {device}; move them to one device")
-    if sigmas in _checked_schedules or _skip_value_reads():
+    if _skip_value_reads() or sigmas in _checked_schedules:
         return sigmas
     s = sigmas.detach().double().cpu()
     if not bool(torch.isfinite(s).all()):
@@ -196,7 +198,7 @@ def check_alpha_bar_table(table, device: torch.device, *, allow_zero_alpha: bool
     if table.device != device:
         raise ValueError(f"sigmas is on {table.device} but sample is on {device}; move them to one device")
     checked = _checked_alpha_bar_tables[bool(allow_zero_alpha)]
-    if table in checked or _skip_value_reads():
+    if _skip_value_reads() or table in checked:
         return table
     pairs = table.detach().double().cpu().reshape(-1, 2)
     a_t, a_prev = pairs[:, 0], pairs[:, 1]
@@ -245,7 +247,7 @@ def check_step_index(step_index, num_steps: int, batch: int, device: torch.devic
     if step_index.dim() != 1 or step_index.shape[0] != batch:
         raise ValueError(f"{name} must be an int or a tensor of shape [B] = [{batch}]; got shape {tuple(step_index.shape)}")
     checked = _checked_step_indices.setdefault(num_steps, _CheckedValues())
-    if step_index not in checked and not _skip_value_reads():
+    if not _skip_value_reads() and step_index not in checked:
         lo, hi = torch.stack(torch.aminmax(step_index)).tolist()  # one device-to-host copy for both bounds
         if lo < 0 or hi >= num_steps:
             raise ValueError(
@@ -306,7 +308,7 @@ def check_token_sigmas(token_sigmas, sample: torch.Tensor, name: str = "token_si
             f"{name} must be float32 (or float64), like the schedule; got {token_sigmas.dtype} "
             "(a half-precision sigma is not a schedule value)"
         )
-    if token_sigmas not in _checked_token_sigmas and not _skip_value_reads():
+    if not _skip_value_reads() and token_sigmas not in _checked_token_sigmas:
         lo, hi = torch.stack(torch.aminmax(token_sigmas.detach().double())).tolist()
         if not (math.isfinite(lo) and math.isfinite(hi)) or lo < 0 or hi > 1:
             raise ValueError(f"{name} must be finite sigmas in [0, 1]; got values in [{lo}, {hi}]")

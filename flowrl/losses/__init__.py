@@ -35,50 +35,13 @@ from ..core import _validate as V
 from ..contract import FlowLoss, Mode, Op, Reduction, TrustSource
 from ..ops.functional import step_kl
 from ..core.step_spec import StepSpec, log_prob_kind, schedule_and_steps
-from ..ops.weights import scheme_weights
+from ..ops._custom_ops import traced as _traced
+from ._custom_ops import grpo_family_loss
+from ._policy import GRPOLossOutput, grpo_from_spec
+from ._policy import Variant as _Variant
+from ._policy import policy_loss as _policy_loss
 
 ClipRange = Union[float, Tuple[float, float]]
-
-
-class _Variant(enum.IntEnum):
-    GRPO = 0
-    GUARD = 1
-    DPPO = 2
-
-
-class GRPOLossOutput(NamedTuple):
-    """What a GRPO-family loss returns. ``loss`` is differentiable (to model_output); the rest are
-    detached: per-sample [B] values and 0-d batch statistics (no host sync: ``.item()`` them when
-    logging). Fields a variant does not compute are None.
-
-    loss: policy_loss + kl_coef * mean(kl).
-    policy_loss: the batch mean of the per-sample surrogate (GRPO-Guard: each divided by its step's D;
-        times ``rollout_is_weights`` when given).
-    log_prob: [B] the recomputed log-prob, bit for bit ``flowrl.step_log_prob``'s on the same backend.
-    ratio: [B] the importance ratio (GRPO-Guard: its corrected ratio).
-    kl: [B] exact KL to the reference policy (when ``ref_model_output`` is given).
-    trust_divergence: [B] D_s = mean ||mu_theta - mu_old||^2 / (2 std^2) (trust-region variants).
-    clip_fraction, clip_fraction_low, clip_fraction_high: fraction of samples whose ratio is outside
-        [1 - eps_low, 1 + eps_high] (both sides, below, above).
-    masked_fraction: Flow-DPPO's fraction of masked samples.
-    approx_kl: 0.5 * mean((log_prob - old_log_prob)^2) (Flow-GRPO's ``approx_kl``).
-    ratio_mean, ratio_min, ratio_max: of ``ratio``.
-    """
-
-    loss: torch.Tensor
-    policy_loss: torch.Tensor
-    log_prob: torch.Tensor
-    ratio: torch.Tensor
-    kl: Optional[torch.Tensor]
-    trust_divergence: Optional[torch.Tensor]
-    clip_fraction: Optional[torch.Tensor]
-    clip_fraction_low: Optional[torch.Tensor]
-    clip_fraction_high: Optional[torch.Tensor]
-    masked_fraction: Optional[torch.Tensor]
-    approx_kl: torch.Tensor
-    ratio_mean: torch.Tensor
-    ratio_min: torch.Tensor
-    ratio_max: torch.Tensor
 
 
 class NFTLossOutput(NamedTuple):
@@ -146,46 +109,6 @@ def _step_sample_tensor(name, t, sample):
 # --------------------------------------------------------------------- the GRPO family's loss block
 
 
-def _policy_loss(variant, lp, kl, tr, old_lp, adv, clip, kl_coef, guard_weights, kl_threshold,
-                 is_weights=None) -> GRPOLossOutput:
-    """The per-sample [B] arithmetic after the reductions, shared by both backends. ``guard_weights``:
-    GRPO-Guard's (log_ratio, loss) weights, (std, 1/D) from flowrl.weights.scheme_weights.
-    ``is_weights``: rollout-correction weights [B] multiplying the per-sample policy loss before the
-    batch mean (verl-omni's ``rollout_is_weights``; flowrl.consistency), not the KL term."""
-    log_ratio = lp - old_lp
-    if variant is _Variant.GUARD:  # GRPO-Guard: rho = exp((dlogp + D_s) * std)
-        ratio = torch.exp((log_ratio + tr) * guard_weights[0])
-    else:
-        ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clip_fraction = clip_low = clip_high = masked_fraction = None
-    if variant is _Variant.DPPO:  # mask a sample past the divergence bound moving further in A's direction
-        beyond = tr.detach() >= kl_threshold
-        masked = beyond & (((ratio > 1.0) & (adv > 0)) | ((ratio < 1.0) & (adv < 0)))
-        per_sample = torch.where(masked.detach(), torch.zeros_like(unclipped), unclipped)
-        masked_fraction = masked.float().mean().detach()
-    else:
-        lo, hi = clip
-        clipped = -adv * torch.clamp(ratio, 1.0 - lo, 1.0 + hi)
-        per_sample = torch.maximum(unclipped, clipped)
-        if variant is _Variant.GUARD:  # the loss scaled by 1/D (verl-omni: / sqrt_dt ** 2)
-            per_sample = per_sample * guard_weights[1]
-        with torch.no_grad():
-            low, high = ratio < 1.0 - lo, ratio > 1.0 + hi
-            clip_low, clip_high = low.float().mean(), high.float().mean()
-            clip_fraction = (low | high).float().mean()
-    if is_weights is not None:  # rollout correction: per sample, before the batch mean (verl-omni)
-        per_sample = per_sample * is_weights
-    policy_loss = per_sample.mean()
-    loss = policy_loss + kl_coef * kl.mean() if kl is not None and kl_coef != 0 else policy_loss
-    with torch.no_grad():
-        r = ratio.detach()
-        return GRPOLossOutput(
-            loss, policy_loss.detach(), lp.detach(), r, None if kl is None else kl.detach(),
-            None if tr is None else tr.detach(), clip_fraction, clip_low, clip_high, masked_fraction,
-            0.5 * (log_ratio.detach() ** 2).mean(), r.mean(), r.min(), r.max())
-
-
 def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, *,
                  clip_range, mode, noise_level, log_prob, reduction, kl_coef, ref_model_output,
                  old_prev_sample_mean, noise_seed, kl_threshold, backend, rollout_is_weights=None) -> GRPOLossOutput:
@@ -221,15 +144,11 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
                     sample.numel() // batch)
     tensors = [t for t in (sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean) if t is not None]
     ops = _dispatch.select(backend, *tensors)
-    lp, kl, tr = ops.grpo_values(spec, sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean,
-                                 trust, seed)
-    dtype = lp.dtype
-    # GRPO-Guard's weights: std on the corrected log-ratio, 1/D on the loss (flowrl.weights)
-    guard_weights = scheme_weights("grpo_guard", sigmas, idx, mode, eta, dtype) if variant is _Variant.GUARD else None
-    return _policy_loss(variant, lp, kl if ref_model_output is not None else None,
-                        tr if trust is not TrustSource.NONE else None, old_log_prob.to(dtype), advantages.to(dtype),
-                        clip, kl_coef, guard_weights, kl_threshold,
-                        None if rollout_is_weights is None else rollout_is_weights.to(dtype))
+    args = (variant, ops, spec, sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
+            old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold, rollout_is_weights)
+    if _traced():  # while torch.compile traces: the custom op flowrl::grpo_family_loss
+        return grpo_family_loss(*args)
+    return grpo_from_spec(*args)
 
 
 def grpo_loss(

@@ -13,6 +13,7 @@ from typing import List, NamedTuple, Optional, Sequence, Union
 import torch
 
 from ..backends import _dispatch
+from . import _custom_ops
 from ..core import _validate as V
 from ..contract import LogProbKind, Mode, NoiseSource, Op, Reduction
 from ..core.step_spec import (
@@ -173,7 +174,8 @@ def sde_step(
         raise TypeError("out_dtype=float64 runs on backend='torch' only")
     if noise is None and source is NoiseSource.TENSOR:
         noise = (draw_noise if shard is None else shard.draw_noise)(sample.shape, generator, sample.device)
-    return SDEStepOutput(*ops.sde_step(spec, sample, model_output, noise, **prev))
+    # while torch.compile traces, the custom op flowrl::sde_step (flowrl/ops/_custom_ops.py); else the backend's op
+    return SDEStepOutput(*_custom_ops.sde_step(ops, spec, sample, model_output, noise, **prev))
 
 
 def _per_stream(name: str, value, n: int) -> list:
@@ -259,8 +261,8 @@ def step_log_prob(
                     elements_per_sample(sample, shard), shard=shard, **extra,
                     **elementwise_inputs(sample, sigmas, token_sigmas, frozen, mode, prev_x0_pred is not None))
     prev = second_order(prev_x0_pred, mode, sample)
-    value, count = _dispatch.select(backend, sample, model_output, prev_sample, *prev.values()).step_log_prob(
-        spec, sample, model_output, prev_sample, **prev)
+    ops = _dispatch.select(backend, sample, model_output, prev_sample, *prev.values())
+    value, count = _custom_ops.step_value(ops, spec, sample, model_output, prev_sample, **prev)
     return LogProbWithCount(value, count) if return_count else value
 
 
@@ -303,8 +305,8 @@ def step_kl(
                     elements_per_sample(sample, shard), shard=shard, **extra,
                     **elementwise_inputs(sample, sigmas, token_sigmas, frozen, mode, prev_x0_pred is not None))
     prev = second_order(prev_x0_pred, mode, sample)
-    value, count = _dispatch.select(backend, sample, model_output, ref_model_output, *prev.values()).step_kl(
-        spec, sample, model_output, ref_model_output, **prev)
+    ops = _dispatch.select(backend, sample, model_output, ref_model_output, *prev.values())
+    value, count = _custom_ops.step_value(ops, spec, sample, model_output, ref_model_output, **prev)
     return LogProbWithCount(value, count) if return_count else value
 
 

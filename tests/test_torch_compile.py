@@ -1,0 +1,225 @@
+"""torch.compile sees through flowrl's ops (docs/compile.md): a training step that rolls out
+(``sde_step``), recomputes (``step_log_prob``), takes the KL (``step_kl``) and the GRPO loss, then
+backpropagates, compiles with ``fullgraph=True`` (0 graph breaks) and gives eager mode's values and
+gradients bit for bit on the torch backend; every op passes ``torch.library.opcheck`` (schema, fake
+implementation, registered autograd). The CUDA variants (Triton backend) run in bench/gpu_check.sh.
+
+The compiled tests use tiny shapes and few compiles: Inductor builds C++ on the CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import flowrl
+from flowrl import losses
+
+SIGMAS = [0.99, 0.75, 0.5, 0.25, 0.0]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu_check.sh runs it)")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _inputs(device, dtype=torch.float32, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 4, 8, generator=g).to(device, dtype)
+    noise = torch.randn(batch, 4, 8, generator=g).to(device)
+    ref = torch.randn(batch, 4, 8, generator=g).to(device, dtype)
+    w = torch.randn(8, 8, generator=g).mul_(0.3).to(device)
+    old_lp = torch.randn(batch, generator=g).to(device)
+    adv = torch.randn(batch, generator=g).to(device)
+    sigmas = torch.tensor(SIGMAS, device=device)
+    return x, noise, ref, w, old_lp, adv, sigmas
+
+
+def _training_step(backend):
+    def step(x, noise, ref, w, old_lp, adv, sigmas):
+        v = (x.float() @ w).to(x.dtype)  # the "model"
+        out = flowrl.sde_step(x, v.detach(), sigmas, 1, noise=noise, backend=backend)
+        lp = flowrl.step_log_prob(x, v, out.prev_sample, sigmas, 1, backend=backend)
+        kl = flowrl.step_kl(x, v, ref, sigmas, 1, backend=backend)
+        grpo = losses.grpo_loss(x, v, out.prev_sample, sigmas, 1, old_lp, adv, clip_range=(0.2, 0.28), kl_coef=0.1,
+                                ref_model_output=ref, backend=backend, rollout_is_weights=adv.abs() + 0.5)
+        loss = grpo.loss - lp.mean() + kl.mean()
+        return loss, out.prev_sample, out.log_prob, out.prev_sample_mean, lp, kl, grpo.log_prob, grpo.ratio, grpo.kl
+    return step
+
+
+def _eager_and_compiled(step, args, w_index=3, **compile_kwargs):
+    """(eager outputs, eager grad of w, compiled outputs, compiled grad of w); backward outside the step."""
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True, **compile_kwargs)):
+        w = args[w_index].detach().clone().requires_grad_(True)
+        call = list(args)
+        call[w_index] = w
+        out = fn(*call)
+        out[0].backward()
+        results += [out, w.grad]
+    return results
+
+
+def _assert_bitwise(eager, compiled):
+    for k, (a, b) in enumerate(zip(eager, compiled)):
+        assert a.dtype == b.dtype and a.shape == b.shape, k
+        assert torch.equal(a, b), (k, (a.double() - b.double()).abs().max().item())
+
+
+def test_training_step_compiles_with_no_graph_break_and_eager_bits():
+    args = _inputs("cpu")
+    out_e, grad_e, out_c, grad_c = _eager_and_compiled(_training_step("torch"), args)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    _assert_bitwise(out_e, out_c)
+    _assert_bitwise([grad_e], [grad_c])
+
+
+def test_value_checks_run_in_eager_mode_and_are_skipped_while_compiling():
+    """A schedule that is not decreasing: eager mode reads it and refuses it; under torch.compile its
+    values are unknown at trace time, so the check is skipped (docs/compile.md) and the op runs."""
+    x, _, ref, _, _, _, _ = _inputs("cpu")
+    bad = torch.tensor([0.5, 0.75, 0.5, 0.25, 0.0])
+
+    def f(x, v):
+        return flowrl.step_log_prob(x, v, ref, bad, 1, backend="torch")
+
+    with pytest.raises(ValueError, match="strictly decreasing"):
+        f(x, ref)
+    value = torch.compile(f, fullgraph=True, backend="eager")(x, ref)
+    assert value.shape == (2,)
+
+
+def test_a_generator_breaks_the_graph_and_noise_seed_does_not():
+    x, _, ref, _, _, _, sigmas = _inputs("cpu")
+    g = torch.Generator().manual_seed(0)
+
+    def drawn(x, v):
+        return flowrl.sde_step(x, v, sigmas, 1, generator=g, backend="torch").prev_sample
+
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(drawn, fullgraph=True, backend="eager")(x, ref)
+    torch._dynamo.reset()
+
+    def seeded(x, v):
+        out = flowrl.sde_step(x, v, sigmas, 1, noise_seed=7, backend="torch")
+        return out.prev_sample, out.log_prob
+
+    _assert_bitwise(seeded(x, ref), torch.compile(seeded, fullgraph=True, backend="aot_eager")(x, ref))
+
+
+@pytest.mark.parametrize("variant", ["grpo_guard_replay", "flow_dppo_given_mean"])
+def test_trust_region_losses_compile_with_eager_bits(variant):
+    """The other GRPO-family losses go through the same op: values and d loss / d w bit for bit
+    (aot_eager: the graph and the registered backward, without Inductor's C++ build)."""
+    x, _, ref, w, old_lp, adv, sigmas = _inputs("cpu")
+
+    def step(x, w):
+        v = x @ w
+        out = flowrl.sde_step(x, v.detach(), sigmas, 2, noise_seed=11, backend="torch")
+        if variant == "grpo_guard_replay":
+            res = losses.grpo_guard_loss(x, v, out.prev_sample, sigmas, 2, old_lp, adv, clip_range=0.2, noise_seed=11,
+                                         backend="torch")
+        else:
+            res = losses.flow_dppo_loss(x, v, out.prev_sample, sigmas, 2, old_lp, adv, kl_threshold=0.01,
+                                        old_prev_sample_mean=out.prev_sample_mean, kl_coef=0.5,
+                                        ref_model_output=ref, backend="torch")
+        return tuple(t for t in res if t is not None)
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        wl = w.clone().requires_grad_(True)
+        out = fn(x, wl)
+        out[0].backward()
+        results.append((out, wl.grad))
+    assert sum(counters["graph_break"].values()) == 0
+    _assert_bitwise(results[0][0], results[1][0])
+    _assert_bitwise([results[0][1]], [results[1][1]])
+
+
+# ---------------------------------------------------- the custom ops in eager mode, and opcheck
+
+
+def _through_the_ops(monkeypatch):
+    """Route eager calls through the custom ops (as under torch.compile) and record each op call."""
+    from flowrl.ops import _custom_ops
+    from flowrl.losses import _custom_ops as loss_ops
+
+    calls = []
+    monkeypatch.setattr(_custom_ops, "traced", lambda spec=None: spec is None or spec.shard is None)
+    monkeypatch.setattr(losses, "_traced", lambda: True)
+    for module, name in ((_custom_ops, "_sde_step_op"), (_custom_ops, "_step_log_prob_op"),
+                         (_custom_ops, "_step_kl_op"), (loss_ops, "_grpo_op")):
+        real = getattr(module, name)
+
+        def spy(*args, _real=real):
+            calls.append((_real, args))
+            return _real(*args)
+
+        monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def _run_ops(backend, device, dtype):
+    x, noise, ref, w, old_lp, adv, sigmas = _inputs(device, dtype)
+    w = w.requires_grad_(True)
+    v = (x.float() @ w).to(dtype)
+    out = flowrl.sde_step(x, v, sigmas, 1, noise=noise, backend=backend)
+    lp = flowrl.step_log_prob(x, v, out.prev_sample.detach(), sigmas, 1, backend=backend)
+    kl = flowrl.step_kl(x, v, ref, sigmas, 1, backend=backend)
+    grpo = losses.grpo_loss(x, v, out.prev_sample.detach(), sigmas, 1, old_lp, adv, clip_range=0.2, kl_coef=0.1,
+                            ref_model_output=ref, backend=backend)
+    total = out.prev_sample.float().sum() + out.log_prob.sum() + lp.sum() + kl.sum() + grpo.loss
+    (grad,) = torch.autograd.grad(total, w)
+    return [out.prev_sample, out.log_prob, out.prev_sample_mean, out.std_dev, out.count, lp, kl,
+            *[t for t in grpo if t is not None], grad]
+
+
+def _backends():
+    params = [pytest.param("torch", "cpu", torch.float32, id="torch-fp32"),
+              pytest.param("torch", "cpu", torch.float64, id="torch-fp64")]
+    try:
+        from flowrl.backends import _dispatch
+
+        if _dispatch.triton_available() and _dispatch.interpreter_enabled():
+            params.append(pytest.param("triton", "cpu", torch.float32, id="triton-interpreter"))
+    except Exception:  # pragma: no cover
+        pass
+    return params
+
+
+@pytest.mark.parametrize("backend, device, dtype", _backends())
+def test_the_ops_in_eager_mode_give_the_backends_bits(monkeypatch, backend, device, dtype):
+    """Through the custom ops (forward and the registered backward) the values and the gradient are
+    the backend's direct call's, bit for bit; the ops pass opcheck (schema, fake, autograd)."""
+    direct = _run_ops(backend, device, dtype)
+    calls = _through_the_ops(monkeypatch)
+    routed = _run_ops(backend, device, dtype)
+    assert {real._qualname for real, _ in calls} >= {"flowrl::sde_step", "flowrl::step_log_prob", "flowrl::step_kl",
+                                                     "flowrl::grpo_family_loss"}
+    _assert_bitwise(direct, routed)
+    for real, args in calls:
+        # the default tests less test_aot_dispatch_dynamic (it recompiles; the compile tests above cover it)
+        torch.library.opcheck(real, args, test_utils=("test_schema", "test_autograd_registration",
+                                                      "test_faketensor"))
+
+
+@cuda
+def test_training_step_compiles_with_eager_bits_on_cuda_triton():
+    args = _inputs("cuda", torch.bfloat16)
+    out_e, grad_e, out_c, grad_c = _eager_and_compiled(_training_step("triton"), args)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    _assert_bitwise(out_e, out_c)
+    _assert_bitwise([grad_e], [grad_c])
+
+
+@cuda
+def test_training_step_compiles_with_eager_bits_on_cuda_torch():
+    args = _inputs("cuda")
+    out_e, grad_e, out_c, grad_c = _eager_and_compiled(_training_step("torch"), args)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    _assert_bitwise(out_e, out_c)
+    _assert_bitwise([grad_e], [grad_c])
