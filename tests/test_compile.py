@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the AOT compile of every kernel specialization, with two triton versions: minutes (./run test -m 'not slow' skips it)
+
 triton = pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]

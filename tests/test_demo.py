@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each case runs the demo in a subprocess (./run test -m 'not slow' skips it)
+
 STEPS, BATCH = 2, 2
 SMALL = ["--steps", str(STEPS), "--batch", str(BATCH), "--dim", "1", "--device", "cpu"]
 

@@ -15,6 +15,8 @@ from flowrl import distributed as fd
 from gloo_ranks import run_ranks
 from flowrl.reference import CHUNK_SIZE
 
+pytestmark = pytest.mark.slow  # spawns gloo process groups (./run test -m 'not slow' skips it)
+
 B, C = 3, 64  # C * rows = elements per shard; 16 rows of 64 = one 1024-element chunk
 assert CHUNK_SIZE == 1024, "the splits below are sized for 1024-element chunks"
 
@@ -175,7 +177,6 @@ def _check_rank(rank, world):
     _check_errors(rank, world)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_matches_single_device(world):
     run_ranks(_check_rank, world)

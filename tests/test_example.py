@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # trains the tiny transformer for several iterations (./run test -m 'not slow' skips it)
+
 pytest.importorskip("diffusers")
 
 ITERATIONS = 6

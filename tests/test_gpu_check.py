@@ -15,6 +15,8 @@ import tarfile
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # runs bench/gpu_check.sh's dry run and the suite's collection in subprocesses (./run test -m 'not slow' skips it)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "bench", "gpu_check.sh")
 BENCH_PHASES = ("targets", "sweep", "modes", "fp32", "losses")

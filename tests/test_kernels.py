@@ -354,6 +354,7 @@ def test_gather_identity_and_sharded_partials(device):
     assert torch.equal(torch.cat([vs[0].grad, vs[1].grad], dim=1), v_full.grad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group,num_warps", [(1, 1), (1, 4), (2, 2), (2, 8), (4, 4), (4, 16), (8, 8)])
 def test_every_launch_config_gives_the_same_bits(device, monkeypatch, group, num_warps):
     """How many chunks a program covers and how many warps it has change no bit: rollout (torch noise,

@@ -5,11 +5,14 @@ too for the kinds without a per-token log term, the gaussian one to float32 roun
 term is summed per rank; docs/contract.md, Per-token schedules).
 """
 
+import pytest
 import torch
 
 import flowrl
 from flowrl import distributed as fd
 from gloo_ranks import run_ranks
+
+pytestmark = pytest.mark.slow  # spawns gloo process groups (./run test -m 'not slow' skips it)
 
 B, S, C = 2, 40, 64
 ROWS = [16, 24]  # 16 rows of 64 = one 1024-element chunk: the cut falls on a chunk boundary

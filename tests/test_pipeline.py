@@ -79,6 +79,7 @@ NO_TEXT_ENCODERS = {
 }
 
 
+@pytest.mark.slow
 def test_swapped_scheduler_saves_and_reloads_as_diffusers_scheduler(tmp_path):
     pipe = tiny_pipeline(torch.float32, {"shift": 3.0})
     expected = generate(pipe, torch.float32)

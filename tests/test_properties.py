@@ -444,6 +444,7 @@ _SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=Fals
                  suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.slow
 @settings(max_examples=1500, **_SETTINGS)
 @given(case=cases("torch"))
 @example(case=regression("torch", "ode", torch.float32))
@@ -472,6 +473,7 @@ triton_only = pytest.mark.skipif(
 fp16_overflow_ok = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 
 
+@pytest.mark.slow
 @triton_only
 @fp16_overflow_ok
 @settings(max_examples=50, **_SETTINGS)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # builds and installs the wheel (./run test -m 'not slow' skips it)
+
 ROOT = Path(__file__).resolve().parents[1]
 # what a source distribution of the checkout holds for the build (the tests, docs and bench stay out)
 BUILD_FILES = ("flowrl", "kernels", "setup.py", "setup.cfg", "pyproject.toml", "README.md")
