@@ -15,6 +15,7 @@ from .core._validate import no_value_checks
 from .contract import CHUNK_SIZE
 from .ops.functional import LogProbWithCount, SDEStepOutput, combine_streams, draw_noise, sde_step, step_kl, step_log_prob
 from .core.step_spec import StepSpec
+from .backends import _dispatch as _backend_dispatch
 
 __version__ = "0.1.0"
 
@@ -47,9 +48,7 @@ def __getattr__(name):
 
 def available_backends():
     """Backends that can run here: always "torch"; "triton" when triton imports."""
-    from .backends._dispatch import triton_available
-
-    return ["torch"] + (["triton"] if triton_available() else [])
+    return ["torch"] + (["triton"] if _backend_dispatch.triton_available() else [])
 
 
 __all__ = [

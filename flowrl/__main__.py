@@ -9,6 +9,7 @@ from typing import List, Optional
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv else "demo"
+    # each command imports only its own app (lazy: the example's run needs diffusers, `info` neither app)
     if command == "demo":
         from .apps.demo import main as demo_main
 

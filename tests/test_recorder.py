@@ -2,6 +2,8 @@
 FlowMatchEulerDiscreteScheduler, a framework's subclass, or flowrl's), and restoring it afterwards."""
 import copy
 import inspect
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -162,6 +164,48 @@ def test_step_arguments_it_cannot_honor_raise():
         sched.step(x, sched.timesteps[0], x, 0.0, 0.0, float("inf"), 1.0)  # s_churn...s_noise: accepted, unused
         with pytest.raises(RuntimeError, match="one denoising loop"):
             sched.set_timesteps(3)
+
+
+def test_the_recording_step_takes_flowrls_step_arguments():
+    # the recorder binds step's arguments to step_output.STEP_SIGNATURE (it does not import the scheduler)
+    from flowrl.rollout.step_output import STEP_SIGNATURE
+
+    ours = inspect.signature(Sched.step)
+    assert ours.replace(parameters=list(ours.parameters.values())[1:]) == STEP_SIGNATURE
+
+
+@pytest.mark.parametrize("diffusers_installed", [True, False], ids=["diffusers", "no-diffusers"])
+def test_the_recorder_imported_alone_drives_both_schedulers(diffusers_installed):
+    # a fresh interpreter that imports the recorder first: it records diffusers' scheduler without
+    # importing flowrl's copy, and accepts flowrl's copy once that is imported (it registers itself)
+    script = f"""
+import sys
+if not {diffusers_installed}:
+    sys.modules["diffusers"] = None
+import torch
+from flowrl.rollout.recorder import rollout, check_scheduler
+assert "flowrl.rollout.scheduler" not in sys.modules
+
+def loop(sched):
+    sched.set_timesteps(3)
+    x = torch.randn(2, 8)
+    with rollout(sched, generator=torch.Generator().manual_seed(0)) as rec:
+        for t in sched.timesteps:
+            x = sched.step(torch.sin(x), t, x, return_dict=False)[0]
+    assert rec.trajectory().log_probs.shape == (2, 3)
+
+if {diffusers_installed}:
+    import diffusers
+    loop(diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
+    assert "flowrl.rollout.scheduler" not in sys.modules
+from flowrl.rollout.scheduler import FlowMatchEulerDiscreteScheduler
+check_scheduler(FlowMatchEulerDiscreteScheduler())
+loop(FlowMatchEulerDiscreteScheduler(shift=3.0))
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"
 
 
 def test_generator_falls_back_to_steps_own_and_ode_steps_draw_none():

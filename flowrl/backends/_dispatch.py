@@ -40,14 +40,14 @@ class Backend:
 
 
 def _torch_backend() -> Backend:
-    from . import reference, reference_losses
+    from . import reference, reference_losses  # on first use, as the Triton one (no cycle: they do not import this)
 
     return Backend("torch", reference.sde_step, reference.step_log_prob, reference.step_kl,
                    reference_losses.grpo_values, reference_losses.flow_sums)
 
 
 def _triton_backend() -> Backend:
-    from . import _triton_losses, _triton_ops
+    from . import _triton_losses, _triton_ops  # lazy: they import triton, an optional dependency
 
     return Backend("triton", _triton_ops.sde_step, _triton_ops.step_log_prob, _triton_ops.step_kl,
                    _triton_losses.grpo_values, _triton_losses.flow_sums)
@@ -68,7 +68,7 @@ def _triton_import_error() -> str:
     try:
         import triton  # noqa: F401
 
-        from . import _triton_ops  # noqa: F401
+        from . import _triton_ops  # noqa: F401  (lazy: triton is optional; this is the probe)
     except Exception as exc:  # ImportError, or a broken triton install
         return f"{type(exc).__name__}: {exc}"
     return ""

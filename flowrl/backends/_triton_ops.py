@@ -305,7 +305,7 @@ class _SDEStep(torch.autograd.Function):
             std = std.reshape((b,) + (1,) * (x.dim() - 1))
         else:
             if spec.elementwise:  # per-element coefficients; kept elements (x' = x) pass the grad to x
-                terms = reference._ElementTerms(spec, x, torch.float32, with_stats=False)
+                terms = reference.ElementTerms(spec, x, torch.float32, with_stats=False)
                 a, c, std, keep = terms.a, terms.c, terms.std, terms.keep
             elif ctx.ks.prev_x0 is not None:  # dpm_sde's second order: mu = a x + c v + p x0_prev
                 a, c, p, std = (t.reshape((b,) + (1,) * (x.dim() - 1)) for t in reference.dpm_sde_coefficients(

@@ -469,7 +469,7 @@ def _reduce(spec, r: torch.Tensor, std: torch.Tensor):
     return finalize(partials, std, count, spec.kind, spec.reduction), count
 
 
-class _ElementTerms:
+class ElementTerms:
     """An elementwise step's per-element pieces (docs/contract.md, Per-token schedules; Frozen
     elements): ``a, c, std`` broadcastable to the sample (per token, or per sample as a column),
     ``std_ref`` [B] (the sample's own step), ``scored`` (std > 0 and not frozen), ``keep`` (x' = x:
@@ -554,7 +554,7 @@ def _sde_step_elementwise(spec, sample, model_output, noise):
     ``sde_step``, in the sample's shape; kept elements (frozen, held tokens) emit x' = x and are not
     scored, but keep their noise positions."""
     dtype = compute_dtype(sample, model_output, noise)
-    t = _ElementTerms(spec, sample, dtype)
+    t = ElementTerms(spec, sample, dtype)
     mu = t.a * sample + t.c * model_output
     if noise is None:
         noise_term = None
@@ -577,7 +577,7 @@ def step_log_prob(spec, sample: torch.Tensor, model_output: torch.Tensor, prev_s
     """(log-prob [B], count [B]) of ``prev_sample`` given ``sample`` under the policy's ``model_output``."""
     dtype = compute_dtype(sample, model_output, prev_sample)
     if spec.elementwise:
-        t = _ElementTerms(spec, sample, dtype)
+        t = ElementTerms(spec, sample, dtype)
         return t.reduce(spec, (prev_sample - (t.a * sample + t.c * model_output)).to(dtype))
     mu, std = _mean_and_std(spec, sample, model_output, dtype, prev_x0_pred)
     r = (_rows(prev_sample) - mu).to(dtype)
@@ -595,7 +595,7 @@ def step_kl(spec, sample: torch.Tensor, model_output: torch.Tensor, ref_model_ou
     # mu - mu_ref = c v - c v_ref: the a * x terms cancel exactly, so the KL does not depend on x (its
     # gradient is none, not two opposite terms that can overflow a float16 gradient and give NaN)
     if spec.elementwise:
-        t = _ElementTerms(spec, sample, dtype)
+        t = ElementTerms(spec, sample, dtype)
         return t.reduce(spec, (t.c * model_output) - (t.c * ref_model_output))
     if spec.mode is Mode.DPM_SDE and prev_x0_pred is not None:  # p * x0_prev is shared and cancels like a * x
         _, c, _, std = dpm_sde_coefficients(spec.sigmas, spec.step_index, True, dtype)

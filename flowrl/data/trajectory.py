@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from ..contract import Mode, ModeRules, Schedule
 from ..core import _validate as V
 from ..core.step_spec import ddim_options
 from ..ops.functional import step_log_prob
@@ -24,6 +25,30 @@ _TENSOR_FIELDS = ("latents", "log_probs", "timesteps", "sigmas", "latent_step_in
 _OPTIONAL_TENSORS = ("sde_steps", "token_sigmas", "frozen", "counts", "prev_x0_preds")
 _SETTING_FIELDS = ("mode", "noise_level", "log_prob", "reduction")
 _DDIM_FIELDS = ("prediction_type", "clip_sample_range")  # mode='ddim' settings (keys only for ddim)
+
+
+def _rules(mode) -> Optional[ModeRules]:
+    """The mode table's row (``contract.MODE_RULES``) for the label ``mode``; None when ``mode`` names
+    no mode (an untrusted payload's, which its checks reject)."""
+    return Mode[mode.upper()].rules if isinstance(mode, str) and mode in Mode.labels() else None
+
+
+def _alpha_bar(mode) -> bool:
+    """Whether ``mode``'s ``sigmas`` is an alpha-bar table (ddim): a pair per step, not T + 1 sigmas."""
+    rules = _rules(mode)
+    return rules is not None and rules.schedule is Schedule.ALPHA_BAR
+
+
+def _has_ddim_fields(mode) -> bool:
+    """Whether ``mode`` reads the settings ``_DDIM_FIELDS`` (ddim's prediction type and clip range)."""
+    rules = _rules(mode)
+    return rules is not None and set(_DDIM_FIELDS) <= set(rules.extra_inputs)
+
+
+def _reads_prev_x0(mode) -> bool:
+    """Whether ``mode`` reads the previous step's data prediction (dpm_sde at order 2)."""
+    rules = _rules(mode)
+    return rules is not None and "prev_x0_pred" in rules.extra_inputs
 
 
 @dataclass
@@ -113,14 +138,14 @@ class RolloutTrajectory:
     @property
     def num_steps(self) -> int:
         # ddim's table holds an (alpha_bar_t, alpha_bar_prev) pair per step; the flow modes' T + 1 sigmas
-        return int(self.sigmas.numel() // 2 if self.mode == "ddim" else self.sigmas.numel() - 1)
+        return int(self.sigmas.numel() // 2 if _alpha_bar(self.mode) else self.sigmas.numel() - 1)
 
     def step_options(self) -> Dict[str, Any]:
         """The keyword options that recompute this rollout's steps (``flowrl.step_log_prob(x, v, x',
         traj.sigmas, i, **traj.step_options())``): mode, noise_level, log_prob, reduction, and ddim's
         prediction_type / clip_sample_range. ``step_inputs(j)`` gives these and the tensors of step j."""
         options = {name: getattr(self, name) for name in _SETTING_FIELDS}
-        if self.mode == "ddim":
+        if _has_ddim_fields(self.mode):
             options.update({name: getattr(self, name) for name in _DDIM_FIELDS})
         return options
 
@@ -212,11 +237,11 @@ class RolloutTrajectory:
                     parts[k] = None
         out = dict(sample=parts["sample"], prev_sample=parts["prev_sample"], sigmas=parts["sigmas"], step_index=j,
                    **self.step_options())
-        if mode == "ode" and self.mode == "ddim":  # ddim's steps outside sde_steps ran at eta = 0
+        if mode == "ode" and _alpha_bar(self.mode):  # ddim's steps outside sde_steps ran at eta = 0
             out["noise_level"] = 0.0
         else:
             out["mode"] = mode
-        if mode == "dpm_sde" and self.prev_x0_preds is not None:  # the second order's previous x0 (sde steps)
+        if _reads_prev_x0(mode) and self.prev_x0_preds is not None:  # the second order's previous x0 (sde steps)
             out["prev_x0_pred"] = parts["prev_x0_pred"]
         for k in ("token_sigmas", "frozen"):
             if parts[k] is not None:
@@ -287,7 +312,7 @@ class RolloutTrajectory:
             wire[name] = wire.get(name)
         wire.update({name: getattr(self, name) for name in _SETTING_FIELDS})
         wire["noise_level"] = float(self.noise_level)
-        if self.mode == "ddim":
+        if _has_ddim_fields(self.mode):
             wire.update({name: getattr(self, name) for name in _DDIM_FIELDS})
         wire["streams"] = None if self.streams is None else [s.to_wire() for s in self.streams]
         wire["format"] = FORMAT
@@ -310,7 +335,7 @@ class RolloutTrajectory:
         expected = set(_TENSOR_FIELDS) | set(_SETTING_FIELDS) | set(optional) | {"format"}
         if version == FORMAT:
             expected.add("streams")
-        if wire.get("mode") == "ddim":
+        if _has_ddim_fields(wire.get("mode")):
             expected |= set(_DDIM_FIELDS)
         if set(wire) != expected:
             raise ValueError(
@@ -339,7 +364,7 @@ class RolloutTrajectory:
         safetensors reader."""
         metadata = {name: str(getattr(self, name)) for name in ("mode", "log_prob", "reduction")}
         metadata["noise_level"] = repr(float(self.noise_level))  # repr round-trips a float exactly
-        if self.mode == "ddim":  # JSON: None and a float round-trip exactly
+        if _has_ddim_fields(self.mode):  # JSON: None and a float round-trip exactly
             metadata.update({name: json.dumps(getattr(self, name)) for name in _DDIM_FIELDS})
         metadata["format"] = FORMAT
         metadata["streams"] = str(self.num_streams if self.streams is not None else 0)
@@ -356,7 +381,7 @@ class RolloutTrajectory:
         version = metadata.get("format")
         if version not in (FORMAT, FORMAT_V1):
             raise ValueError(f"{where}: metadata format must be {FORMAT!r} (or {FORMAT_V1!r}); got {version!r}")
-        expected = set(_SETTING_FIELDS) | {"format"} | (set(_DDIM_FIELDS) if metadata.get("mode") == "ddim" else set())
+        expected = set(_SETTING_FIELDS) | {"format"} | (set(_DDIM_FIELDS) if _has_ddim_fields(metadata.get("mode")) else set())
         if set(metadata) - {"streams"} != expected or (version == FORMAT_V1 and "streams" in metadata):
             extra = " plus optional 'streams'" if version == FORMAT else ""
             raise ValueError(f"{where}: metadata keys must be {sorted(expected)}{extra}; got {sorted(metadata)}")
@@ -425,13 +450,13 @@ class RolloutTrajectory:
             raise ValueError(f"{where}: {msg}")
 
         try:
-            if mode == "ddim":
+            if _alpha_bar(mode):
                 sigmas = V.check_alpha_bar_table(sigmas, sigmas.device, allow_zero_alpha=ddim["prediction"].label != "epsilon")
             else:
                 sigmas = V.check_sigmas(sigmas, sigmas.device)
         except (ValueError, TypeError) as exc:
             fail(str(exc))
-        num_steps = sigmas.numel() // 2 if mode == "ddim" else sigmas.numel() - 1
+        num_steps = sigmas.numel() // 2 if _alpha_bar(mode) else sigmas.numel() - 1
         if not latents.dtype.is_floating_point or latents.dim() < 2:
             fail(f"latents must be a float tensor [B, K, ...]; got {latents.dtype} {tuple(latents.shape)}")
         batch, kept = latents.shape[0], latents.shape[1]
@@ -475,7 +500,7 @@ class RolloutTrajectory:
                 or tuple(prev_x0_preds.shape) != (batch, num_steps) + tuple(latents.shape[2:])):
             fail(f"prev_x0_preds must be float32 (float64) [B, T, ...] = {[batch, num_steps, *latents.shape[2:]]}; got "
                  f"{prev_x0_preds.dtype} {tuple(prev_x0_preds.shape)}")
-        if prev_x0_preds is not None and mode != "dpm_sde":
+        if prev_x0_preds is not None and not _reads_prev_x0(mode):
             fail(f"prev_x0_preds is mode 'dpm_sde''s; got mode {mode!r}")
         if streams is not None:
             if any(st.batch_size != batch or st.num_steps != num_steps for st in streams):

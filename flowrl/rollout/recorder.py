@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import warnings
 from dataclasses import replace
 from numbers import Integral
@@ -37,12 +36,8 @@ from ..backends._dispatch import BACKENDS
 from ..contract import Mode, Schedule
 from ..data.denoising_env import check_env_options, finish_env, start_env
 from ..ops.functional import GeneratorArg, combine_streams, sde_step
-from .scheduler import (
-    DiffusersFlowMatchEulerDiscreteScheduler,
-    FlowMatchEulerDiscreteScheduler,
-    FlowMatchEulerDiscreteSchedulerOutput,
-    check_step_timestep,
-)
+from .step_output import STEP_SIGNATURE as _STEP_SIGNATURE
+from .step_output import FlowMatchEulerDiscreteSchedulerOutput, check_step_timestep
 from .timestep_lookup import index_for_timestep
 from ..data.trajectory import RolloutTrajectory
 
@@ -51,11 +46,29 @@ from ..data.trajectory import RolloutTrajectory
 # a stream of the rollout instead of a second scheduler sharing the first one's recorder and generator)
 _PATCHED = ("step", "set_timesteps", "__deepcopy__", "__reduce_ex__")
 
+# What a recording step takes (_STEP_SIGNATURE, from step_output): the arguments of diffusers'
+# FlowMatchEulerDiscreteScheduler.step, which flowrl's copy has too (without self).
 
-# What a recording step takes: the arguments of diffusers' FlowMatchEulerDiscreteScheduler.step, which
-# flowrl's copy has too (without self).
-_STEP_SIGNATURE = inspect.signature(FlowMatchEulerDiscreteScheduler.step)
-_STEP_SIGNATURE = _STEP_SIGNATURE.replace(parameters=list(_STEP_SIGNATURE.parameters.values())[1:])
+try:  # optional: flowrl's copy runs without diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler as _DiffusersFlowMatchEulerDiscreteScheduler
+except ImportError:
+    _DiffusersFlowMatchEulerDiscreteScheduler = None
+
+# The scheduler classes a rollout drives (with their subclasses): diffusers' FlowMatchEulerDiscreteScheduler
+# when diffusers is installed, and flowrl's copy, which flowrl.rollout.scheduler registers when it is
+# imported (so before any instance of it exists). This module does not import flowrl.rollout.scheduler:
+# that module imports this one for its rollout().
+_SCHEDULER_CLASSES: List[type] = [c for c in (_DiffusersFlowMatchEulerDiscreteScheduler,) if c is not None]
+
+
+def register_scheduler_class(cls: type) -> type:
+    """Let a rollout drive instances of ``cls`` (and its subclasses): a class with the Euler step and
+    the attributes of diffusers' ``FlowMatchEulerDiscreteScheduler`` (flowrl's copy registers itself)."""
+    if not isinstance(cls, type):
+        raise TypeError(f"register_scheduler_class takes a class; got {type(cls).__name__}")
+    if cls not in _SCHEDULER_CLASSES:
+        _SCHEDULER_CLASSES.append(cls)
+    return cls
 
 
 def check_scheduler(scheduler, mode: Optional[str] = None, noise_level: Optional[float] = None,
@@ -67,8 +80,7 @@ def check_scheduler(scheduler, mode: Optional[str] = None, noise_level: Optional
     ``mode``, ``noise_level`` and ``sde_steps`` must be that process (docs/contract.md, Variants)."""
     if isinstance(scheduler, type):
         raise TypeError(f"scheduler must be a scheduler instance, not the class {scheduler.__name__}")
-    classes = tuple(c for c in (FlowMatchEulerDiscreteScheduler, DiffusersFlowMatchEulerDiscreteScheduler) if c)
-    if not isinstance(scheduler, classes):
+    if not isinstance(scheduler, tuple(_SCHEDULER_CLASSES)):
         raise TypeError(
             f"scheduler must be a FlowMatchEulerDiscreteScheduler (diffusers', flowrl's or a subclass); got "
             f"{type(scheduler).__name__}. A rollout replaces the Euler step x + (sigma' - sigma) v of that "
@@ -639,4 +651,4 @@ class RolloutRecorder:
 rollout = RolloutRecorder
 
 
-__all__ = ["RolloutRecorder", "rollout", "check_scheduler"]
+__all__ = ["RolloutRecorder", "rollout", "check_scheduler", "register_scheduler_class"]

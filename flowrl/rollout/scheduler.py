@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import warnings
-from dataclasses import dataclass, fields
 from numbers import Integral, Real
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -35,6 +34,8 @@ import torch
 from ..core import _validate as V
 from . import timestep_lookup
 from ..ops.functional import GeneratorArg, draw_noise
+from .recorder import RolloutRecorder, register_scheduler_class
+from .step_output import FlowMatchEulerDiscreteSchedulerOutput, check_step_timestep
 
 try:  # optional: the copy runs without diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler as DiffusersFlowMatchEulerDiscreteScheduler
@@ -85,28 +86,6 @@ class SchedulerConfig(dict):
         return (SchedulerConfig, (dict(self),))
 
 
-@dataclass
-class FlowMatchEulerDiscreteSchedulerOutput:
-    """``step``'s result. ``prev_sample`` as in diffusers; inside a rollout also the step's ``log_prob``
-    (float32 [B]), ``prev_sample_mean`` (float32, the sample's shape) and ``std_dev`` (float32 [B]).
-
-    Indexes like diffusers' ``BaseOutput``: ``out[0]`` is ``prev_sample``, ``out["log_prob"]`` a field;
-    ``to_tuple()`` holds the fields that are set."""
-
-    prev_sample: torch.Tensor
-    log_prob: Optional[torch.Tensor] = None
-    prev_sample_mean: Optional[torch.Tensor] = None
-    std_dev: Optional[torch.Tensor] = None
-
-    def to_tuple(self) -> tuple:
-        return tuple(getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None)
-
-    def __getitem__(self, key):
-        if isinstance(key, str):
-            return getattr(self, key)
-        return self.to_tuple()[key]
-
-
 def _check_real(name: str, value, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -117,17 +96,6 @@ def _check_real(name: str, value, *, allow_none: bool = False) -> None:
 def _check_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
         raise ValueError(f"{name} must be a positive int; got {value!r}")
-
-
-def check_step_timestep(timestep) -> None:
-    """``step``'s timestep must be a schedule value, not a loop index (diffusers raises the same)."""
-    if isinstance(timestep, (bool, Integral)) or (
-        isinstance(timestep, torch.Tensor) and not timestep.dtype.is_floating_point
-    ):
-        raise ValueError(
-            "timestep must be one of scheduler.timesteps (a float), not an integer index such as one "
-            "from enumerate(timesteps)"
-        )
 
 
 class FlowMatchEulerDiscreteScheduler(
@@ -557,18 +525,11 @@ class FlowMatchEulerDiscreteScheduler(
         ``per_token_timesteps`` and copies of the scheduler made during the rollout (streams) are
         recorded too. With ``stochastic_sampling=True`` in the config the step is cps at noise_level 1:
         record it with ``mode="cps", noise_level=1.0``."""
-        from .recorder import RolloutRecorder
-
         return RolloutRecorder(self, **options)
 
 
-def __getattr__(name: str):
-    # re-export without a circular import: flowrl.recorder imports this module
-    if name == "RolloutRecorder":
-        from .recorder import RolloutRecorder
-
-        return RolloutRecorder
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# a rollout drives this copy too (the recorder does not import this module: it imports the recorder)
+register_scheduler_class(FlowMatchEulerDiscreteScheduler)
 
 
 __all__ = [
