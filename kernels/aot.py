@@ -294,10 +294,12 @@ def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Spec
     # elementwise steps (per-token schedules, frozen masks): the heaviest rollout (Philox, the mean,
     # per-token coefficients and a mask), the recompute with both and with a mask alone, its backward
     both = ("token", "frozen")
-    yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *largest, elementwise=both)
-    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *largest, elementwise=both)
-    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *largest, elementwise=("frozen",))
-    yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False), *largest, elementwise=both)
+    from flowrl._triton_ops import ELEMENTWISE_CONFIG as ew
+
+    yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *ew, elementwise=both)
+    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *ew, elementwise=both)
+    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *ew, elementwise=("frozen",))
+    yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False), *ew, elementwise=both)
     if storage == STORAGES[0]:  # the finalize reads float32 partials whatever the latents' dtype
         yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, True, 64, count_given=True, has_log=True)
         yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, False, 64, count_given=True)
@@ -464,6 +466,10 @@ def is_hot(spec: Specialization) -> bool:
         return False
     cx = spec.constexprs
     config = _group_warps(spec)
+    if cx.get("PER_TOKEN") or cx.get("HAS_FROZEN"):
+        from flowrl._triton_ops import ELEMENTWISE_CONFIG
+
+        return config == tuple(ELEMENTWISE_CONFIG)
     if cx.get("NOISE") == int(NoiseSource.PHILOX) and not cx["PHILOX_ALIGNED"]:
         return config == tuple(_unaligned_philox_config())
     if spec.kernel == "grpo_backward_kernel" and cx["TRUST"] == 2:
