@@ -95,7 +95,7 @@ def _partials(storage, mode, op, noise, write_mean, philox_aligned, group, warps
                                                         else "") + (" +mean" if write_mean else "")
                              if op is Op.ROLLOUT else "") + _elementwise_label(elementwise)
     return Specialization("step_partials_kernel", sig, cx, (ptrs + ("n_per_sample",)) if aligned else (), warps,
-                          f"{_mode_label(mode, ddim)} {label} g{group}w{warps}" + ("" if aligned else " unaligned-tensors"),
+                          f"{_mode_label(mode, ddim, has_prev)} {label} g{group}w{warps}" + ("" if aligned else " unaligned-tensors"),
                           group * CHUNK_SIZE)
 
 
@@ -131,7 +131,7 @@ def _backward(storage, mode, kind, mean, needs, group, warps, elementwise=(), ha
     ptrs = tuple(k for k in sig if k.endswith("_ptr"))
     grads = "+".join(n for n, on in zip(("x", "v", "third"), needs) if on)
     return Specialization("step_backward_kernel", sig, cx, ptrs + ("n_per_sample",), warps,
-                          f"{_mode_label(mode, ddim)} {kind.label} {'mean' if mean else 'sum'} grads={grads} g{group}w{warps}"
+                          f"{_mode_label(mode, ddim, has_prev)} {kind.label} {'mean' if mean else 'sum'} grads={grads} g{group}w{warps}"
                           + _elementwise_label(elementwise), group * CHUNK_SIZE)
 
 
@@ -225,8 +225,9 @@ def _ddim_cx(mode, ddim):
     return {"PRED": int(prediction), "CLIP": clip}
 
 
-def _mode_label(mode, ddim):
-    return mode.label + (f"[{ddim[0].label}{' clip' if ddim[1] else ''}]" if mode is Mode.DDIM else "")
+def _mode_label(mode, ddim, has_prev=False):
+    return mode.label + (f"[{ddim[0].label}{' clip' if ddim[1] else ''}]" if mode is Mode.DDIM else "") + (
+        " 2nd-order" if has_prev else "")
 
 
 # ddim's (prediction, clip) switch pairs: epsilon with the clip (Stable Diffusion's config) for every
