@@ -646,7 +646,8 @@ def static_bound(op: str, mode: str, dtype: str, version: str, table=None) -> fl
     bounds = []
     for kernel, prefix in _op_kernels(op, mode):
         found = [b for (k, label, v), b in table.items() if k == kernel and v == version
-                 and (label == prefix or label.startswith(prefix + " ") or (prefix.endswith("=") and label.startswith(prefix)))]
+                 and (label == prefix or label.startswith(prefix + " ") or (prefix.endswith("=") and label.startswith(prefix)))
+                 and not re.search(r"\+token|\+frozen|unaligned", label)]  # the ordinary step's kernels
         if not found:
             return math.nan
         bounds.append(min(found))
