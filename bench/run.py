@@ -566,6 +566,7 @@ class Row:
     peak_x_eager: float = math.nan
     grad_mib: float = math.nan
     check_err: float = math.nan
+    bound_pct: float = math.nan  # the static roofline bound of the op's kernels, % of copy (flowrl-triton)
     note: str = ""
 
 
@@ -580,6 +581,77 @@ def set_bytes(row: Row, numel: int, batch: int, itemsize: int) -> None:
     row.min_b_elem = minimum(row.op, numel, batch, itemsize, **extra) / numel
     modelled = row.impl in MODELLED_IMPLS
     row.model_b_elem = model(row.op, numel, batch, itemsize, **extra) / numel if modelled else math.nan
+    if modelled:
+        import triton
+
+        row.bound_pct = static_bound(row.op, row.mode, row.dtype, triton.__version__)
+
+
+# ---- the static roofline bound (kernels/aot.py; docs/kernels.md's roofline table) ---------------
+
+DOCS_KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "kernels.md")
+
+
+def roofline_table(path: str = DOCS_KERNELS) -> Dict[Tuple[str, str, str], float]:
+    """{(kernel, label without its launch configuration, triton version): bound} from the roofline
+    table ``python -m flowrl.kernels.aot --update-docs docs/kernels.md`` writes (bf16, sm_90a; the
+    bound as a fraction of copy bandwidth). Empty when the file or the table is missing."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return {}
+    start, end = "<!-- roofline-table:start -->", "<!-- roofline-table:end -->"
+    if start not in text or end not in text:
+        return {}
+    lines = [ln for ln in text.split(start, 1)[1].split(end, 1)[0].strip().splitlines() if ln.startswith("|")]
+    if len(lines) < 3:
+        return {}
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    versions = [re.match(r"bound \((.+)\)", c).group(1) for c in head if c.startswith("bound (")]
+    out = {}
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        kernel, label = cells[0].strip("`"), re.sub(r" g\d+w\d+", "", cells[1])
+        for k, version in enumerate(versions):
+            value = cells[head.index(f"bound ({version})")].split()[0]
+            if value not in ("None", "-"):
+                out[(kernel, label, version)] = float(value)
+    return out
+
+
+def _op_kernels(op: str, mode: str) -> List[Tuple[str, str]]:
+    """(kernel, label prefix) of the element kernels an op launches, as aot labels them."""
+    kind = baseline.LOG_PROB_KIND.get(mode, "gaussian")
+    if mode == "dpm_sde":  # the bench runs dpm_sde at order 2 (Case.x0_prev)
+        mode = "dpm_sde 2nd-order"
+    if op == "rollout":
+        return [("step_partials_kernel", f"{mode} rollout noise=tensor")]
+    if op == "recompute_fwd":
+        return [("step_partials_kernel", f"{mode} log_prob")]
+    if op == "recompute_fwd_bwd":
+        return [("step_partials_kernel", f"{mode} log_prob"), ("step_backward_kernel", f"{mode} {kind} mean grads=")]
+    if op == "kl_fwd_bwd":
+        return [("step_partials_kernel", f"{mode} kl"), ("step_backward_kernel", f"{mode} kl mean grads=")]
+    return []
+
+
+def static_bound(op: str, mode: str, dtype: str, version: str, table=None) -> float:
+    """The static roofline bound (% of copy bandwidth) of the op's flowrl-triton kernels: the lowest
+    over its element kernels (for each, the best-matching label: the lowest bound among those that
+    start with the prefix). NaN where the table has no row (fp32, the conditioned and loss ops)."""
+    table = roofline_table() if table is None else table
+    if dtype != "bf16":
+        return math.nan
+    bounds = []
+    for kernel, prefix in _op_kernels(op, mode):
+        found = [b for (k, label, v), b in table.items() if k == kernel and v == version
+                 and (label == prefix or label.startswith(prefix + " ") or (prefix.endswith("=") and label.startswith(prefix)))
+                 and not re.search(r"\+token|\+frozen|unaligned", label)]  # the ordinary step's kernels
+        if not found:
+            return math.nan
+        bounds.append(min(found))
+    return 100 * min(bounds) if bounds else math.nan
 
 
 def set_rates(row: Row, ms: float, numel: int, copy: float) -> None:
@@ -926,7 +998,7 @@ def _fmt(value: float, digits: int = 3) -> str:
 
 def markdown_table(rows: Sequence[Row]) -> str:
     head = ("| op | mode | dtype | shape | impl | time ms | min B/elem | GB/s | % copy | model B/elem "
-            "| GB/s (model) | % copy (model) | x eager | x compile | peak MiB (x eager) | note |")
+            "| GB/s (model) | % copy (model) | static bound % copy | x eager | x compile | peak MiB (x eager) | note |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         peak = "-" if math.isnan(r.peak_extra_mib) else (
@@ -935,7 +1007,7 @@ def markdown_table(rows: Sequence[Row]) -> str:
         lines.append(
             f"| {r.op} | {r.mode} | {r.dtype} | {r.shape} | {r.impl} | {_fmt(r.time_ms)} | {_fmt(r.min_b_elem, 4)} "
             f"| {_fmt(r.gbps)} | {_fmt(r.pct_copy, 2)} | {_fmt(r.model_b_elem, 4)} | {_fmt(r.gbps_model)} "
-            f"| {_fmt(r.pct_copy_model, 2)} | {_fmt(r.x_eager, 2)} | {_fmt(r.x_compile, 2)} | {peak} | {r.note} |"
+            f"| {_fmt(r.pct_copy_model, 2)} | {_fmt(r.bound_pct, 3)} | {_fmt(r.x_eager, 2)} | {_fmt(r.x_compile, 2)} | {peak} | {r.note} |"
         )
     return "\n".join(lines)
 

@@ -95,7 +95,7 @@ def _partials(storage, mode, op, noise, write_mean, philox_aligned, group, warps
                                                         else "") + (" +mean" if write_mean else "")
                              if op is Op.ROLLOUT else "") + _elementwise_label(elementwise)
     return Specialization("step_partials_kernel", sig, cx, (ptrs + ("n_per_sample",)) if aligned else (), warps,
-                          f"{_mode_label(mode, ddim)} {label} g{group}w{warps}" + ("" if aligned else " unaligned-tensors"),
+                          f"{_mode_label(mode, ddim, has_prev)} {label} g{group}w{warps}" + ("" if aligned else " unaligned-tensors"),
                           group * CHUNK_SIZE)
 
 
@@ -131,7 +131,7 @@ def _backward(storage, mode, kind, mean, needs, group, warps, elementwise=(), ha
     ptrs = tuple(k for k in sig if k.endswith("_ptr"))
     grads = "+".join(n for n, on in zip(("x", "v", "third"), needs) if on)
     return Specialization("step_backward_kernel", sig, cx, ptrs + ("n_per_sample",), warps,
-                          f"{_mode_label(mode, ddim)} {kind.label} {'mean' if mean else 'sum'} grads={grads} g{group}w{warps}"
+                          f"{_mode_label(mode, ddim, has_prev)} {kind.label} {'mean' if mean else 'sum'} grads={grads} g{group}w{warps}"
                           + _elementwise_label(elementwise), group * CHUNK_SIZE)
 
 
@@ -225,8 +225,9 @@ def _ddim_cx(mode, ddim):
     return {"PRED": int(prediction), "CLIP": clip}
 
 
-def _mode_label(mode, ddim):
-    return mode.label + (f"[{ddim[0].label}{' clip' if ddim[1] else ''}]" if mode is Mode.DDIM else "")
+def _mode_label(mode, ddim, has_prev=False):
+    return mode.label + (f"[{ddim[0].label}{' clip' if ddim[1] else ''}]" if mode is Mode.DDIM else "") + (
+        " 2nd-order" if has_prev else "")
 
 
 # ddim's (prediction, clip) switch pairs: epsilon with the clip (Stable Diffusion's config) for every
@@ -294,10 +295,12 @@ def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Spec
     # elementwise steps (per-token schedules, frozen masks): the heaviest rollout (Philox, the mean,
     # per-token coefficients and a mask), the recompute with both and with a mask alone, its backward
     both = ("token", "frozen")
-    yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *largest, elementwise=both)
-    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *largest, elementwise=both)
-    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *largest, elementwise=("frozen",))
-    yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False), *largest, elementwise=both)
+    from flowrl._triton_ops import ELEMENTWISE_CONFIG as ew
+
+    yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *ew, elementwise=both)
+    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *ew, elementwise=both)
+    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *ew, elementwise=("frozen",))
+    yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False), *ew, elementwise=both)
     if storage == STORAGES[0]:  # the finalize reads float32 partials whatever the latents' dtype
         yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, True, 64, count_given=True, has_log=True)
         yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, False, 64, count_given=True)
@@ -347,12 +350,168 @@ def _tool(name: str) -> str:
 _GLOBAL_ACCESS = re.compile(r"\b(ld|st)\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
 
 
+# ------------------------------------------------------------------------------------ the roofline
+# An H200 issues at most one warp instruction per clock per scheduler: 132 SMs x 4 schedulers x 32 lanes
+# x 1.98 GHz thread-instructions per second; a device copy moves about 4.3e12 bytes per second. A
+# specialization's bound, as a fraction of copy bandwidth, is (ISSUE_RATE / SASS per element) /
+# (COPY_BANDWIDTH / bytes per element), not capped at 1: above 1 the kernel has instruction headroom.
+ISSUE_RATE = 132 * 4 * 32 * 1.98e9
+COPY_BANDWIDTH = 4.3e12
+
+
+def _rollout(c):
+    return c.get("OP") == int(Op.ROLLOUT)
+
+
+# The element traffic of each kernel: the per-element tensors it reads or writes, each with the
+# condition (on the specialization's constexprs) under which it does; a tensor's width is its
+# pointer's type in the signature (the storage dtype, or float32 for given noise, the mean and a given
+# mu_old). The minimum traffic: the per-sample scalars, the compact per-token tables and masks (a few
+# bytes per token, cache resident) and the chunk partials (4 bytes per 1,024 elements) are not counted.
+ELEMENT_TRAFFIC = {
+    "step_partials_kernel": (
+        ("x_ptr", lambda c: c["MODE"] == int(Mode.DDIM) or c["OP"] != int(Op.KL)),  # the KL's c v - c v_ref
+        ("v_ptr", lambda c: True),
+        ("third_ptr", lambda c: c["NOISE"] == int(NoiseSource.TENSOR)),  # eps, x' or v_ref
+        ("prev_out_ptr", _rollout),
+        ("mean_out_ptr", lambda c: _rollout(c) and c["WRITE_MEAN"]),
+        ("prev_x0_ptr", lambda c: c["HAS_PREV"]),
+    ),
+    "step_backward_kernel": (
+        ("x_ptr", lambda c: c["MODE"] == int(Mode.DDIM) or not c["IS_KL"]),
+        ("v_ptr", lambda c: True),
+        ("third_ptr", lambda c: True),
+        ("prev_x0_ptr", lambda c: c["HAS_PREV"] and not c["IS_KL"] and c["MODE"] != int(Mode.DDIM)),
+        ("grad_x_ptr", lambda c: c["NEED_X"]),
+        ("grad_v_ptr", lambda c: c["NEED_V"]),
+        ("grad_third_ptr", lambda c: c["NEED_THIRD"]),
+        ("grad_prev_ptr", lambda c: c["NEED_PREV"]),
+    ),
+    "grpo_partials_kernel": (
+        ("x_ptr", lambda c: True), ("v_ptr", lambda c: True), ("prev_ptr", lambda c: True),
+        ("ref_ptr", lambda c: c["HAS_REF"]), ("old_mean_ptr", lambda c: c["TRUST"] == 1),
+    ),
+    "grpo_backward_kernel": (
+        ("x_ptr", lambda c: True), ("v_ptr", lambda c: True), ("prev_ptr", lambda c: True),
+        ("ref_ptr", lambda c: c["HAS_REF"]), ("old_mean_ptr", lambda c: c["TRUST"] == 1),
+        ("grad_v_ptr", lambda c: True),
+    ),
+    "flow_partials_kernel": (
+        ("xt_ptr", lambda c: c["LOSS"] == 0), ("v_ptr", lambda c: True), ("other_ptr", lambda c: True),
+        ("x0_ptr", lambda c: True), ("ref_ptr", lambda c: c["LOSS"] == 0 and c["HAS_REF"]),
+    ),
+    "flow_backward_kernel": (
+        ("xt_ptr", lambda c: c["LOSS"] == 0), ("v_ptr", lambda c: True), ("other_ptr", lambda c: True),
+        ("x0_ptr", lambda c: True), ("ref_ptr", lambda c: c["LOSS"] == 0 and c["HAS_REF"]),
+        ("grad_v_ptr", lambda c: True),
+    ),
+    "finalize_kernel": (("partials_ptr", lambda c: True),),  # its elements are the partials
+}
+_WIDTH = {"*bf16": 2, "*fp16": 2, "*fp32": 4, "*u8": 1, "*i64": 8}
+
+
+def bytes_per_element(spec: Specialization) -> int:
+    """The minimum bytes ``spec`` moves per element (ELEMENT_TRAFFIC)."""
+    return sum(_WIDTH[spec.signature[ptr]] for ptr, used in ELEMENT_TRAFFIC[spec.kernel] if used(spec.constexprs))
+
+
+def roofline_bound(sass_per_element: float, bytes_per_element: float) -> float:
+    """The fraction of copy bandwidth instruction issue allows (ISSUE_RATE, COPY_BANDWIDTH)."""
+    return (ISSUE_RATE / sass_per_element) / (COPY_BANDWIDTH / bytes_per_element)
+
+
+_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;?\s*$")
+_BRANCH = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
+
+
+def sass_count(listing: str):
+    """(instructions, runtime loops) of an nvdisasm listing. Instructions: every instruction but the
+    NOP padding and the self-branch after the final EXIT. A runtime loop is a branch to an earlier
+    instruction (the self-branch excepted); with none, every instruction runs at most once per
+    thread, so the count times the threads is an upper bound of the dynamic count (it includes the
+    rarely taken slow paths of IEEE division and square root)."""
+    count, loops, labels, branches = 0, 0, {}, []
+    for line in listing.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = count
+            continue
+        m = _INSTRUCTION.match(line)
+        if not m or m.group(2).startswith("NOP"):
+            continue
+        target = _BRANCH.search(m.group(2))
+        if target:
+            branches.append((count, target.group(1)))
+        count += 1
+    for at, target in branches:
+        if target in labels and labels[target] < at:
+            loops += 1
+        elif target in labels and labels[target] == at:  # BRA to itself: the trap after EXIT
+            count -= 1
+    return count, loops
+
+
+def _group_warps(spec: Specialization):
+    cx = spec.constexprs
+    return (cx["GROUP"] if "GROUP" in cx else cx["BLOCK"] // CHUNK_SIZE), spec.num_warps
+
+
+def is_hot(spec: Specialization) -> bool:
+    """The specializations the roofline targets apply to: every element kernel's specialization at
+    the launch configuration large latents use (the largest of the launch table; Philox from an
+    unaligned offset and the replaying loss backward at their own), with the JIT's alignment
+    attributes (every contiguous latent has them)."""
+    from flowrl.losses._triton import REPLAY_BACKWARD_CONFIG
+
+    if spec.kernel == "finalize_kernel" or not spec.aligned:
+        return False
+    cx = spec.constexprs
+    config = _group_warps(spec)
+    if cx.get("PER_TOKEN") or cx.get("HAS_FROZEN"):
+        from flowrl._triton_ops import ELEMENTWISE_CONFIG
+
+        return config == tuple(ELEMENTWISE_CONFIG)
+    if cx.get("NOISE") == int(NoiseSource.PHILOX) and not cx["PHILOX_ALIGNED"]:
+        return config == tuple(_unaligned_philox_config())
+    if spec.kernel == "grpo_backward_kernel" and cx["TRUST"] == 2:
+        return config == tuple(REPLAY_BACKWARD_CONFIG)
+    return config == _launch_configs()[-1]
+
+
+def roofline_target(spec: Specialization):
+    """The bound (fraction of copy bandwidth) a hot bf16 / fp16 specialization must reach (issue 21);
+    None for the rest (fp32 moves twice the bytes and is reported only)."""
+    if not is_hot(spec) or spec.signature["v_ptr"] == "*fp32":
+        return None
+    cx = spec.constexprs
+    if spec.kernel.startswith("grpo"):
+        return 1.0 if cx["TRUST"] == 2 else 2.0
+    if spec.kernel.startswith("flow"):
+        return 2.0
+    if cx.get("NOISE") == int(NoiseSource.PHILOX) and cx.get("OP") == int(Op.ROLLOUT):
+        return 1.0 if cx["PHILOX_ALIGNED"] else 0.7
+    if cx["PER_TOKEN"] or cx["HAS_FROZEN"]:
+        return 1.5
+    if cx["MODE"] == int(Mode.DDIM):
+        return 2.0
+    return 3.0
+
+
+def hot_specializations(storage: str = "bf16") -> List[Specialization]:
+    """The hot specializations of ``storage`` (``is_hot``), each once."""
+    seen = {}
+    for spec in specializations(storage):
+        if is_hot(spec):
+            seen.setdefault(spec.label, spec)
+    return list(seen.values())
+
+
 def analyze(compiled, spec: Specialization, sass: bool = False) -> Dict[str, object]:
     """Registers, spills, shared memory (cuobjdump's resource usage of the cubin), the global loads and
     stores in the PTX and how many are 128-bit (the latents' vectorized accesses; the per-sample
-    scalars are narrower), barriers in the PTX, and with
-    ``sass`` the SASS instructions per element of the program (nvdisasm; static count of
-    straight-line code, times the threads, over the program's elements)."""
+    scalars are narrower), barriers in the PTX, the minimum bytes moved per element
+    (``bytes_per_element``), and with ``sass`` the SASS instructions per element of the program
+    (nvdisasm, ``sass_count``) and the roofline bound (``roofline_bound``)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
@@ -367,13 +526,17 @@ def analyze(compiled, spec: Specialization, sass: bool = False) -> Dict[str, obj
         widths[kind].append(int(vec or 1) * int(bits))
     wide = {kind: sum(w == 128 for w in ws) for kind, ws in widths.items()}
     threads = 32 * spec.num_warps
-    instructions = None if listing is None else len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S", listing))
+    instructions, loops = (None, None) if listing is None else sass_count(listing)
+    per_element = None if instructions is None else round(instructions * threads / spec.elements, 2)
+    nbytes = bytes_per_element(spec)
     return {
         "registers": int(fields.get("REG", 0)), "spill_bytes": int(fields.get("LOCAL", 0)) + int(fields.get("STACK", 0)),
         "shared_bytes": int(compiled.metadata.shared), "loads": len(widths["ld"]), "loads_128": wide["ld"],
         "stores": len(widths["st"]), "stores_128": wide["st"],
         "barriers": len(re.findall(r"\b(?:bar|barrier)\.sync\b", compiled.asm["ptx"])),
-        "sass_per_element": None if instructions is None else round(instructions * threads / spec.elements, 2),
+        "loops": loops, "sass_per_element": per_element, "bytes_per_element": nbytes,
+        "bound": None if per_element is None or loops else round(roofline_bound(per_element, nbytes), 3),
+        "target": roofline_target(spec),
     }
 
 
@@ -390,17 +553,20 @@ def _run_one(job):
         lines = str(exc).strip().splitlines()
         row.update(ok=False, error=f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:500])
         return row
-    row["ok"] = row["spill_bytes"] == 0
-    if not row["ok"]:
+    row["ok"] = row["spill_bytes"] == 0 and not row["loops"]
+    if row["spill_bytes"]:
         row["error"] = f"{row['spill_bytes']} bytes of local memory (register spills)"
+    elif row["loops"]:
+        row["error"] = f"{row['loops']} runtime loops (backward branches): SASS per element is not a dynamic count"
     return row
 
 
 def check(archs: Sequence[int] = ARCHS, storages: Sequence[str] = STORAGES, quick: bool = False,
-          jobs: int = 1, sass: bool = False) -> List[Dict[str, object]]:
-    """Compile and analyze every specialization; one result dict per (specialization, storage, arch)."""
+          jobs: int = 1, sass: bool = False, hot: bool = False) -> List[Dict[str, object]]:
+    """Compile and analyze every specialization (``hot``: the hot ones only, ``hot_specializations``);
+    one result dict per (specialization, storage, arch)."""
     work = [(spec, storage, arch, sass) for arch in archs for storage in storages
-            for spec in specializations(storage, quick)]
+            for spec in (hot_specializations(storage) if hot else specializations(storage, quick))]
     if jobs <= 1:
         return [_run_one(job) for job in work]
     with ProcessPoolExecutor(jobs) as pool:
@@ -424,7 +590,8 @@ def summarize(rows: List[Dict[str, object]]) -> List[Dict[str, object]]:
                     "spill_bytes": span("spill_bytes"), "shared_bytes": span("shared_bytes"),
                     "loads_128": span("loads_128"), "loads": span("loads"), "stores_128": span("stores_128"),
                     "stores": span("stores"),
-                    "barriers": span("barriers"), "sass_per_element": span("sass_per_element")})
+                    "barriers": span("barriers"), "sass_per_element": span("sass_per_element"),
+                    "bytes_per_element": span("bytes_per_element"), "bound": span("bound")})
     return out
 
 
@@ -434,18 +601,42 @@ def markdown(rows: List[Dict[str, object]]) -> str:
         lo, hi = pair
         return "-" if lo is None else (f"{lo}" if lo == hi else f"{lo}-{hi}")
     lines = ["| kernel | target | triton | compiled | failed | registers | spill B | shared B | 128-bit loads (of) "
-             "| 128-bit stores (of) | barriers | SASS / element |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| 128-bit stores (of) | barriers | SASS / element | bytes / element | bound |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for s in summarize(rows):
         lines.append(f"| `{s['kernel']}` | {s['arch']} | {s['triton']} | {s['compiled']} | {s['failed']} | "
                      f"{fmt(s['registers'])} | {fmt(s['spill_bytes'])} | {fmt(s['shared_bytes'])} | "
                      f"{fmt(s['loads_128'])} ({fmt(s['loads'])}) | {fmt(s['stores_128'])} ({fmt(s['stores'])}) | "
                      f"{fmt(s['barriers'])} | "
-                     f"{fmt(s['sass_per_element'])} |")
+                     f"{fmt(s['sass_per_element'])} | {fmt(s['bytes_per_element'])} | {fmt(s['bound'])} |")
+    return "\n".join(lines)
+
+
+def roofline_markdown(rows: List[Dict[str, object]], storage: str = "bf16", arch: str = "sm_90") -> str:
+    """The hot specializations of ``storage`` on ``arch``, one line each, a column pair per triton
+    version: SASS per element and the bound (fraction of copy bandwidth), against the target."""
+    rows = [r for r in rows if r["storage"] == storage and r["arch"] == arch and r.get("target") is not None]
+    versions = sorted({r["triton"] for r in rows})
+    by = {(r["kernel"], r["label"], r["triton"]): r for r in rows}
+    keys = sorted({(r["kernel"], r["label"]) for r in rows})
+    head = "| kernel | specialization | bytes / element | " + " | ".join(
+        f"SASS / element ({v}) | bound ({v})" for v in versions) + " | target |"
+    lines = [head, "|" + " --- |" * (4 + 2 * len(versions))]
+    for kernel, label in keys:
+        cells = []
+        first = by[(kernel, label, versions[0])]
+        for v in versions:
+            r = by.get((kernel, label, v), {})
+            bound = r.get("bound")
+            mark = "" if bound is None or bound >= first["target"] else " (below)"
+            cells += [f"{r.get('sass_per_element')}", f"{bound}{mark}"]
+        lines.append(f"| `{kernel}` | {label} | {first['bytes_per_element']} | " + " | ".join(cells)
+                     + f" | {first['target']} |")
     return "\n".join(lines)
 
 
 TABLE_START, TABLE_END = "<!-- aot-table:start -->", "<!-- aot-table:end -->"
+ROOFLINE_START, ROOFLINE_END = "<!-- roofline-table:start -->", "<!-- roofline-table:end -->"
 
 
 def triton36_path() -> str:
@@ -453,6 +644,12 @@ def triton36_path() -> str:
     in the editable install), or FLOWRL_TRITON36."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return os.environ.get("FLOWRL_TRITON36", os.path.join(root, ".venv", "triton-3.6"))
+
+
+def _replace_between(text: str, start: str, end: str, body: str) -> str:
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{body}\n{end}{tail}"
 
 
 def update_docs(path: str, archs: Sequence[int], jobs: int) -> int:
@@ -474,10 +671,11 @@ def update_docs(path: str, archs: Sequence[int], jobs: int) -> int:
         text = f.read()
     if TABLE_START not in text or TABLE_END not in text:
         raise ValueError(f"{path} has no {TABLE_START} ... {TABLE_END} markers")
-    head, rest = text.split(TABLE_START, 1)
-    _, tail = rest.split(TABLE_END, 1)
+    text = _replace_between(text, TABLE_START, TABLE_END, markdown(rows))
+    if ROOFLINE_START in text:
+        text = _replace_between(text, ROOFLINE_START, ROOFLINE_END, roofline_markdown(rows))
     with open(path, "w") as f:
-        f.write(f"{head}{TABLE_START}\n{markdown(rows)}\n{TABLE_END}{tail}")
+        f.write(text)
     failed = [row for row in rows if not row["ok"]]
     print(f"{len(rows)} specializations, {len(failed)} failed; table written to {path}")
     return 1 if failed else 0
@@ -489,6 +687,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="one specialization per kernel and storage dtype")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes (default: all cores)")
     parser.add_argument("--sass", action="store_true", help="also count SASS instructions per element")
+    parser.add_argument("--hot", action="store_true", help="only the hot specializations (roofline targets)")
+    parser.add_argument("--storage", nargs="+", default=list(STORAGES), choices=STORAGES, help="latent dtypes")
+    parser.add_argument("--roofline", action="store_true",
+                        help="print the hot specializations' roofline table (implies --sass)")
     parser.add_argument("--json", action="store_true", help="print every result as one JSON line")
     parser.add_argument("--markdown", action="store_true", help="print the per-kernel summary table")
     parser.add_argument("--update-docs", metavar="PATH", help="rewrite the table in PATH (both triton versions)")
@@ -496,9 +698,14 @@ def main(argv=None) -> int:
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="flowrl-aot-")  # fresh: no cached build hides an error
     if args.update_docs:
         return update_docs(args.update_docs, args.arch, args.jobs)
-    rows = check(args.arch, quick=args.quick, jobs=args.jobs, sass=args.sass)
+    rows = check(args.arch, args.storage, quick=args.quick, jobs=args.jobs, sass=args.sass or args.roofline,
+                 hot=args.hot)
     if args.json:
         print(json.dumps(rows))
+    elif args.roofline:
+        for storage in args.storage:
+            for arch in args.arch:
+                print(f"\n{storage}, sm_{arch}:\n" + roofline_markdown(rows, storage, f"sm_{arch}"))
     elif args.markdown:
         print(markdown(rows))
     else:
@@ -507,7 +714,7 @@ def main(argv=None) -> int:
             details = "" if "registers" not in row else (
                 f" regs {row['registers']} spill {row['spill_bytes']} smem {row['shared_bytes']} "
                 f"ld128 {row['loads_128']}/{row['loads']} st128 {row['stores_128']}/{row['stores']} bar {row['barriers']} "
-                f"sass/elem {row['sass_per_element']}")
+                f"sass/elem {row['sass_per_element']} bytes/elem {row['bytes_per_element']} bound {row['bound']}")
             print(f"{row['kernel']:21s} {row['storage']:4s} {row['arch']} {row['label']:45s} {status}{details}")
         print(markdown(rows), file=sys.stderr)
     failed = [row for row in rows if not row["ok"]]

@@ -71,19 +71,32 @@ def finalize_warps(width: int) -> int:
     return max(1, min(16, width // 256))
 
 
-# (largest elements per sample, chunks per program, num_warps), first match wins. Every entry keeps 8
-# values per thread (one 128-bit load of bf16, two of fp32, per tensor): the AOT check measured 16 per
-# thread spilling registers in the Philox rollout (80 registers, 8-16 bytes of local memory on sm_90a
-# and sm_80), 8 per thread 50-58 registers and no spill. Small samples keep one chunk per program so
-# the grid still fills the GPU; larger ones put 2 or 4 chunks in one program (4x fewer barriers per
-# element at 4, the per-sample coefficients computed once per 4 chunks). A starting point to re-measure
-# on a GPU (docs/kernels.md); any entry gives the same bits.
-LAUNCH_TABLE = ((2 * CHUNK_SIZE, 1, 4), (8 * CHUNK_SIZE, 2, 8), (float("inf"), 4, 16))
+# (largest elements per sample, chunks per program, num_warps), first match wins. One warp per
+# 1,024-element chunk, 32 values per thread (issue 21, the roofline): a thread's values sit 256
+# elements apart in four runs of 8 (bf16; fp32: 128 apart in eight runs of 4), so the chunk's halving
+# tree runs in registers and warp shuffles, with no shared memory and no barrier, and the per-sample
+# coefficients are spread over 32 values per thread instead of 8. The AOT roofline (bf16, sm_90a,
+# triton 3.9) measured the sde log-prob at 71 SASS instructions per element with (4 chunks, 16 warps),
+# 25 with (1, 1) and 21 with (2, 1); (2, 1) needs up to 254 registers (the rollout with the mean),
+# spills at 128, and (1, 1) stays within 128 without a spill. Any entry gives the same bits.
+LAUNCH_TABLE = ((float("inf"), 1, 1),)
 
 
 # Philox from an offset that is not a multiple of 4 (a sequence-parallel shard cut mid-quad) makes one
-# Philox call per element: at 16 warps triton 3.6 spilled 8 bytes on sm_80, at (1, 4) it does not.
+# Philox call per element; it runs at the same (1, 1) as every other launch.
 UNALIGNED_PHILOX_CONFIG = LAUNCH_TABLE[0][1:]
+
+
+# Elementwise steps (per-token sigmas, frozen masks) compute each element's coefficients (IEEE
+# divisions and square roots per element): at (1, 1) they need 255 registers and spill (168-472 bytes,
+# sm_90a); at 8 values per thread (4 chunks, 16 warps) they do not (up to 114 registers). Their roofline
+# waits for the per-token pre-pass (docs/kernels.md, The roofline).
+ELEMENTWISE_CONFIG = (4, 16)
+
+
+def element_config(spec, n_per_sample: int, unaligned_philox: bool = False):
+    """(chunks per program, num_warps) of the element kernels for ``spec``'s samples of ``n_per_sample``."""
+    return ELEMENTWISE_CONFIG if spec.elementwise else launch_config(n_per_sample, unaligned_philox=unaligned_philox)
 
 
 def launch_config(n_per_sample: int, unaligned_philox: bool = False):
@@ -155,7 +168,7 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
     noise_from = spec.noise_source if spec.op is Op.ROLLOUT else NoiseSource.TENSOR
     philox = noise_from is NoiseSource.PHILOX
     seeds, stream_stride, elem_offset = spec.noise_seed if philox else (ks.step_index, 0, 0)
-    group, num_warps = launch_config(n, unaligned_philox=philox and elem_offset % 4 != 0)
+    group, num_warps = element_config(spec, n, unaligned_philox=philox and elem_offset % 4 != 0)
     n_blocks = triton.cdiv(n_chunks, group)
     partials = torch.empty((b, n_chunks), dtype=torch.float32, device=x.device)
     _launch(
@@ -223,7 +236,7 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Op
     kernel_needs = (need_x, need_v, need_third, need_prev)
     if any(kernel_needs):
         dummy = grad.new_empty(1)
-        group, num_warps = launch_config(n)
+        group, num_warps = element_config(spec, n)
         block = group * CHUNK_SIZE
         n_blocks = triton.cdiv(n, block)
         _launch(

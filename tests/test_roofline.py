@@ -1,0 +1,260 @@
+"""The roofline check (issue 21; docs/kernels.md, "The roofline"): every hot kernel specialization
+(``flowrl.kernels.aot.hot_specializations``), compiled for sm_90a with the installed triton and with
+triton 3.6.0, issues few enough SASS instructions per byte it moves to reach its target fraction of
+an H200's copy bandwidth (``aot.roofline_target``). Deterministic: a static count of the compiled
+code (loop-free, checked), not a timing; no GPU needed. sm_80 is reported (docs/kernels.md's table,
+``python -m flowrl.kernels.aot --roofline --arch 80``), not asserted.
+
+The targets not met yet are listed in NOT_YET_MET with the floor measured today (the lowest bound
+over bf16 / fp16 and both triton versions, rounded down to 0.01): those specializations must stay at
+or above their floor (a ratchet), the others at or above their target. Raise a floor when a kernel
+gets cheaper; remove the entry when the target holds.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_compile import TRITON36, _env, needs_linux_x86
+
+triton = pytest.importorskip("triton")
+
+STORAGES = ("bf16", "fp16")
+
+# "kernel: label" -> the floor of its bound (fraction of copy bandwidth), below its target today.
+# Filled from `python -m flowrl.kernels.aot --hot --storage bf16 fp16 --arch 90 --roofline` with both
+# triton versions; docs/kernels.md says why each is not met yet.
+NOT_YET_MET = {
+    "flow_partials_kernel: nft ref=True g1w1": 1.51,
+    "grpo_backward_kernel: sde ref=True trust=2 gaussian mean g1w1": 0.68,
+    "grpo_partials_kernel: sde ref=True trust=2 g1w1": 0.55,
+    "step_backward_kernel: cps gaussian mean grads=x+v+third g1w1": 2.45,
+    "step_backward_kernel: cps gaussian sum grads=x+v+third g1w1": 2.53,
+    "step_backward_kernel: cps kernel mean grads=x+v+third g1w1": 2.45,
+    "step_backward_kernel: cps kernel sum grads=x+v+third g1w1": 2.53,
+    "step_backward_kernel: cps kl mean grads=v+third g1w1": 2.07,
+    "step_backward_kernel: cps kl sum grads=v+third g1w1": 2.16,
+    "step_backward_kernel: cps sq_err mean grads=x+v+third g1w1": 2.55,
+    "step_backward_kernel: cps sq_err sum grads=x+v+third g1w1": 2.81,
+    "step_backward_kernel: dance gaussian mean grads=x+v+third g1w1": 2.4,
+    "step_backward_kernel: dance gaussian sum grads=x+v+third g1w1": 2.48,
+    "step_backward_kernel: dance kernel mean grads=x+v+third g1w1": 2.4,
+    "step_backward_kernel: dance kernel sum grads=x+v+third g1w1": 2.48,
+    "step_backward_kernel: dance kl mean grads=v+third g1w1": 2.04,
+    "step_backward_kernel: dance kl sum grads=v+third g1w1": 2.13,
+    "step_backward_kernel: dance sq_err mean grads=x+v+third g1w1": 2.58,
+    "step_backward_kernel: dance sq_err sum grads=x+v+third g1w1": 2.6,
+    "step_backward_kernel: ddim[epsilon clip] gaussian mean grads=x+v+third g1w1": 1.17,
+    "step_backward_kernel: ddim[epsilon clip] kl mean grads=x+v+third g1w1": 0.74,
+    "step_backward_kernel: ddim[sample clip] gaussian mean grads=x+v+third g1w1": 1.41,
+    "step_backward_kernel: ddim[sample clip] kl mean grads=x+v+third g1w1": 0.98,
+    "step_backward_kernel: ddim[v_prediction] gaussian mean grads=x+v+third g1w1": 1.78,
+    "step_backward_kernel: ddim[v_prediction] kl mean grads=x+v+third g1w1": 1.52,
+    "step_backward_kernel: dpm_sde 2nd-order gaussian mean grads=x+v+third g1w1": 2.4,
+    "step_backward_kernel: dpm_sde 2nd-order kl mean grads=v+third g1w1": 1.87,
+    "step_backward_kernel: dpm_sde gaussian mean grads=x+v+third g1w1": 2.41,
+    "step_backward_kernel: dpm_sde kl mean grads=v+third g1w1": 2.05,
+    "step_backward_kernel: flash_sde gaussian mean grads=x+v+third g1w1": 2.38,
+    "step_backward_kernel: flash_sde kl mean grads=v+third g1w1": 2.02,
+    "step_backward_kernel: ode gaussian mean grads=x+v+third g1w1": 2.62,
+    "step_backward_kernel: ode gaussian sum grads=x+v+third g1w1": 2.65,
+    "step_backward_kernel: ode kernel mean grads=x+v+third g1w1": 2.62,
+    "step_backward_kernel: ode kernel sum grads=x+v+third g1w1": 2.65,
+    "step_backward_kernel: ode kl mean grads=v+third g1w1": 2.16,
+    "step_backward_kernel: ode kl sum grads=v+third g1w1": 2.26,
+    "step_backward_kernel: ode sq_err mean grads=x+v+third g1w1": 2.65,
+    "step_backward_kernel: ode sq_err sum grads=x+v+third g1w1": 2.95,
+    "step_backward_kernel: sde gaussian mean grads=v g1w1": 2.13,
+    "step_backward_kernel: sde gaussian mean grads=v g4w16 +token +frozen": 0.18,
+    "step_backward_kernel: sde gaussian mean grads=x+v+third g1w1": 2.34,
+    "step_backward_kernel: sde gaussian sum grads=x+v+third g1w1": 2.42,
+    "step_backward_kernel: sde kernel mean grads=x+v+third g1w1": 2.34,
+    "step_backward_kernel: sde kernel sum grads=x+v+third g1w1": 2.42,
+    "step_backward_kernel: sde kl mean grads=v+third g1w1": 1.98,
+    "step_backward_kernel: sde kl sum grads=v+third g1w1": 2.06,
+    "step_backward_kernel: sde sq_err mean grads=x+v+third g1w1": 2.46,
+    "step_backward_kernel: sde sq_err sum grads=x+v+third g1w1": 2.48,
+    "step_partials_kernel: cps kl g1w1": 1.8,
+    "step_partials_kernel: cps log_prob g1w1": 2.29,
+    "step_partials_kernel: cps rollout noise=none +mean g1w1": 2.55,
+    "step_partials_kernel: cps rollout noise=none g1w1": 1.86,
+    "step_partials_kernel: cps rollout noise=philox +mean g1w1": 0.77,
+    "step_partials_kernel: cps rollout noise=philox g1w1": 0.48,
+    "step_partials_kernel: cps rollout noise=philox unaligned +mean g1w1": 0.36,
+    "step_partials_kernel: cps rollout noise=tensor g1w1": 2.72,
+    "step_partials_kernel: dance kl g1w1": 1.58,
+    "step_partials_kernel: dance log_prob g1w1": 2.02,
+    "step_partials_kernel: dance rollout noise=none +mean g1w1": 2.34,
+    "step_partials_kernel: dance rollout noise=none g1w1": 1.67,
+    "step_partials_kernel: dance rollout noise=philox +mean g1w1": 0.74,
+    "step_partials_kernel: dance rollout noise=philox g1w1": 0.46,
+    "step_partials_kernel: dance rollout noise=philox unaligned +mean g1w1": 0.35,
+    "step_partials_kernel: dance rollout noise=tensor +mean g1w1": 2.88,
+    "step_partials_kernel: dance rollout noise=tensor g1w1": 2.4,
+    "step_partials_kernel: ddim[epsilon clip] kl g1w1": 0.69,
+    "step_partials_kernel: ddim[epsilon clip] log_prob g1w1": 1.03,
+    "step_partials_kernel: ddim[epsilon clip] rollout noise=none +mean g1w1": 1.4,
+    "step_partials_kernel: ddim[epsilon clip] rollout noise=philox g1w1": 0.39,
+    "step_partials_kernel: ddim[epsilon clip] rollout noise=tensor +mean g1w1": 1.85,
+    "step_partials_kernel: ddim[sample clip] kl g1w1": 0.69,
+    "step_partials_kernel: ddim[sample clip] log_prob g1w1": 1.03,
+    "step_partials_kernel: ddim[sample clip] rollout noise=none +mean g1w1": 1.4,
+    "step_partials_kernel: ddim[sample clip] rollout noise=philox g1w1": 0.39,
+    "step_partials_kernel: ddim[sample clip] rollout noise=tensor +mean g1w1": 1.85,
+    "step_partials_kernel: ddim[v_prediction] kl g1w1": 1.2,
+    "step_partials_kernel: ddim[v_prediction] log_prob g1w1": 1.47,
+    "step_partials_kernel: ddim[v_prediction] rollout noise=none +mean g1w1": 1.85,
+    "step_partials_kernel: ddim[v_prediction] rollout noise=philox g1w1": 0.43,
+    "step_partials_kernel: dpm_sde 2nd-order kl g1w1": 2.01,
+    "step_partials_kernel: dpm_sde 2nd-order log_prob g1w1": 2.0,
+    "step_partials_kernel: dpm_sde 2nd-order rollout noise=philox g1w1": 0.58,
+    "step_partials_kernel: dpm_sde 2nd-order rollout noise=tensor +mean g1w1": 2.73,
+    "step_partials_kernel: dpm_sde kl g1w1": 1.58,
+    "step_partials_kernel: dpm_sde log_prob g1w1": 2.02,
+    "step_partials_kernel: dpm_sde rollout noise=philox g1w1": 0.46,
+    "step_partials_kernel: dpm_sde rollout noise=tensor +mean g1w1": 2.89,
+    "step_partials_kernel: flash_sde kl g1w1": 1.55,
+    "step_partials_kernel: flash_sde log_prob g1w1": 1.99,
+    "step_partials_kernel: flash_sde rollout noise=philox g1w1": 0.46,
+    "step_partials_kernel: flash_sde rollout noise=tensor +mean g1w1": 2.86,
+    "step_partials_kernel: ode kl g1w1": 1.96,
+    "step_partials_kernel: ode log_prob g1w1": 2.46,
+    "step_partials_kernel: ode rollout noise=none +mean g1w1": 2.73,
+    "step_partials_kernel: ode rollout noise=none g1w1": 1.97,
+    "step_partials_kernel: ode rollout noise=philox +mean g1w1": 0.77,
+    "step_partials_kernel: ode rollout noise=philox g1w1": 0.49,
+    "step_partials_kernel: ode rollout noise=philox unaligned +mean g1w1": 0.37,
+    "step_partials_kernel: ode rollout noise=tensor g1w1": 2.87,
+    "step_partials_kernel: sde kl g1w1": 1.46,
+    "step_partials_kernel: sde log_prob +frozen g4w16": 0.28,
+    "step_partials_kernel: sde log_prob +token +frozen g4w16": 0.13,
+    "step_partials_kernel: sde log_prob g1w1": 1.88,
+    "step_partials_kernel: sde rollout noise=none +mean g1w1": 2.22,
+    "step_partials_kernel: sde rollout noise=none g1w1": 1.58,
+    "step_partials_kernel: sde rollout noise=philox +mean +token +frozen g4w16": 0.17,
+    "step_partials_kernel: sde rollout noise=philox +mean g1w1": 0.73,
+    "step_partials_kernel: sde rollout noise=philox g1w1": 0.46,
+    "step_partials_kernel: sde rollout noise=philox unaligned +mean g1w1": 0.35,
+    "step_partials_kernel: sde rollout noise=tensor +mean g1w1": 2.81,
+    "step_partials_kernel: sde rollout noise=tensor g1w1": 2.33,
+}
+
+
+# Hot specializations above the issue's 128 registers per thread today (no spill: up to 255, the
+# hardware's limit, on some target and triton version); the rest must stay within 128.
+OVER_128_REGISTERS = {
+    "grpo_backward_kernel: cps ref=True trust=1 sq_err sum g1w1",
+    "grpo_backward_kernel: sde ref=True trust=2 gaussian mean g1w1",
+    "grpo_partials_kernel: sde ref=True trust=2 g1w1",
+    "step_backward_kernel: ddim[epsilon clip] kl mean grads=x+v+third g1w1",
+    "step_backward_kernel: ddim[sample clip] gaussian mean grads=x+v+third g1w1",
+    "step_backward_kernel: ddim[sample clip] kl mean grads=x+v+third g1w1",
+    "step_partials_kernel: cps rollout noise=philox +mean g1w1",
+    "step_partials_kernel: cps rollout noise=philox unaligned +mean g1w1",
+    "step_partials_kernel: dance rollout noise=philox +mean g1w1",
+    "step_partials_kernel: dance rollout noise=philox unaligned +mean g1w1",
+    "step_partials_kernel: ddim[epsilon clip] kl g1w1",
+    "step_partials_kernel: ddim[epsilon clip] rollout noise=tensor +mean g1w1",
+    "step_partials_kernel: ddim[sample clip] kl g1w1",
+    "step_partials_kernel: ddim[sample clip] rollout noise=tensor +mean g1w1",
+    "step_partials_kernel: dpm_sde 2nd-order rollout noise=philox g1w1",
+    "step_partials_kernel: ode rollout noise=philox unaligned +mean g1w1",
+    "step_partials_kernel: sde rollout noise=philox +mean g1w1",
+    "step_partials_kernel: sde rollout noise=philox unaligned +mean g1w1",
+}
+
+
+def _rows(tmp_path, pythonpath=None):
+    res = subprocess.run([sys.executable, "-m", "flowrl.kernels.aot", "--hot", "--json", "--sass", "--arch", "90",
+                          "--storage", *STORAGES, "--jobs", str(os.cpu_count() or 1)],
+                         cwd=tmp_path, env=_env(tmp_path, pythonpath), capture_output=True, text=True, timeout=1800)
+    assert res.stdout.strip(), res.stderr[-3000:]
+    return res.returncode, json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _check(rows, version):
+    from flowrl.kernels import aot
+
+    hot = {f"{s.kernel}: {s.label}" for storage in STORAGES for s in aot.hot_specializations(storage)}
+    assert len(rows) == sum(len(aot.hot_specializations(storage)) for storage in STORAGES)
+    assert set(NOT_YET_MET) | OVER_128_REGISTERS <= hot, sorted((set(NOT_YET_MET) | OVER_128_REGISTERS) - hot)
+    report, below = [], []
+    for r in rows:
+        key = f"{r['kernel']}: {r['label']}"
+        assert r["ok"] and r["triton"] == version and r["arch"] == "sm_90", r
+        assert r["spill_bytes"] == 0 and r["loops"] == 0, r
+        assert r["registers"] <= (255 if key in OVER_128_REGISTERS else 128), r
+        assert r["target"] is not None and r["bound"] is not None, r
+        floor = NOT_YET_MET.get(key, r["target"])
+        report.append(f"{r['storage']} {key}: bound {r['bound']:.3f} (target {r['target']}, floor {floor})")
+        if r["bound"] < floor:
+            below.append(report[-1])
+    print("\n".join(report))
+    assert not below, below
+
+
+@needs_linux_x86
+def test_hot_specializations_reach_their_roofline_with_the_installed_triton(tmp_path):
+    rc, rows = _rows(tmp_path)
+    _check(rows, triton.__version__)
+    assert rc == 0
+
+
+@needs_linux_x86
+def test_hot_specializations_reach_their_roofline_with_triton_3_6(tmp_path):
+    if not (TRITON36 / "triton").is_dir():
+        if os.environ.get("CI"):
+            pytest.fail(f"triton 3.6.0 is missing from {TRITON36}: ./run's set-up installs it")
+        pytest.skip(f"triton 3.6.0 not installed in {TRITON36} (./run's set-up installs it)")
+    rc, rows = _rows(tmp_path, pythonpath=TRITON36)
+    _check(rows, "3.6.0")
+    assert rc == 0
+
+
+def test_the_roofline_arithmetic():
+    """The issue's model: 72 SASS instructions per element at 6 bytes per element reach 65% of copy
+    bandwidth; 7.8 instructions per byte is the break-even."""
+    from flowrl.kernels import aot
+
+    assert aot.roofline_bound(72, 6) == pytest.approx(0.65, abs=2e-3)
+    assert aot.roofline_bound(33.4 / 4.3 * 6, 6) == pytest.approx(1.0, abs=2e-3)
+
+
+def test_bytes_per_element_follow_the_element_traffic_table():
+    from flowrl.contract import LogProbKind, Mode, NoiseSource, Op
+    from flowrl.kernels import aot
+
+    g = (1, 1)
+    assert aot.bytes_per_element(aot._partials("bf16", Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *g)) == 6
+    assert aot.bytes_per_element(aot._partials("bf16", Mode.SDE, Op.KL, NoiseSource.TENSOR, False, False, *g)) == 4
+    assert aot.bytes_per_element(aot._partials("bf16", Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, False, True, *g)) == 6
+    assert aot.bytes_per_element(aot._partials("bf16", Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *g)) == 10
+    # given float32 noise and the float32 mean
+    assert aot.bytes_per_element(aot._partials("bf16", Mode.SDE, Op.ROLLOUT, NoiseSource.TENSOR, True, False, *g)) == 14
+    assert aot.bytes_per_element(aot._partials("fp32", Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *g)) == 12
+    assert aot.bytes_per_element(aot._backward("bf16", Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False), *g)) == 8
+    assert aot.bytes_per_element(aot._backward("bf16", Mode.SDE, LogProbKind.GAUSSIAN, True, (True, True, True), *g)) == 12
+    assert aot.bytes_per_element(aot._grpo_loss("bf16", Mode.SDE, True, 2, *g)) == 8
+    assert aot.bytes_per_element(aot._grpo_loss("bf16", Mode.SDE, True, 1, *g)) == 12
+
+
+def test_sass_count_drops_padding_and_finds_runtime_loops():
+    from flowrl.kernels import aot
+
+    straight = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/              @!P0 BRA `(.L_x_0) ;
+        /*0020*/                   FADD R2, R2, R3 ;
+.L_x_0:
+        /*0030*/                   EXIT ;
+.L_x_1:
+        /*0040*/                   BRA `(.L_x_1);
+        /*0050*/                   NOP;
+        /*0060*/                   NOP;
+"""
+    assert aot.sass_count(straight) == (4, 0)
+    loop = straight.replace("@!P0 BRA `(.L_x_0)", "@!P0 BRA `(.L_x_2)").replace(
+        "        /*0000*/", ".L_x_2:\n        /*0000*/")
+    assert aot.sass_count(loop) == (4, 1)
