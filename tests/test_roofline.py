@@ -196,6 +196,7 @@ def _check(rows, version):
 
 
 @needs_linux_x86
+@pytest.mark.slow  # compiles and disassembles the hot set: minutes
 def test_hot_specializations_reach_their_roofline_with_the_installed_triton(tmp_path):
     rc, rows = _rows(tmp_path)
     _check(rows, triton.__version__)
@@ -203,6 +204,7 @@ def test_hot_specializations_reach_their_roofline_with_the_installed_triton(tmp_
 
 
 @needs_linux_x86
+@pytest.mark.slow  # compiles and disassembles the hot set: minutes
 def test_hot_specializations_reach_their_roofline_with_triton_3_6(tmp_path):
     if not (TRITON36 / "triton").is_dir():
         if os.environ.get("CI"):
