@@ -184,6 +184,13 @@ class RolloutTrajectory:
 
         return nbytes_per_sample_step(self)
 
+    def shard(self, start: int, stop: int, *, dim: int = 1) -> "RolloutTrajectory":
+        """This rank's shard under sequence parallelism: elements ``start:stop`` of every sample's dim
+        ``dim`` (``flowrl.trajectory_shard``; docs/wire_and_sp.md, Replay under SP)."""
+        from .trajectory_shard import shard_trajectory
+
+        return shard_trajectory(self, start, stop, dim=dim)
+
     # ----------------------------------------------------------------------------------------------
     # per-sample split, wire format, files
 
