@@ -329,3 +329,30 @@ def test_device_store_holds_what_the_peak_formula_counts():
                                        store="cpu") == 4 * (2 * T + 1)
     with pytest.raises(ValueError, match="store"):
         TS.recording_peak_gpu_bytes([], batch=B, steps=T, store="host")
+
+
+@pytest.mark.parametrize("eta, dtype", [(0.0, torch.bfloat16), (0.8, torch.float32)], ids=["eta0-bf16", "eta0.8-fp32"])
+def test_ddim_rollout_cpu_store_matches_and_holds_only_copies(eta, dtype):
+    # flowrl.DDIMScheduler's recorder replaces the last stored latent on a deterministic half-precision
+    # step (its _replace_last_output): that one goes through the store too
+    pytest.importorskip("diffusers")
+    from flowrl.ddim import DDIMScheduler
+
+    def run(store):
+        sched = DDIMScheduler(num_train_timesteps=1000)
+        sched.set_timesteps(T)
+        x = torch.randn(B, 4, 8, 8, generator=torch.Generator().manual_seed(0)).to(dtype)
+        found = []
+        with sched.rollout(noise_level=eta, store=store,
+                           generator=[torch.Generator().manual_seed(3 + i) for i in range(B)]) as rec:
+            for t in sched.timesteps:
+                x = sched.step((x * 0.3).to(dtype), t, x, eta=eta).prev_sample
+                found.append(_not_store_copies(rec))
+        return rec.trajectory(), found
+
+    dev, found_dev = run("device")
+    host, found_host = run("cpu")
+    _same_trajectory(dev, host)
+    for j in range(T):
+        _bitwise(dev.step_inputs(j), host.step_inputs(j), f"step_inputs({j})")
+    assert found_host == [[]] * T and all(found_dev[1:])
