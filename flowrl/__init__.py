@@ -27,6 +27,7 @@ _LAZY = {
     "RolloutRecorder": ("flowrl.rollout.recorder", "RolloutRecorder"),
     "recorder": ("flowrl.rollout.recorder", None),
     "RolloutTrajectory": ("flowrl.data.trajectory", "RolloutTrajectory"),
+    "shard_trajectory": ("flowrl.data.trajectory_shard", "shard_trajectory"),
     "serialization": ("flowrl.data.serialization", None),
     "distributed": ("flowrl.ops.distributed", None),
     "reference": ("flowrl.backends.reference", None),

@@ -66,13 +66,14 @@ class DebugTensors:
 class DebugTensorRecorder:
     """Collects a rollout's debug tensors step by step (used by ``RolloutRecorder``)."""
 
-    def __init__(self, target: Union[bool, str, "os.PathLike[str]"]):
+    def __init__(self, target: Union[bool, str, "os.PathLike[str]"], host=None):
         if target is True:
             self.path = None
         elif isinstance(target, (str, os.PathLike)):
             self.path = target
         else:
             raise TypeError(f"debug must be None, False, True or a file path; got {target!r}")
+        self.host = host  # the rollout's flowrl.data.trajectory_store.StepStore (store='cpu': host copies per step)
         self._rows: List[Dict[str, torch.Tensor]] = []
 
     @staticmethod
@@ -90,6 +91,8 @@ class DebugTensorRecorder:
                                         else torch.zeros(sample.shape, dtype=torch.float32, device=sample.device)),
             "rollout_model_outputs": model_output.detach().clone(),
         })
+        if self.host is not None and self.host.on_host:
+            self._rows[-1] = {name: self.host.keep(t) for name, t in self._rows[-1].items()}
 
     def finish(self) -> DebugTensors:
         debug = DebugTensors(**{name: torch.stack([row[name] for row in self._rows], dim=1) for name in NAMES})

@@ -274,8 +274,10 @@ class _TensorStore:
     """Stores tensors once: the same object at the same version, or the same bits as the previous
     step's tensor at the same argument, is not stored again."""
 
-    def __init__(self, device: Optional[torch.device]):
+    def __init__(self, device: Optional[torch.device], host=None):
         self.device = device
+        # rollout(store='cpu'): copies go to the host through the rollout's StepStore (pinned, non-blocking)
+        self.host = host if host is not None and host.on_host else None
         self._by_id: Dict[int, Tuple[Any, int, torch.Tensor]] = {}
         self._by_key: Dict[Tuple, torch.Tensor] = {}
 
@@ -285,8 +287,12 @@ class _TensorStore:
             stored = hit[2]
         else:
             prev = self._by_key.get(key)
+            if prev is not None and self.host is not None:
+                self.host.sync()  # the previous copy has landed before the host compares with it
             if prev is not None and bitwise_equal(prev, t.detach()):
                 stored = prev
+            elif self.host is not None:
+                stored = self.host.keep(t)
             else:
                 stored = t.detach().to(device=self.device or t.device, copy=True)
             try:
@@ -444,7 +450,7 @@ class ModelCallRecorder:
     output transform is found."""
 
     def __init__(self, module: Union[torch.nn.Module, Sequence[torch.nn.Module]], *, env_device=None,
-                 output_transform: Optional[UserTransform] = None):
+                 output_transform: Optional[UserTransform] = None, host=None):
         self.modules = _modules_of(module)
         if output_transform is not None and not callable(output_transform):
             raise TypeError(f"output_transform must be callable(outputs: list of tensors) -> tensor; got "
@@ -454,7 +460,7 @@ class ModelCallRecorder:
         self.user = output_transform
         self._signatures = [inspect.signature(m.forward) for m in self.modules]
         self._handles: List[Any] = []
-        self._store = _TensorStore(self.device)
+        self._store = _TensorStore(self.device, host)
         self._pending: List[Dict[str, Any]] = []
         self._pending_modules: List[int] = []
         self._pending_outputs: List[torch.Tensor] = []
@@ -576,14 +582,15 @@ def check_env_options(model, env_device, output_transform, debug):
     return model, env_device, output_transform, debug
 
 
-def start_env(options):
-    """A rollout's model-call recorder (hooks attached) and debug recorder, per ``with`` block."""
+def start_env(options, host=None):
+    """A rollout's model-call recorder (hooks attached) and debug recorder, per ``with`` block
+    (``host``: the rollout's ``flowrl.data.trajectory_store.StepStore``, which keeps their tensors)."""
     model, env_device, output_transform, debug = options
     env = None
     if model is not None:
-        env = ModelCallRecorder(model, env_device=env_device, output_transform=output_transform)
+        env = ModelCallRecorder(model, env_device=env_device, output_transform=output_transform, host=host)
         env.attach()
-    return env, (DebugTensorRecorder(debug) if debug not in (None, False) else None)
+    return env, (DebugTensorRecorder(debug, host) if debug not in (None, False) else None)
 
 
 def finish_env(env, debug, completed: bool):

@@ -15,6 +15,7 @@ from ..ops.functional import step_log_prob
 from .denoising_env import env_of
 from .replay import replay_plan
 from .serialization import DEFAULT_MAX_BYTES, from_wire, load_safetensors, save_safetensors, to_wire
+from .trajectory_store import check_device, move, nbytes_per_sample_step
 
 # identifies the wire dict and the safetensors file; bump the version when the layout changes.
 # /2 adds token_sigmas, frozen, counts and streams (all optional); /1 payloads and files still load.
@@ -188,6 +189,11 @@ class RolloutTrajectory:
         step index (``flowrl.data.replay.replay_plan``; docs/performance.md, Batched replay)."""
         return replay_plan(self, batch_size, **kwargs)
 
+    def nbytes_per_sample_step(self) -> Dict[str, int]:
+        """Bytes the recording holds per sample per loop step, by field, and their ``"total"``
+        (``flowrl.data.trajectory_store.nbytes_per_sample_step``; docs/performance.md)."""
+        return nbytes_per_sample_step(self)
+
     # ----------------------------------------------------------------------------------------------
     # per-sample split, wire format, files
 
@@ -215,7 +221,7 @@ class RolloutTrajectory:
     def num_streams(self) -> int:
         return 1 if self.streams is None else len(self.streams)
 
-    def step_inputs(self, j: Union[int, torch.Tensor]) -> Dict[str, Any]:
+    def step_inputs(self, j: Union[int, torch.Tensor], device=None) -> Dict[str, Any]:
         """The keyword arguments of ``flowrl.step_log_prob`` (all but ``model_output``) that recompute loop
         step ``j``'s recorded log-prob: ``flowrl.step_log_prob(model_output=v, **traj.step_inputs(j))``
         equals ``traj.log_probs[:, j]`` bit for bit when ``v`` is the velocity the rollout stepped with
@@ -225,7 +231,10 @@ class RolloutTrajectory:
         compare with are ``traj.log_probs.gather(1, j[:, None])``). Both ``latents[:, j]`` and
         ``latents[:, j + 1]`` must have been kept (``return_step_indices``). For a joint rollout
         (``streams``), ``sample``, ``prev_sample``, ``sigmas``, ``token_sigmas`` and ``frozen`` are
-        tuples in stream order, and ``model_output`` must be one too."""
+        tuples in stream order, and ``model_output`` must be one too. ``device``: where to put the
+        tensors (e.g. the trainer's GPU for a trajectory recorded with ``rollout(store="cpu")``, whose
+        tensors are on the host); None leaves them where they are."""
+        device = check_device(device)
         _, mode = self._check_loop_steps(j)
         if self.streams is None:
             parts = self._stream_inputs(j)
@@ -246,7 +255,7 @@ class RolloutTrajectory:
         for k in ("token_sigmas", "frozen"):
             if parts[k] is not None:
                 out[k] = parts[k]
-        return out
+        return out if device is None else {k: move(v, device) for k, v in out.items()}
 
     def _check_loop_steps(self, j):
         num_steps = self.num_steps

@@ -155,7 +155,7 @@ class DDIMRolloutRecorder(RolloutRecorder):
         stream.last_prev = prev_sample
         last = stream.steps_recorded  # the step just recorded is steps_recorded - 1; its output's index
         if last in stream.latents:
-            stream.latents[last] = prev_sample.detach()
+            stream.latents[last] = self._host.keep(prev_sample)
 
     def _loop_schedule(self, stream, sample: torch.Tensor):
         """The loop's alpha-bar table (``alpha_bar_table`` from the loop's first step; ``stream.begin`` is

@@ -40,6 +40,7 @@ from .step_output import STEP_SIGNATURE as _STEP_SIGNATURE
 from .step_output import FlowMatchEulerDiscreteSchedulerOutput, check_step_timestep
 from .timestep_lookup import index_for_timestep
 from ..data.trajectory import RolloutTrajectory
+from ..data.trajectory_store import StepStore, check_store
 
 # instance attributes a rollout sets on a recording scheduler (and removes when it ends): the two methods
 # it records through, and the two hooks copy.deepcopy / copy.copy read from an instance (a copy becomes
@@ -234,6 +235,13 @@ class RolloutRecorder:
     prediction ``x - sigma v`` for the next step's mean, as diffusers' DPM solvers keep their
     model_outputs, and the trajectory stores it (``prev_x0_preds``) so the recompute scores the same
     transition.
+
+    ``store``: ``"device"`` (default) keeps the recorded tensors where the pipeline made them;
+    ``"cpu"`` copies each step's (latents, log-probs, per-token sigmas, the environment's inputs, debug
+    tensors) to host memory as it records them, pinned and non-blocking where CUDA exists, so the
+    recording adds no device memory past the current step, and ``trajectory()`` returns host tensors
+    (``traj.step_inputs(j, device=...)`` moves a step's back). Refused under CUDA-graph capture
+    (``flowrl.data.trajectory_store``).
     """
 
     def __init__(
@@ -254,6 +262,7 @@ class RolloutRecorder:
         output_transform=None,
         debug=None,
         solver_order: Optional[int] = None,
+        store: str = "device",
     ):
         self._check_scheduler(scheduler, mode, noise_level, sde_steps)
         V.check_choice("mode", mode, V.MODES)
@@ -279,6 +288,11 @@ class RolloutRecorder:
         # the denoising environment and debug tensors (flowrl.denoising_env, flowrl.debug): checked here,
         # created per rollout in __enter__
         self._env_options = check_env_options(model, env_device, output_transform, debug)
+        self.store = check_store(store)  # where the recorded tensors go (flowrl.data.trajectory_store)
+        if store == "cpu" and env_device is not None and torch.device(env_device).type != "cpu":
+            raise ValueError(f"env_device={env_device!r} keeps the replay environment on a device, which store='cpu' "
+                             "keeps on the host; pass one of them")
+        self._host = StepStore(store)
         self._env = self._debug = None
         self._env_result = self._debug_result = None
         self._reset()
@@ -307,7 +321,8 @@ class RolloutRecorder:
         self._check_scheduler(sched, self.mode, self.noise_level, self.sde_steps)  # the config may have changed
         self._reset()
         self._attach(self._streams[0])
-        self._env, self._debug = start_env(self._env_options)
+        self._host = StepStore(self.store)
+        self._env, self._debug = start_env(self._env_options, self._host)
         self._env_result = self._debug_result = None
         return self
 
@@ -351,6 +366,7 @@ class RolloutRecorder:
     def __exit__(self, *exc) -> None:
         try:
             env, debug, self._env, self._debug = self._env, self._debug, None, None
+            self._host.sync()  # store='cpu': the copies land before the debug tensors are stacked
             self._env_result, self._debug_result = finish_env(env, debug, exc[0] is None)
         finally:
             for stream in self._streams:
@@ -493,6 +509,9 @@ class RolloutRecorder:
     def _record(self, stream: _Stream, model_output, sample, step_generator, per_token_timesteps):
         if stream.sigmas is None:
             self._start(stream, sample)
+        if self._host.on_host and V.capturing():
+            raise RuntimeError("rollout(store='cpu') copies each step to the host from Python, which a CUDA graph's "
+                               "replay does not run; record a captured loop with store='device'")
         i = stream.steps_recorded
         if i >= stream.num_steps:
             raise RuntimeError(f"this rollout already recorded all {stream.num_steps} steps of its loop")
@@ -556,13 +575,13 @@ class RolloutRecorder:
         log_prob = out.log_prob
         if joint:
             # the stream's own log-prob for the pipeline; the trajectory combines the streams' sums
-            stream.counts.append(out.count.detach())
+            stream.counts.append(self._host.keep(out.count))
             log_prob = combine_streams([out.log_prob], [out.count], self.reduction)
         if self._keep(i):
-            stream.latents[i] = sample.detach()
-        stream.log_probs.append(out.log_prob.detach())
+            stream.latents[i] = self._host.keep(sample)
+        stream.log_probs.append(self._host.keep(out.log_prob))
         if token_sigmas is not None:
-            stream.token_sigmas.append(token_sigmas.expand(stream.batch, *token_sigmas.shape[1:]))
+            stream.token_sigmas.append(self._host.keep(token_sigmas.expand(stream.batch, *token_sigmas.shape[1:])))
         stream.last_prev = prev_sample
         unscored = stream.frozen_full
         if token_sigmas is not None:
@@ -570,7 +589,7 @@ class RolloutRecorder:
             unscored = held if unscored is None else (unscored | held)
         stream.last_unscored = unscored
         if i + 1 == stream.num_steps and self._keep(i + 1):
-            stream.latents[i + 1] = prev_sample.detach()
+            stream.latents[i + 1] = self._host.keep(prev_sample)
         return FlowMatchEulerDiscreteSchedulerOutput(prev_sample, log_prob, out.prev_sample_mean, out.std_dev)
 
     def _second_order_input(self, stream: _Stream, sample, model_output, i: int) -> Optional[torch.Tensor]:
@@ -582,7 +601,7 @@ class RolloutRecorder:
         dtype = torch.float64 if torch.float64 in (sample.dtype, model_output.dtype) else torch.float32
         x, v = sample.detach().to(dtype), model_output.detach().to(dtype)
         prev_x0 = torch.zeros_like(x) if stream.x0_pred is None else stream.x0_pred
-        stream.prev_x0_preds.append(prev_x0)
+        stream.prev_x0_preds.append(self._host.keep(prev_x0))
         stream.x0_pred = x - stream.sigmas[i].to(dtype) * v
         return prev_x0
 
@@ -593,12 +612,12 @@ class RolloutRecorder:
         for k in keys[1:]:
             dtype = torch.promote_types(dtype, stream.latents[k].dtype)  # lossless: a bf16 latent widens exactly
         latents = torch.stack([stream.latents[k].to(dtype) for k in keys], dim=1)
-        device = stream.sigmas.device
+        device = self._host.device or stream.sigmas.device
         return RolloutTrajectory(
             latents=latents,
             log_probs=log_probs,
-            timesteps=stream.timesteps,
-            sigmas=stream.sigmas,
+            timesteps=self._host.to_host(stream.timesteps),
+            sigmas=self._host.to_host(stream.sigmas),
             latent_step_indices=torch.tensor(keys, dtype=torch.int64, device=device),
             mode=self.mode,
             noise_level=self.noise_level,
@@ -606,7 +625,7 @@ class RolloutRecorder:
             reduction=self.reduction,
             sde_steps=None if self.sde_steps is None else torch.tensor(self.sde_steps, dtype=torch.int64, device=device),
             token_sigmas=torch.stack(stream.token_sigmas, dim=1) if stream.token_sigmas else None,
-            frozen=stream.frozen_full,
+            frozen=self._host.to_host(stream.frozen_full),
             prev_x0_preds=torch.stack(stream.prev_x0_preds, dim=1) if stream.prev_x0_preds else None,
             denoising_env=self._env_result if stream.index == 0 else None,
             debug_tensors=self._debug_result if stream.index == 0 else None,
@@ -621,6 +640,7 @@ class RolloutRecorder:
             raise RuntimeError("with model= or debug=, call trajectory() after the `with` block: leaving it "
                                "removes the model hooks and completes the denoising environment")
         streams = [s for s in self._streams if s.steps_recorded] or self._streams[:1]
+        self._host.sync()  # store='cpu': every copy has landed before the host reads it
         for s in streams:
             if s.num_steps is None or s.steps_recorded < s.num_steps:
                 raise RuntimeError(

@@ -521,7 +521,7 @@ class FlowMatchEulerDiscreteScheduler(
         ``step`` is a rollout step. ``options`` are the recorder's (``mode``, ``noise_level``,
         ``log_prob``, ``reduction``, ``sde_steps``, ``return_step_indices``, ``generator``, ``frozen``,
         ``backend``, ``solver_order`` for mode='dpm_sde', and the replay options ``model``, ``env_device``,
-        ``output_transform``, ``debug``); same as ``flowrl.recorder.rollout(scheduler, **options)``.
+        ``output_transform``, ``debug``; ``store="device" | "cpu"``, where the recording is kept); same as ``flowrl.recorder.rollout(scheduler, **options)``.
         ``per_token_timesteps`` and copies of the scheduler made during the rollout (streams) are
         recorded too. With ``stochastic_sampling=True`` in the config the step is cps at noise_level 1:
         record it with ``mode="cps", noise_level=1.0``."""
