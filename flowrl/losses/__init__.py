@@ -52,6 +52,8 @@ class FlowLoss(enum.IntEnum):
 
     NFT = 0
     AWM = 1
+    DPO = 2  # flowrl/losses/dpo.py
+    DGPO = 3
 
 
 class _Variant(enum.IntEnum):
@@ -573,7 +575,10 @@ def awm_loss(
                         0.0, None, None, None if rollout_is_weights is None else rollout_is_weights.to(lp.dtype))
 
 
+from .dpo import DGPOLossOutput, DPOLossOutput, dgpo_loss, dpo_loss, dpo_pairs  # noqa: E402 (Diffusion-DPO, DGPO)
+
 __all__ = [
     "grpo_loss", "grpo_guard_loss", "flow_dppo_loss", "teacher_kl_loss", "nft_loss", "awm_log_prob", "awm_loss",
     "GRPOLossOutput", "NFTLossOutput", "check_clip_range", "TrustSource", "FlowLoss", "AWM_WEIGHTINGS",
+    "dpo_loss", "dpo_pairs", "dgpo_loss", "DPOLossOutput", "DGPOLossOutput",
 ]
