@@ -542,3 +542,54 @@ def test_docs_snippet_runs():
     text = (ROOT / "docs" / "losses.md").read_text()
     block = re.search(r"## Diffusion-DPO and DGPO.*?```python\n(.*?)```", text, re.S).group(1)
     exec(compile(block, "docs/losses.md", "exec"), {})
+
+
+# ------------------------------------------------------------------------------------ AOT compile
+
+PREFERENCE_AOT = r"""
+import json, sys
+from flowrl.kernels import aot
+rows = [aot._run_one((spec, storage, arch, False)) for storage in aot.STORAGES
+        for spec in aot.loss_specializations(storage)
+        if spec.kernel.startswith("flow_") and spec.constexprs["LOSS"] in (2, 3) for arch in aot.ARCHS]
+print(json.dumps(rows))
+"""
+
+
+def test_aot_lists_every_preference_specialization():
+    """kernels/aot.py lists what dpo_loss / dgpo_loss launch: DPO (one reference, HAS_REF off) and DGPO
+    with one or two references, forward and backward, for every storage dtype."""
+    from flowrl.kernels import aot
+
+    for storage in aot.STORAGES:
+        listed = {(s.kernel, s.constexprs["LOSS"], s.constexprs["HAS_REF"]) for s in aot.loss_specializations(storage)
+                  if s.kernel.startswith("flow_")}
+        assert listed >= {(k, loss, ref) for k in ("flow_partials_kernel", "flow_backward_kernel")
+                          for loss, ref in ((int(L.FlowLoss.DPO), False), (int(L.FlowLoss.DGPO), False),
+                                            (int(L.FlowLoss.DGPO), True))}
+
+
+@pytest.mark.skipif(not (sys.platform == "linux" and __import__("platform").machine() == "x86_64"),
+                    reason="triton's CUDA backend wheels are Linux x86_64")
+@pytest.mark.parametrize("version", ["installed", "3.6"])
+def test_preference_kernels_compile_without_spills(tmp_path, version):
+    """The DPO / DGPO specializations for sm_90a and sm_80, every storage dtype, with no register spill
+    (tests/test_compile.py compiles every kernel; this is the quick check of these ones)."""
+    import json
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    if version == "3.6":
+        t36 = Path(os.environ.get("FLOWRL_TRITON36", ROOT / ".venv" / "triton-3.6"))
+        if not (t36 / "triton").is_dir():
+            pytest.skip(f"triton 3.6.0 not installed in {t36} (./run's set-up installs it)")
+        env["PYTHONPATH"] = os.pathsep.join([str(t36)] + [p for p in [env.get("PYTHONPATH")] if p])
+    res = subprocess.run([sys.executable, "-c", PREFERENCE_AOT], env=env, capture_output=True, text=True, timeout=600)
+    assert res.stdout.strip(), res.stderr[-3000:]
+    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(rows) == 3 * 2 * 6  # storages x archs x (DPO, DGPO one / two references) x (forward, backward)
+    for r in rows:
+        assert r["ok"] and r["spill_bytes"] == 0 and r["loads_128"] >= 2, r
+        if version == "3.6":
+            assert r["triton"] == "3.6.0", r
