@@ -593,3 +593,24 @@ def test_preference_kernels_compile_without_spills(tmp_path, version):
         assert r["ok"] and r["spill_bytes"] == 0 and r["loads_128"] >= 2, r
         if version == "3.6":
             assert r["triton"] == "3.6.0", r
+
+
+# ------------------------------------------------------------------------------------------- bench
+
+
+def test_bench_rows_check_against_the_peers_code():
+    """bench/run.py's losses suite: the dpo_loss and dgpo_loss rows pass their check against the eager
+    peer code (flow_grpo's DPO block, DGPO's loss block) in float32 and bfloat16; dpo_loss skips an odd
+    batch with a note."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import run as bench
+    finally:
+        sys.path.pop(0)
+    rows, _, notes = bench.run_loss_sweep(torch.device("cpu"), [(4, 8, 64), (3, 64)], ["fp32", "bf16"],
+                                          ("dpo_loss", "dgpo_loss"), ["flowrl-torch", "eager"],
+                                          timing_budget_s=0.01, log=lambda s: None)
+    assert len(rows) == 2 * 2 * 2 + 2 * 2  # dpo_loss only at the even batch
+    assert all(not r.note for r in rows), [r.note for r in rows if r.note]
+    assert any("dpo_loss needs chosen/rejected pairs" in n for n in notes)
+    assert bench.loss_kernel_bytes("dpo_loss", 1024, 1, 4) < bench.loss_kernel_bytes("dgpo_loss", 1024, 1, 4)
