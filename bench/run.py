@@ -778,14 +778,25 @@ def run_sweep(
 #   docs/losses.md), so x' is read in float32 by both (the byte columns count the latents' dtype).
 # - nft_loss: DiffusionNFT's train_nft_sd3.py policy loss and KL; flowrl: losses.nft_loss.
 # - awm_loss: Flow-Factory's AWM weighted log-prob (float64) and clipped loss; flowrl: losses.awm_loss.
+# - dpo_loss: flow_grpo's train_sd3_dpo.py DPO block on the [chosen; rejected] batch; flowrl:
+#   losses.dpo_loss (an even batch; odd ones are skipped with a note).
+# - dgpo_loss: Luo-Yihong/DGPO's loss block (the DSM clip against the old policy, the group sigmoid of
+#   compute_group_dgpo_loss_allreduce on one process, the KL), two groups (the batch's halves), x standing
+#   in for the old policy's output, upcast to float32 as the DPO peers do (DGPO's own code reduces a bf16
+#   output in bf16, whose rounding times beta flips clip decisions and group weights); flowrl:
+#   losses.dgpo_loss.
 
-LOSS_OPS = ("grpo_loss", "grpo_guard", "nft_loss", "awm_loss")
+LOSS_OPS = ("grpo_loss", "grpo_guard", "nft_loss", "awm_loss", "dpo_loss", "dgpo_loss")
+PAIR_OPS = ("dpo_loss",)  # need an even batch
+DPO_BETA, DGPO_BETA = 2000.0, 100.0
 LOSS_IMPLS = ("flowrl-triton", "flowrl-torch", "eager")
 LOSS_SEED, LOSS_CLIP, LOSS_KL_COEF, NFT_BETA, NFT_ADV_MAX = 1234, 0.2, 0.04, 0.1, 5.0
 # element tensors each op reads (the inputs the loss depends on), besides writing grad_v: x, v, x', v_ref |
-# x, v, x' | x_t, v, v_old, x0, v_ref | v, eps, x0
-LOSS_INPUTS = {"grpo_loss": 4, "grpo_guard": 3, "nft_loss": 5, "awm_loss": 3}
-LOSS_SUMS = {"grpo_loss": 2, "grpo_guard": 2, "nft_loss": 5, "awm_loss": 1}  # per-sample sums (partial sets)
+# x, v, x' | x_t, v, v_old, x0, v_ref | v, eps, x0 | v, v_ref, eps, x0 | v, v_ref, v_old, eps, x0
+LOSS_INPUTS = {"grpo_loss": 4, "grpo_guard": 3, "nft_loss": 5, "awm_loss": 3, "dpo_loss": 4, "dgpo_loss": 5}
+LOSS_SUMS = {"grpo_loss": 2, "grpo_guard": 2, "nft_loss": 5, "awm_loss": 1, "dpo_loss": 2,
+             "dgpo_loss": 5}  # per-sample sums (partial sets)
+LOSS_BACKWARD_INPUTS = {"dpo_loss": 3}  # the backward's reads where fewer than the forward's (DPO: v, eps, x0)
 
 
 def loss_min_bytes(op: str, numel: int, batch: int, itemsize: int) -> int:
@@ -807,7 +818,7 @@ def loss_kernel_bytes(op: str, numel: int, batch: int, itemsize: int) -> int:
     chunks = b * -(-(n // b) // CHUNK_SIZE)
     sums = LOSS_SUMS[op]
     forward = n * LOSS_INPUTS[op] * s + 8 * chunks * sums
-    backward = n * LOSS_INPUTS[op] * s + n * s + 4 * b * sums
+    backward = n * LOSS_BACKWARD_INPUTS.get(op, LOSS_INPUTS[op]) * s + n * s + 4 * b * sums
     return forward + backward + 8 * batch
 
 
@@ -895,6 +906,30 @@ def _eager_loss(case: LossCase, op: str, v: torch.Tensor) -> torch.Tensor:
         neg = ((x0_neg - case.x0) ** 2 / w_neg).mean(dim=dims)
         policy = ((r * pos / NFT_BETA + (1.0 - r) * neg / NFT_BETA) * NFT_ADV_MAX).mean()
         return policy + LOSS_KL_COEF * ((v - case.v) ** 2).mean(dim=dims).mean()
+    if op == "dpo_loss":  # flow_grpo train_sd3_dpo.py, the loss block
+        bsz = case.shape[0] // 2
+        target = case.eps - case.x0
+        theta_mse = ((v.float() - target.float()) ** 2).reshape(target.shape[0], -1).mean(dim=1)
+        ref_mse = ((case.v_ref.float() - target.float()) ** 2).reshape(target.shape[0], -1).mean(dim=1)
+        w_l_diff = (theta_mse[:bsz] - ref_mse[:bsz]) - (theta_mse[bsz:] - ref_mse[bsz:])
+        inside_term = -0.5 * DPO_BETA * w_l_diff
+        _ = (inside_term > 0).sum().float() / inside_term.size(0)
+        return torch.mean(-torch.nn.functional.logsigmoid(inside_term))
+    if op == "dgpo_loss":  # Luo-Yihong/DGPO train_sd3_dgpo.py, the loss block (one process)
+        b = case.shape[0]
+        target_v = case.eps.float() - case.x0.float()
+        dsm = (target_v - v.float()).square().reshape(b, -1).mean(dim=1)
+        old_dsm = (target_v - case.x.float()).square().reshape(b, -1).mean(dim=1)
+        ratio = torch.exp(-dsm + old_dsm)
+        should_clip = torch.where(case.adv > 0, ratio > 1.0 + LOSS_CLIP, ratio < 1.0 - LOSS_CLIP)
+        dsm = torch.where(should_clip, dsm.detach(), dsm)
+        with torch.no_grad():
+            ref_dsm = (target_v - case.v_ref.float()).square().reshape(b, -1).mean(dim=1)
+        term = case.adv * DGPO_BETA * (dsm.detach() - ref_dsm) / ((b + 1) // 2)
+        groups = torch.arange(b, device=v.device) * 2 // b
+        sums = torch.zeros(2, dtype=term.dtype, device=v.device).scatter_add_(0, groups, term)
+        policy = (torch.sigmoid(sums)[groups].detach() * case.adv * dsm).mean()
+        return policy + LOSS_KL_COEF * (v.float() - case.v_ref.float()).square().reshape(b, -1).mean(dim=1).mean()
     # awm_loss: Flow-Factory's float64 weighted log-prob ("t" weighting) and clipped loss
     target = case.eps - case.x0
     lp = (-(v.double() - target.double()) ** 2).mean(dim=dims) * case.t
@@ -919,6 +954,14 @@ def _flowrl_loss(case: LossCase, op: str, v: torch.Tensor, backend: str) -> torc
         return losses.nft_loss(case.xt, v, case.v_ref, case.x0, case.t, case.adv, beta=NFT_BETA,
                                adv_clip_max=NFT_ADV_MAX, kl_coef=LOSS_KL_COEF, ref_model_output=case.v,
                                backend=backend).loss
+    if op == "dpo_loss":
+        return losses.dpo_loss(v, case.v_ref, case.eps, case.x0, beta=DPO_BETA, backend=backend).loss
+    if op == "dgpo_loss":
+        b = case.shape[0]
+        groups = torch.arange(b, device=v.device) * 2 // b
+        return losses.dgpo_loss(v, case.v_ref, case.eps, case.x0, case.adv, groups, beta=DGPO_BETA,
+                                group_size=(b + 1) // 2, old_model_output=case.x, clip_range=LOSS_CLIP,
+                                kl_coef=LOSS_KL_COEF, backend=backend).loss
     return losses.awm_loss(v, case.eps, case.x0, case.t, case.awm_old_lp, case.adv, clip_range=LOSS_CLIP, weighting="t",
                            backend=backend).loss
 
@@ -964,6 +1007,10 @@ def run_loss_sweep(device: torch.device, shapes, dtypes, ops, impls, *, time_bud
         numel, batch, itemsize = case.x.numel(), shape[0], case.x.element_size()
         shape_s = "x".join(map(str, shape))
         for op in ops:
+            if op in PAIR_OPS and batch % 2:
+                note = f"{op} needs chosen/rejected pairs (an even batch): skipped at {shape_s}"
+                notes += [] if note in notes else [note]
+                continue
             expected = build_loss("eager", case, op)()
             op_rows = {impl: Row(op, "sde" if op.startswith("grpo") else "-", dname, shape_s, impl)
                        for impl in impls}

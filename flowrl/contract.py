@@ -174,6 +174,8 @@ class FlowLoss(_Named):
 
     NFT = 0
     AWM = 1
+    DPO = 2  # flowrl/losses/dpo.py
+    DGPO = 3
 
 
 # Elements per reduction chunk: the unit of the deterministic, shard-invariant reduction order. Each

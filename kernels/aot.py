@@ -161,7 +161,8 @@ def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind
 
 
 def _flow_loss(storage, loss, has_ref, group, warps, backward=False):
-    """flowrl.losses' forward-process element pass (loss 0 DiffusionNFT, 1 AWM) or its backward."""
+    """flowrl.losses' forward-process element pass (loss 0 DiffusionNFT, 1 AWM, 2 Diffusion-DPO, 3 DGPO)
+    or its backward."""
     sig = {k: "*" + storage for k in ("xt_ptr", "v_ptr", "other_ptr", "x0_ptr", "ref_ptr")}
     sig["t_ptr"] = "*fp32"
     sig.update({"grad_ptr": "*fp32", "grad_v_ptr": "*" + storage} if backward else {"partials_ptr": "*fp32"})
@@ -174,7 +175,7 @@ def _flow_loss(storage, loss, has_ref, group, warps, backward=False):
     ptrs = tuple(k for k in sig if k.endswith("_ptr"))
     name = "flow_backward_kernel" if backward else "flow_partials_kernel"
     return Specialization(name, sig, cx, ptrs + ("n_per_sample",), warps,
-                          f"{('nft', 'awm')[loss]} ref={has_ref} g{group}w{warps}", group * CHUNK_SIZE)
+                          f"{('nft', 'awm', 'dpo', 'dgpo')[loss]} ref={has_ref} g{group}w{warps}", group * CHUNK_SIZE)
 
 
 def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
@@ -196,6 +197,9 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
         yield _grpo_loss(storage, Mode.DANCE, False, 0, *largest, backward=backward, kind=LogProbKind.KERNEL)
         yield _flow_loss(storage, 0, True, *largest, backward=backward)
         yield _flow_loss(storage, 1, False, *largest, backward=backward)
+        yield _flow_loss(storage, 2, False, *largest, backward=backward)  # Diffusion-DPO
+        yield _flow_loss(storage, 3, False, *largest, backward=backward)  # DGPO, one reference
+        yield _flow_loss(storage, 3, True, *largest, backward=backward)  # DGPO, both references
 
 
 # Modes whose kernels differ from compiled ones in per-sample coefficients only (flash_sde is sde's path
@@ -295,7 +299,7 @@ def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Spec
     # elementwise steps (per-token schedules, frozen masks): the heaviest rollout (Philox, the mean,
     # per-token coefficients and a mask), the recompute with both and with a mask alone, its backward
     both = ("token", "frozen")
-    from flowrl._triton_ops import ELEMENTWISE_CONFIG as ew
+    from flowrl.backends._triton_ops import ELEMENTWISE_CONFIG as ew
 
     yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *ew, elementwise=both)
     yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *ew, elementwise=both)
@@ -461,14 +465,14 @@ def is_hot(spec: Specialization) -> bool:
     the launch configuration large latents use (the largest of the launch table; Philox from an
     unaligned offset and the replaying loss backward at their own), with the JIT's alignment
     attributes (every contiguous latent has them)."""
-    from flowrl.losses._triton import REPLAY_BACKWARD_CONFIG
+    from flowrl.backends._triton_losses import REPLAY_BACKWARD_CONFIG
 
     if spec.kernel == "finalize_kernel" or not spec.aligned:
         return False
     cx = spec.constexprs
     config = _group_warps(spec)
     if cx.get("PER_TOKEN") or cx.get("HAS_FROZEN"):
-        from flowrl._triton_ops import ELEMENTWISE_CONFIG
+        from flowrl.backends._triton_ops import ELEMENTWISE_CONFIG
 
         return config == tuple(ELEMENTWISE_CONFIG)
     if cx.get("NOISE") == int(NoiseSource.PHILOX) and not cx["PHILOX_ALIGNED"]:

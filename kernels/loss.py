@@ -15,6 +15,9 @@ batch-invariant:
   x0 errors e+- = (x_t - t v+-) - x0 with v+ = beta v + (1 - beta) v_old, v- = (1 + beta) v_old - beta v,
   partials of |e+|, e+^2, |e-|, e-^2 (and (v - v_ref)^2); LOSS_AWM: AWM's e = v - (eps - x0), partials
   of e^2. ``flow_backward_kernel``: d loss / d v from the per-sample grads of the squared sums.
+  LOSS_DPO / LOSS_DGPO (Diffusion-DPO, DGPO; flowrl/losses/dpo.py): AWM's e = v - (eps - x0), then per
+  reference R (v_ref in the xt slot; DGPO's second one, HAS_REF, in the ref slot) (R - (eps - x0))^2 and,
+  for DGPO, (v - R)^2.
 
 Every mode's formula is common.mode_coefficients / step_mean; nothing here re-derives it.
 """
@@ -35,6 +38,8 @@ TRUST_REPLAY = tl.constexpr(2)
 # which forward-process loss (flowrl.losses.FlowLoss)
 LOSS_NFT = tl.constexpr(0)
 LOSS_AWM = tl.constexpr(1)
+LOSS_DPO = tl.constexpr(2)
+LOSS_DGPO = tl.constexpr(3)
 
 
 @triton.jit
@@ -162,6 +167,23 @@ def flow_partials_kernel(
     else:  # LOSS_AWM: v - (eps - x0), the target formed first as AWM does
         e = v - (other - x0)
         _store_partials(e * e, mask, partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
+        if LOSS != LOSS_AWM:  # LOSS_DPO / LOSS_DGPO: v_ref (xt slot), rows 1 (and 2: (v - v_ref)^2)
+            v_ref = tl.load(xt_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            e_ref = v_ref - (other - x0)
+            _store_partials(e_ref * e_ref, mask, partials_ptr + stride, row, first, n_chunks, GROUP, CHUNK,
+                            LOG2_CHUNK)
+            if LOSS == LOSS_DGPO:
+                d = v - v_ref
+                _store_partials(d * d, mask, partials_ptr + 2 * stride, row, first, n_chunks, GROUP, CHUNK,
+                                LOG2_CHUNK)
+                if HAS_REF:  # DGPO's second reference (ref slot): rows 3, 4
+                    v_two = tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                    e_two = v_two - (other - x0)
+                    _store_partials(e_two * e_two, mask, partials_ptr + 3 * stride, row, first, n_chunks, GROUP,
+                                    CHUNK, LOG2_CHUNK)
+                    d_two = v - v_two
+                    _store_partials(d_two * d_two, mask, partials_ptr + 4 * stride, row, first, n_chunks, GROUP,
+                                    CHUNK, LOG2_CHUNK)
 
 
 @triton.jit
@@ -189,7 +211,13 @@ def flow_backward_kernel(
             d = v - tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             g_ref = tl.load(grad_ptr + 4 * n_rows + row)
             grad_v = grad_v + g_ref * (d + d)
-    else:
+    else:  # AWM, DPO: row 0 alone; DGPO adds rows 2 (and 4): (v - R)^2
         e = v - (other - x0)
         grad_v = tl.load(grad_ptr + row) * (e + e)
+        if LOSS == LOSS_DGPO:
+            d = v - tl.load(xt_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            grad_v = grad_v + tl.load(grad_ptr + 2 * n_rows + row) * (d + d)
+            if HAS_REF:
+                d_two = v - tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                grad_v = grad_v + tl.load(grad_ptr + 4 * n_rows + row) * (d_two + d_two)
     tl.store(grad_v_ptr + offs, round_to(grad_v, grad_v_ptr.dtype.element_ty), mask=mask)

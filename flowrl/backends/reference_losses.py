@@ -50,6 +50,16 @@ def flow_sums(kind, count, xt, v, other, x0, ref, t, coefs):
         if ref is not None:
             d = v - ref
             terms.append(d * d)
+    elif kind in (FlowLoss.DPO, FlowLoss.DGPO):  # xt's slot holds v_ref, ref's DGPO's second reference
+        u = other - x0
+        e, e_ref = v - u, xt - u
+        terms = [e * e, e_ref * e_ref]
+        if kind is FlowLoss.DGPO:
+            d = v - xt
+            terms.append(d * d)
+            if ref is not None:
+                e_two, d_two = ref - u, v - ref
+                terms += [e_two * e_two, d_two * d_two]
     else:
         e = v - (other - x0)
         terms = [e * e]

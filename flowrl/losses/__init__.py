@@ -36,6 +36,7 @@ from ..contract import FlowLoss, Mode, Op, Reduction, TrustSource
 from ..ops.functional import step_kl
 from ..core.step_spec import StepSpec, log_prob_kind, schedule_and_steps
 from ..ops._custom_ops import traced as _traced
+from ._common import _check_no_grad, _check_per_sample, _check_scalar, _flow_sums, check_clip_range
 from ._custom_ops import grpo_family_loss
 from ._policy import GRPOLossOutput, grpo_from_spec
 from ._policy import Variant as _Variant
@@ -58,46 +59,6 @@ class NFTLossOutput(NamedTuple):
 
 
 # ------------------------------------------------------------------------------------ validation
-
-
-def _check_no_grad(**tensors):
-    for name, t in tensors.items():
-        if t is not None and t.requires_grad:
-            raise ValueError(f"{name} requires grad, but flowrl.losses differentiates model_output only; pass "
-                             f"{name}.detach() (it is rollout data or a frozen policy's output)")
-
-
-def _check_per_sample(name: str, t, batch: int, device) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a float tensor of shape [B] = [{batch}]; got {type(t).__name__}")
-    if not t.dtype.is_floating_point:
-        raise TypeError(f"{name} must be a float tensor; got {t.dtype}")
-    if t.shape != (batch,):
-        raise ValueError(f"{name} must have shape [B] = [{batch}]; got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but sample is on {device}")
-    return t
-
-
-def _check_scalar(name: str, value, *, minimum: float = 0.0, strict: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
-        raise TypeError(f"{name} must be a finite real number; got {value!r}")
-    value = float(value)
-    if value < minimum or (strict and value == minimum):
-        raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum}; got {value}")
-    return value
-
-
-def check_clip_range(clip_range) -> Tuple[float, float]:
-    """``clip_range``: eps (ratio clipped to [1 - eps, 1 + eps]) or a pair (eps_low, eps_high) (ratio
-    clipped to [1 - eps_low, 1 + eps_high]); each finite and >= 0."""
-    if isinstance(clip_range, (tuple, list)):
-        if len(clip_range) != 2:
-            raise ValueError(f"clip_range must be a float or a pair (eps_low, eps_high); got {clip_range!r}")
-        return (_check_scalar("clip_range[0] (eps_low)", clip_range[0]),
-                _check_scalar("clip_range[1] (eps_high)", clip_range[1]))
-    eps = _check_scalar("clip_range", clip_range)
-    return eps, eps
 
 
 def _step_sample_tensor(name, t, sample):
@@ -287,11 +248,6 @@ def _flow_t(name, t, batch, like) -> torch.Tensor:
     return _check_per_sample(name, t, batch, like.device)
 
 
-def _flow_sums(backend_arg, kind, count, xt, v, other, x0, ref, t, coefs):
-    tensors = [u for u in (xt, v, other, x0, ref) if u is not None]
-    return _dispatch.select(backend_arg, *tensors).flow_sums(kind, count, xt, v, other, x0, ref, t, coefs)
-
-
 def nft_loss(
     noised_sample: torch.Tensor,
     model_output: torch.Tensor,
@@ -419,7 +375,10 @@ def awm_loss(
                         0.0, None, None, None if rollout_is_weights is None else rollout_is_weights.to(lp.dtype))
 
 
+from .dpo import DGPOLossOutput, DPOLossOutput, dgpo_loss, dpo_loss, dpo_pairs  # noqa: E402 (Diffusion-DPO, DGPO)
+
 __all__ = [
     "grpo_loss", "grpo_guard_loss", "flow_dppo_loss", "teacher_kl_loss", "nft_loss", "awm_log_prob", "awm_loss",
     "GRPOLossOutput", "NFTLossOutput", "check_clip_range", "TrustSource", "FlowLoss", "AWM_WEIGHTINGS",
+    "dpo_loss", "dpo_pairs", "dgpo_loss", "DPOLossOutput", "DGPOLossOutput",
 ]
