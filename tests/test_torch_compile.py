@@ -84,6 +84,7 @@ def _eager_and_compiled(step, args, w_index=3, **compile_kwargs):
 def _assert_bitwise(eager, compiled):
     for k, (a, b) in enumerate(zip(eager, compiled)):
         assert a.dtype == b.dtype and a.shape == b.shape, k
+        assert a.requires_grad == b.requires_grad, k  # only what eager mode differentiates is differentiable
         assert torch.equal(a, b), (k, (a.double() - b.double()).abs().max().item())
 
 
@@ -120,6 +121,52 @@ def test_the_traced_graph_calls_the_custom_ops(make_step, ops):
 
     torch.compile(make_step("torch"), fullgraph=True, backend=record)(*_inputs("cpu"))
     assert [t for t in seen if t.startswith("flowrl.")] == [f"flowrl.{op}.default" for op in ops]
+
+
+def test_a_gradient_eager_mode_leaves_none_is_zeros_under_compile():
+    """step_kl's sample does not reach the KL: eager autograd leaves its grad None; the op's registered
+    backward cannot know that from the fake implementation and returns zeros."""
+    x, _, ref, w, _, _, sigmas = _inputs("cpu")
+    grads = []
+    for fn in (lambda x, v: flowrl.step_kl(x, v, ref, sigmas, 1, backend="torch").sum(),):
+        for run in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+            xl, vl = x.clone().requires_grad_(True), (x @ w).requires_grad_(True)
+            grads.append(torch.autograd.grad(run(xl, vl), [xl, vl], allow_unused=True))
+    (eager_x, eager_v), (compiled_x, compiled_v) = grads
+    assert eager_x is None and torch.equal(compiled_x, torch.zeros_like(x))
+    assert torch.equal(eager_v, compiled_v)
+
+
+def test_shape_checks_still_run_while_compiling():
+    """A check on shapes runs at trace time; under fullgraph=True Dynamo reports its ValueError wrapped
+    ("Observed exception"), with the check's message."""
+    x, _, ref, _, _, _, _ = _inputs("cpu")
+
+    def f(x, v):
+        return losses.awm_log_prob(v, x[:, :2], x, 0.5, backend="torch")
+
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="noise must have the shape of model_output"):
+        torch.compile(f, fullgraph=True, backend="eager")(x, ref)
+
+
+def test_the_default_noise_draw_compiles_with_no_graph_break():
+    x, _, ref, _, _, _, sigmas = _inputs("cpu")
+
+    def f(x, v):
+        return flowrl.sde_step(x, v, sigmas, 1, backend="torch").prev_sample
+
+    assert torch.compile(f, fullgraph=True, backend="eager")(x, ref).shape == x.shape
+
+
+def test_sequence_parallel_calls_are_not_routed(monkeypatch):
+    """A shard's gather is a collective callable, not a schema value: traced() keeps it off the ops."""
+    from types import SimpleNamespace
+
+    from flowrl.ops import _custom_ops
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert _custom_ops.traced(SimpleNamespace(shard=None)) and _custom_ops.traced()
+    assert not _custom_ops.traced(SimpleNamespace(shard=object()))
 
 
 def test_value_checks_run_in_eager_mode_and_are_skipped_while_compiling():
@@ -201,14 +248,15 @@ def test_trust_region_losses_compile_with_eager_bits(variant):
 # ---------------------------------------------------- the custom ops in eager mode, and opcheck
 
 
-def _through_the_ops(monkeypatch):
-    """Route eager calls through the custom ops (as under torch.compile) and record each op call."""
+def _through_the_ops(monkeypatch, route=True):
+    """Route eager calls through the custom ops (as under torch.compile; ``route``) and record each op call."""
     from flowrl.ops import _custom_ops
     from flowrl.losses import _custom_ops as loss_ops
 
     calls = []
-    monkeypatch.setattr(_custom_ops, "traced", lambda spec=None: spec is None or spec.shard is None)
-    monkeypatch.setattr(losses, "_traced", lambda: True)
+    if route:
+        monkeypatch.setattr(_custom_ops, "traced", lambda spec=None: spec is None or spec.shard is None)
+        monkeypatch.setattr(losses, "_traced", lambda: True)
     for module, name in ((_custom_ops, "_sde_step_op"), (_custom_ops, "_step_log_prob_op"),
                          (_custom_ops, "_step_kl_op"), (loss_ops, "_grpo_op"), (loss_ops, "_nft_op"),
                          (loss_ops, "_awm_lp_op"), (loss_ops, "_awm_op"), (loss_ops, "_teacher_op")):
@@ -267,6 +315,12 @@ def test_the_ops_in_eager_mode_give_the_backends_bits(monkeypatch, backend, devi
         # the default tests less test_aot_dispatch_dynamic (it recompiles; the compile tests above cover it)
         torch.library.opcheck(real, args, test_utils=("test_schema", "test_autograd_registration",
                                                       "test_faketensor"))
+
+
+def test_eager_mode_calls_the_backend_directly(monkeypatch):
+    calls = _through_the_ops(monkeypatch, route=False)
+    _run_ops("torch", "cpu", torch.float32)
+    assert calls == []
 
 
 @cuda
