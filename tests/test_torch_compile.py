@@ -317,6 +317,16 @@ def test_the_ops_in_eager_mode_give_the_backends_bits(monkeypatch, backend, devi
                                                       "test_faketensor"))
 
 
+def test_docs_list_the_registered_schemas():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "compile.md").read_text()
+    listed = {line.strip() for line in doc.splitlines() if line.strip().startswith("flowrl::")}
+    ops = ["sde_step", "step_log_prob", "step_kl", "grpo_family_loss", "nft_loss", "awm_log_prob", "awm_loss",
+           "teacher_kl_loss"]
+    assert listed == {str(getattr(torch.ops.flowrl, op).default._schema) for op in ops}
+
+
 def test_eager_mode_calls_the_backend_directly(monkeypatch):
     calls = _through_the_ops(monkeypatch, route=False)
     _run_ops("torch", "cpu", torch.float32)
