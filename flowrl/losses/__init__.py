@@ -16,7 +16,9 @@ Triton backend's (flowrl._triton_losses, kernels/loss.py: one element pass forwa
 writes d loss / d model_output). Per-sample values are
 reduced in the contract's fixed chunked halving-tree order: deterministic and batch-invariant; only
 the final batch mean depends on the batch. The per-sample [B] arithmetic after the reductions
-(ratio, clip, masks, weights) is written once, here, for both backends.
+(ratio, clip, masks, weights) is written once for both backends (flowrl/losses/_policy.py,
+_flow.py, _teacher.py), and run by eager mode and by the losses' custom ops under torch.compile
+(flowrl/losses/_custom_ops.py, docs/compile.md).
 
 Gradients flow to ``model_output`` only: ``sample``, ``prev_sample``, the reference / old / teacher
 outputs and the stored means are data, and a tensor among them that requires grad is refused.

@@ -10,6 +10,11 @@ and its statistics are eager's bit for bit, the per-sample arithmetic included (
 Inductor). Its backward replays ``grpo_from_spec`` under autograd (``flowrl.ops._custom_ops.grads_by_replay``):
 d loss / d model_output as eager mode computes it, one forward pass more. Only ``loss`` is differentiable,
 as in eager mode.
+
+The other losses get one op each, built the same way by ``_loss_op``: ``flowrl::nft_loss``,
+``flowrl::awm_log_prob``, ``flowrl::awm_loss`` (running ``flowrl.losses._flow``'s blocks) and
+``flowrl::teacher_kl_loss`` (running ``flowrl.losses._teacher.teacher_kl``: step_kl and the batch mean in
+one op, so the mean is eager's too).
 """
 from __future__ import annotations
 
