@@ -1,8 +1,9 @@
 """torch.compile sees through flowrl's ops (docs/compile.md): a training step that rolls out
 (``sde_step``), recomputes (``step_log_prob``), takes the KL (``step_kl``) and the GRPO loss, then
 backpropagates, compiles with ``fullgraph=True`` (0 graph breaks) and gives eager mode's values and
-gradients bit for bit on the torch backend; every op passes ``torch.library.opcheck`` (schema, fake
-implementation, registered autograd). The CUDA variants (Triton backend) run in bench/gpu_check.sh.
+gradients bit for bit on the torch backend; so does a step through the other losses (``nft_loss``,
+``awm_loss``, ``awm_log_prob``, ``teacher_kl_loss``); every op passes ``torch.library.opcheck`` (schema,
+fake implementation, registered autograd). The CUDA variants (Triton backend) run in bench/gpu_check.sh.
 
 The compiled tests use tiny shapes and few compiles: Inductor builds C++ on the CPU."""
 from __future__ import annotations
@@ -51,6 +52,22 @@ def _training_step(backend):
     return step
 
 
+def _losses_step(backend):
+    """A training step through the other losses: nft_loss, awm_loss, awm_log_prob, teacher_kl_loss."""
+    def step(x, noise, ref, w, old_lp, adv, sigmas):
+        v = (x.float() @ w).to(x.dtype)  # the "model"
+        nft = losses.nft_loss(x, v, ref, noise, 0.5, adv, beta=1.0, adv_clip_max=5.0, kl_coef=0.1,
+                              ref_model_output=ref, backend=backend)
+        awm = losses.awm_loss(v, noise, x, sigmas[1:3], old_lp, adv, clip_range=(0.2, 0.28), weighting="ghuber",
+                              backend=backend, rollout_is_weights=adv.abs() + 0.5)
+        lp = losses.awm_log_prob(v, noise, x, 0.3, weighting="huber", backend=backend)
+        teacher, teacher_kl = losses.teacher_kl_loss(x, v, ref, sigmas, 1, backend=backend)
+        loss = nft.loss + awm.loss - lp.mean() + teacher
+        return (loss, *[t for t in nft if t is not None], *[t for t in awm if t is not None], lp, teacher,
+                teacher_kl)
+    return step
+
+
 def _eager_and_compiled(step, args, w_index=3, **compile_kwargs):
     """(eager outputs, eager grad of w, compiled outputs, compiled grad of w); backward outside the step."""
     results = []
@@ -67,6 +84,7 @@ def _eager_and_compiled(step, args, w_index=3, **compile_kwargs):
 def _assert_bitwise(eager, compiled):
     for k, (a, b) in enumerate(zip(eager, compiled)):
         assert a.dtype == b.dtype and a.shape == b.shape, k
+        assert a.requires_grad == b.requires_grad, k  # only what eager mode differentiates is differentiable
         assert torch.equal(a, b), (k, (a.double() - b.double()).abs().max().item())
 
 
@@ -76,6 +94,79 @@ def test_training_step_compiles_with_no_graph_break_and_eager_bits():
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     _assert_bitwise(out_e, out_c)
     _assert_bitwise([grad_e], [grad_c])
+
+
+def test_the_other_losses_compile_with_no_graph_break_and_eager_bits():
+    """nft_loss, awm_loss, awm_log_prob and teacher_kl_loss (their own custom ops) under Inductor:
+    0 graph breaks, every output and d loss / d w bit for bit."""
+    args = _inputs("cpu")
+    out_e, grad_e, out_c, grad_c = _eager_and_compiled(_losses_step("torch"), args)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    _assert_bitwise(out_e, out_c)
+    _assert_bitwise([grad_e], [grad_c])
+
+
+@pytest.mark.parametrize("make_step, ops", [
+    (_training_step, ["sde_step", "step_log_prob", "step_kl", "grpo_family_loss"]),
+    (_losses_step, ["nft_loss", "awm_loss", "awm_log_prob", "teacher_kl_loss"]),
+], ids=["training_step", "losses_step"])
+def test_the_traced_graph_calls_the_custom_ops(make_step, ops):
+    """Under torch.compile each public call is one opaque flowrl op in Dynamo's graph (teacher_kl_loss:
+    one op, its step_kl and batch mean inside it), so Inductor never sees the math."""
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch.compile(make_step("torch"), fullgraph=True, backend=record)(*_inputs("cpu"))
+    assert [t for t in seen if t.startswith("flowrl.")] == [f"flowrl.{op}.default" for op in ops]
+
+
+def test_a_gradient_eager_mode_leaves_none_is_zeros_under_compile():
+    """step_kl's sample does not reach the KL: eager autograd leaves its grad None; the op's registered
+    backward cannot know that from the fake implementation and returns zeros."""
+    x, _, ref, w, _, _, sigmas = _inputs("cpu")
+    grads = []
+    for fn in (lambda x, v: flowrl.step_kl(x, v, ref, sigmas, 1, backend="torch").sum(),):
+        for run in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+            xl, vl = x.clone().requires_grad_(True), (x @ w).requires_grad_(True)
+            grads.append(torch.autograd.grad(run(xl, vl), [xl, vl], allow_unused=True))
+    (eager_x, eager_v), (compiled_x, compiled_v) = grads
+    assert eager_x is None and torch.equal(compiled_x, torch.zeros_like(x))
+    assert torch.equal(eager_v, compiled_v)
+
+
+def test_shape_checks_still_run_while_compiling():
+    """A check on shapes runs at trace time; under fullgraph=True Dynamo reports its ValueError wrapped
+    ("Observed exception"), with the check's message."""
+    x, _, ref, _, _, _, _ = _inputs("cpu")
+
+    def f(x, v):
+        return losses.awm_log_prob(v, x[:, :2], x, 0.5, backend="torch")
+
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="noise must have the shape of model_output"):
+        torch.compile(f, fullgraph=True, backend="eager")(x, ref)
+
+
+def test_the_default_noise_draw_compiles_with_no_graph_break():
+    x, _, ref, _, _, _, sigmas = _inputs("cpu")
+
+    def f(x, v):
+        return flowrl.sde_step(x, v, sigmas, 1, backend="torch").prev_sample
+
+    assert torch.compile(f, fullgraph=True, backend="eager")(x, ref).shape == x.shape
+
+
+def test_sequence_parallel_calls_are_not_routed(monkeypatch):
+    """A shard's gather is a collective callable, not a schema value: traced() keeps it off the ops."""
+    from types import SimpleNamespace
+
+    from flowrl.ops import _custom_ops
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert _custom_ops.traced(SimpleNamespace(shard=None)) and _custom_ops.traced()
+    assert not _custom_ops.traced(SimpleNamespace(shard=object()))
 
 
 def test_value_checks_run_in_eager_mode_and_are_skipped_while_compiling():
@@ -91,6 +182,20 @@ def test_value_checks_run_in_eager_mode_and_are_skipped_while_compiling():
         f(x, ref)
     value = torch.compile(f, fullgraph=True, backend="eager")(x, ref)
     assert value.shape == (2,)
+
+
+def test_teacher_kl_loss_skips_the_schedule_check_while_compiling():
+    """teacher_kl_loss's op runs step_kl's eager code: it must not read the schedule's values either."""
+    x, _, ref, _, _, _, _ = _inputs("cpu")
+    bad = torch.tensor([0.5, 0.75, 0.5, 0.25, 0.0])
+
+    def f(x, v):
+        return losses.teacher_kl_loss(x, v, ref, bad, 1, backend="torch")
+
+    with pytest.raises(ValueError, match="strictly decreasing"):
+        f(x, ref)
+    loss, kl = torch.compile(f, fullgraph=True, backend="eager")(x, ref)
+    assert loss.shape == () and kl.shape == (2,)
 
 
 def test_a_generator_breaks_the_graph_and_noise_seed_does_not():
@@ -143,16 +248,18 @@ def test_trust_region_losses_compile_with_eager_bits(variant):
 # ---------------------------------------------------- the custom ops in eager mode, and opcheck
 
 
-def _through_the_ops(monkeypatch):
-    """Route eager calls through the custom ops (as under torch.compile) and record each op call."""
+def _through_the_ops(monkeypatch, route=True):
+    """Route eager calls through the custom ops (as under torch.compile; ``route``) and record each op call."""
     from flowrl.ops import _custom_ops
     from flowrl.losses import _custom_ops as loss_ops
 
     calls = []
-    monkeypatch.setattr(_custom_ops, "traced", lambda spec=None: spec is None or spec.shard is None)
-    monkeypatch.setattr(losses, "_traced", lambda: True)
+    if route:
+        monkeypatch.setattr(_custom_ops, "traced", lambda spec=None: spec is None or spec.shard is None)
+        monkeypatch.setattr(losses, "_traced", lambda: True)
     for module, name in ((_custom_ops, "_sde_step_op"), (_custom_ops, "_step_log_prob_op"),
-                         (_custom_ops, "_step_kl_op"), (loss_ops, "_grpo_op")):
+                         (_custom_ops, "_step_kl_op"), (loss_ops, "_grpo_op"), (loss_ops, "_nft_op"),
+                         (loss_ops, "_awm_lp_op"), (loss_ops, "_awm_op"), (loss_ops, "_teacher_op")):
         real = getattr(module, name)
 
         def spy(*args, _real=real):
@@ -172,10 +279,11 @@ def _run_ops(backend, device, dtype):
     kl = flowrl.step_kl(x, v, ref, sigmas, 1, backend=backend)
     grpo = losses.grpo_loss(x, v, out.prev_sample.detach(), sigmas, 1, old_lp, adv, clip_range=0.2, kl_coef=0.1,
                             ref_model_output=ref, backend=backend)
-    total = out.prev_sample.float().sum() + out.log_prob.sum() + lp.sum() + kl.sum() + grpo.loss
+    others = _losses_step(backend)(x, noise, ref, w, old_lp, adv, sigmas)  # recomputes v from w
+    total = out.prev_sample.float().sum() + out.log_prob.sum() + lp.sum() + kl.sum() + grpo.loss + others[0]
     (grad,) = torch.autograd.grad(total, w)
     return [out.prev_sample, out.log_prob, out.prev_sample_mean, out.std_dev, out.count, lp, kl,
-            *[t for t in grpo if t is not None], grad]
+            *[t for t in grpo if t is not None], *others, grad]
 
 
 def _backends():
@@ -199,12 +307,33 @@ def test_the_ops_in_eager_mode_give_the_backends_bits(monkeypatch, backend, devi
     calls = _through_the_ops(monkeypatch)
     routed = _run_ops(backend, device, dtype)
     assert {real._qualname for real, _ in calls} >= {"flowrl::sde_step", "flowrl::step_log_prob", "flowrl::step_kl",
-                                                     "flowrl::grpo_family_loss"}
+                                                     "flowrl::grpo_family_loss", "flowrl::nft_loss",
+                                                     "flowrl::awm_log_prob", "flowrl::awm_loss",
+                                                     "flowrl::teacher_kl_loss"}
     _assert_bitwise(direct, routed)
-    for real, args in calls:
+    for real, args in list(calls):  # a snapshot: opcheck's runs of teacher_kl_loss call flowrl::step_kl again
         # the default tests less test_aot_dispatch_dynamic (it recompiles; the compile tests above cover it)
         torch.library.opcheck(real, args, test_utils=("test_schema", "test_autograd_registration",
                                                       "test_faketensor"))
+
+
+def test_docs_list_the_registered_schemas():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "compile.md").read_text()
+    listed = {line.strip() for line in doc.splitlines() if line.strip().startswith("flowrl::")}
+    # every registered flowrl:: op but the backward ops (a new op fails this until docs/compile.md lists it)
+    ops = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names()
+           if name.startswith("flowrl::") and not name.endswith("_backward")}
+    assert ops >= {"sde_step", "step_log_prob", "step_kl", "grpo_family_loss", "nft_loss", "awm_log_prob",
+                   "awm_loss", "teacher_kl_loss"}
+    assert listed == {str(getattr(torch.ops.flowrl, op).default._schema) for op in ops}
+
+
+def test_eager_mode_calls_the_backend_directly(monkeypatch):
+    calls = _through_the_ops(monkeypatch, route=False)
+    _run_ops("torch", "cpu", torch.float32)
+    assert calls == []
 
 
 @cuda
@@ -220,6 +349,24 @@ def test_training_step_compiles_with_eager_bits_on_cuda_triton():
 def test_training_step_compiles_with_eager_bits_on_cuda_torch():
     args = _inputs("cuda")
     out_e, grad_e, out_c, grad_c = _eager_and_compiled(_training_step("torch"), args)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    _assert_bitwise(out_e, out_c)
+    _assert_bitwise([grad_e], [grad_c])
+
+
+@cuda
+def test_the_other_losses_compile_with_eager_bits_on_cuda_triton():
+    args = _inputs("cuda", torch.bfloat16)
+    out_e, grad_e, out_c, grad_c = _eager_and_compiled(_losses_step("triton"), args)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    _assert_bitwise(out_e, out_c)
+    _assert_bitwise([grad_e], [grad_c])
+
+
+@cuda
+def test_the_other_losses_compile_with_eager_bits_on_cuda_torch():
+    args = _inputs("cuda")
+    out_e, grad_e, out_c, grad_c = _eager_and_compiled(_losses_step("torch"), args)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     _assert_bitwise(out_e, out_c)
     _assert_bitwise([grad_e], [grad_c])

@@ -22,7 +22,7 @@ joint rollout (``streams``, LTX-2's audio) is refused: its streams have shapes o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from numbers import Integral
 from typing import Any, Optional
 

@@ -16,46 +16,34 @@ Triton backend's (flowrl._triton_losses, kernels/loss.py: one element pass forwa
 writes d loss / d model_output). Per-sample values are
 reduced in the contract's fixed chunked halving-tree order: deterministic and batch-invariant; only
 the final batch mean depends on the batch. The per-sample [B] arithmetic after the reductions
-(ratio, clip, masks, weights) is written once, here, for both backends.
+(ratio, clip, masks, weights) is written once for both backends (flowrl/losses/_policy.py,
+_flow.py, _teacher.py), and run by eager mode and by the losses' custom ops under torch.compile
+(flowrl/losses/_custom_ops.py, docs/compile.md).
 
 Gradients flow to ``model_output`` only: ``sample``, ``prev_sample``, the reference / old / teacher
 outputs and the stored means are data, and a tensor among them that requires grad is refused.
 """
 from __future__ import annotations
 
-import enum
-import math
 from numbers import Real
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
 from ..backends import _dispatch
 from ..core import _validate as V
-from ..contract import FlowLoss, Mode, Op, Reduction, TrustSource
-from ..ops.functional import step_kl
+from ..contract import FlowLoss, Op, Reduction, TrustSource
 from ..core.step_spec import StepSpec, log_prob_kind, schedule_and_steps
 from ..ops._custom_ops import traced as _traced
-from ._common import _check_no_grad, _check_per_sample, _check_scalar, _flow_sums, check_clip_range
+from . import _custom_ops as _ops
+from ._common import _check_no_grad, _check_per_sample, _check_scalar, _flow_backend, check_clip_range
 from ._custom_ops import grpo_family_loss
+from ._flow import AWM_EPS, NFTLossOutput, awm_from_args, awm_log_prob_from_args, nft_from_args
 from ._policy import GRPOLossOutput, grpo_from_spec
 from ._policy import Variant as _Variant
-from ._policy import policy_loss as _policy_loss
+from ._teacher import teacher_kl as _teacher_kl
 
 ClipRange = Union[float, Tuple[float, float]]
-
-
-class NFTLossOutput(NamedTuple):
-    """DiffusionNFT's loss and its per-sample terms (detached, [B]): ``per_sample_loss`` is
-    [r mse+/w+ + (1 - r) mse-/w-] / beta (before the adv_clip_max scale and the batch mean),
-    ``positive_loss`` = mse+/w+, ``negative_loss`` = mse-/w-, ``kl`` = mean (v - v_ref)^2 or None."""
-
-    loss: torch.Tensor
-    policy_loss: torch.Tensor
-    per_sample_loss: torch.Tensor
-    positive_loss: torch.Tensor
-    negative_loss: torch.Tensor
-    kl: Optional[torch.Tensor]
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -234,9 +222,10 @@ def teacher_kl_loss(
     sample (the exact Gaussian KL of docs/contract.md, ``flowrl.step_kl`` with the teacher as the
     reference, whose fused backward writes d / d model_output). Returns (loss, per-sample KL [B])."""
     _check_no_grad(sample=sample, teacher_model_output=teacher_model_output)
-    kl = step_kl(sample, model_output, teacher_model_output, sigmas, step_index, mode=mode, noise_level=noise_level,
-                 reduction=reduction, backend=backend)
-    return kl.mean(), kl.detach()
+    args = (sample, model_output, teacher_model_output, sigmas, step_index, mode, noise_level, reduction, backend)
+    if _traced():  # while torch.compile traces: the custom op flowrl::teacher_kl_loss
+        return _ops.teacher_kl_loss(*args)
+    return _teacher_kl(*args)
 
 
 # ----------------------------------------------------------------------------- forward-process losses
@@ -284,27 +273,15 @@ def nft_loss(
         raise ValueError("kl_coef is nonzero but ref_model_output is None: pass the reference policy's model_output")
     _check_no_grad(noised_sample=noised_sample, old_model_output=old_model_output, clean_sample=clean_sample,
                    ref_model_output=ref_model_output, advantages=advantages, sigma=t)
-    has_ref = ref_model_output is not None
-    sums = _flow_sums(backend, FlowLoss.NFT, 5 if has_ref else 4, noised_sample, model_output, old_model_output,
-                      clean_sample, ref_model_output, t, (beta, 1.0 - beta, 1.0 + beta))
-    numel = noised_sample.numel() // batch
-    abs_pos, sq_pos, abs_neg, sq_neg = sums[0], sums[1], sums[2], sums[3]
-    w_pos = (abs_pos.detach() / numel).clamp(min=1e-5)
-    w_neg = (abs_neg.detach() / numel).clamp(min=1e-5)
-    positive = (sq_pos / numel) / w_pos
-    negative = (sq_neg / numel) / w_neg
-    adv = advantages.to(sums.dtype).clamp(-adv_clip_max, adv_clip_max)
-    r = torch.clamp((adv / adv_clip_max) / 2.0 + 0.5, 0, 1)
-    per_sample = r * positive / beta + (1.0 - r) * negative / beta
-    policy_loss = (per_sample * adv_clip_max).mean()
-    kl = sums[4] / numel if has_ref else None
-    loss = policy_loss + kl_coef * kl.mean() if has_ref and kl_coef != 0 else policy_loss
-    return NFTLossOutput(loss, policy_loss.detach(), per_sample.detach(), positive.detach(), negative.detach(),
-                         None if kl is None else kl.detach())
+    ops = _flow_backend(backend, noised_sample, model_output, old_model_output, clean_sample, ref_model_output)
+    args = (ops, noised_sample, model_output, old_model_output, clean_sample, ref_model_output, t, advantages, beta,
+            adv_clip_max, kl_coef)
+    if _traced():  # while torch.compile traces: the custom op flowrl::nft_loss
+        return _ops.nft_loss(*args)
+    return nft_from_args(*args)
 
 
 AWM_WEIGHTINGS = ("uniform", "t", "t**2", "huber", "ghuber")
-AWM_EPS = 1e-10  # AWM's huber / ghuber offset
 
 
 def awm_log_prob(
@@ -323,6 +300,14 @@ def awm_log_prob(
     -((-l + 1e-10)^p - 1e-10^p) t / p with p = ``ghuber_power``; t = ``sigma``. The reference reduces in
     float64; this reduces float32 squares by the contract's chunked halving tree, within a few float32
     ulps of the float64 result (tested)."""
+    args = _awm_args(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend)
+    if _traced():  # while torch.compile traces: the custom op flowrl::awm_log_prob
+        return _ops.awm_log_prob(*args)
+    return awm_log_prob_from_args(*args)
+
+
+def _awm_args(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend):
+    """``awm_log_prob``'s arguments validated: (ops, model_output, noise, clean_sample, t [B], weighting, p)."""
     V.check_sample(model_output, "model_output")
     batch = model_output.shape[0]
     V.check_batch_tensor("noise", noise, model_output, "model_output")
@@ -331,18 +316,7 @@ def awm_log_prob(
     p = _check_scalar("ghuber_power", ghuber_power, strict=True)
     t = _flow_t("sigma", sigma, batch, model_output)
     _check_no_grad(noise=noise, clean_sample=clean_sample, sigma=t)
-    sums = _flow_sums(backend, FlowLoss.AWM, 1, None, model_output, noise, clean_sample, None, t, (0.0, 0.0, 0.0))
-    lp = -(sums[0] / (model_output.numel() // batch))
-    t = t.to(lp.dtype)
-    if weighting == "t":
-        lp = lp * t
-    elif weighting == "t**2":
-        lp = lp * t ** 2
-    elif weighting == "huber":
-        lp = -(torch.sqrt(-lp + AWM_EPS) - 1e-5) * t
-    elif weighting == "ghuber":
-        lp = -(torch.pow(-lp + AWM_EPS, p) - AWM_EPS ** p) * t / p
-    return lp
+    return _flow_backend(backend, model_output, noise, clean_sample), model_output, noise, clean_sample, t, weighting, p
 
 
 def awm_loss(
@@ -369,16 +343,17 @@ def awm_loss(
         rollout_is_weights = _check_per_sample("rollout_is_weights", rollout_is_weights, batch, model_output.device)
     _check_no_grad(old_log_prob=old_log_prob, advantages=advantages, rollout_is_weights=rollout_is_weights)
     clip = check_clip_range(clip_range)
-    lp = awm_log_prob(model_output, noise, clean_sample, sigma, weighting=weighting, ghuber_power=ghuber_power,
-                      backend=backend)
-    return _policy_loss(_Variant.GRPO, lp, None, None, old_log_prob.to(lp.dtype), advantages.to(lp.dtype), clip,
-                        0.0, None, None, None if rollout_is_weights is None else rollout_is_weights.to(lp.dtype))
+    args = (*_awm_args(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend), old_log_prob,
+            advantages, clip, rollout_is_weights)
+    if _traced():  # while torch.compile traces: the custom op flowrl::awm_loss
+        return _ops.awm_loss(*args)
+    return awm_from_args(*args)
 
 
 from .dpo import DGPOLossOutput, DPOLossOutput, dgpo_loss, dpo_loss, dpo_pairs  # noqa: E402 (Diffusion-DPO, DGPO)
 
 __all__ = [
     "grpo_loss", "grpo_guard_loss", "flow_dppo_loss", "teacher_kl_loss", "nft_loss", "awm_log_prob", "awm_loss",
-    "GRPOLossOutput", "NFTLossOutput", "check_clip_range", "TrustSource", "FlowLoss", "AWM_WEIGHTINGS",
+    "GRPOLossOutput", "NFTLossOutput", "check_clip_range", "TrustSource", "FlowLoss", "AWM_WEIGHTINGS", "AWM_EPS",
     "dpo_loss", "dpo_pairs", "dgpo_loss", "DPOLossOutput", "DGPOLossOutput",
 ]

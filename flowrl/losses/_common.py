@@ -52,6 +52,11 @@ def check_clip_range(clip_range) -> Tuple[float, float]:
     return eps, eps
 
 
+def _flow_backend(backend_arg, *tensors):
+    """The backend a forward-process loss runs on (its tensors that are not None)."""
+    return _dispatch.select(backend_arg, *(u for u in tensors if u is not None))
+
+
 def _flow_sums(backend_arg, kind, count, xt, v, other, x0, ref, t, coefs):
-    tensors = [u for u in (xt, v, other, x0, ref) if u is not None]
-    return _dispatch.select(backend_arg, *tensors).flow_sums(kind, count, xt, v, other, x0, ref, t, coefs)
+    """[count, B] per-sample sums of the forward-process loss ``kind`` on the backend of its tensors."""
+    return _flow_backend(backend_arg, xt, v, other, x0, ref).flow_sums(kind, count, xt, v, other, x0, ref, t, coefs)

@@ -10,6 +10,11 @@ and its statistics are eager's bit for bit, the per-sample arithmetic included (
 Inductor). Its backward replays ``grpo_from_spec`` under autograd (``flowrl.ops._custom_ops.grads_by_replay``):
 d loss / d model_output as eager mode computes it, one forward pass more. Only ``loss`` is differentiable,
 as in eager mode.
+
+The other losses get one op each, built the same way by ``_loss_op``: ``flowrl::nft_loss``,
+``flowrl::awm_log_prob``, ``flowrl::awm_loss`` (running ``flowrl.losses._flow``'s blocks) and
+``flowrl::teacher_kl_loss`` (running ``flowrl.losses._teacher.teacher_kl``: step_kl and the batch mean in
+one op, so the mean is eager's too).
 """
 from __future__ import annotations
 
@@ -19,8 +24,11 @@ import torch
 
 from ..backends import _dispatch
 from ..contract import TrustSource
+from ..core._validate import no_value_checks
 from ..ops import _custom_ops as C
+from ._flow import NFTLossOutput, awm_from_args, awm_log_prob_from_args, nft_from_args
 from ._policy import GRPOLossOutput, Variant, grpo_from_spec
+from ._teacher import teacher_kl
 
 _FIELDS = 14  # GRPOLossOutput's
 
@@ -63,12 +71,16 @@ def _grpo_op(sample: torch.Tensor, model_output: torch.Tensor, prev_sample: torc
 def _(sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean, spec_tensors,
       spec_ints, noise_level, seeds, seed_ints, variant, trust, clip_low, clip_high, kl_coef, kl_threshold, backend,
       rollout_is_weights):
-    b = sample.shape[0]
     wide = backend == "torch" and any(t.dtype == torch.float64 for t in (sample, model_output, prev_sample))
     dtype = torch.float64 if wide else torch.float32
+    return _fake(sample, dtype, _present(variant, ref_model_output is not None, trust))
+
+
+def _fake(sample, dtype, present):
+    """GRPOLossOutput's fields as fake tensors (``dtype`` the log-prob's; ``present``: which are not None)."""
+    b = sample.shape[0]
     shapes = [(), (), (b,), (b,), (b,), (b,), (), (), (), (), (), (), (), ()]
     dtypes = [dtype] * 6 + [torch.float32] * 4 + [dtype] * 4  # the fractions are bool means: float32
-    present = _present(variant, ref_model_output is not None, trust)
     # an absent field is ``absent(log_prob)``: empty, in the log-prob's dtype
     return [sample.new_empty(shape, dtype=d) if p else sample.new_empty((0,), dtype=dtype)
             for shape, d, p in zip(shapes, dtypes, present)]
@@ -129,4 +141,164 @@ def grpo_family_loss(variant, ops, spec, sample, model_output, prev_sample, old_
     return GRPOLossOutput(*(t if p else None for t, p in zip(out, present)))
 
 
-__all__ = ["grpo_family_loss"]
+# ------------------------------------------------ nft_loss, awm_log_prob, awm_loss, teacher_kl_loss
+#
+# One op each, defined by ``_loss_op`` from its schema and ``run`` (the eager block: ``flowrl.losses._flow``,
+# ``flowrl.losses._teacher``) returning a list of tensors whose first is the differentiable one;
+# ``flowrl::<name>_backward`` replays ``run`` under autograd for d out[0] / d model_output.
+
+
+def _loss_op(name: str, schema: str, run, fake, v_index: int):
+    """``flowrl::<name>`` (``schema``: its arguments) running ``run(*args)`` with no grad, its backward op
+    (``Tensor grad`` first, then the same arguments), the fake implementation ``fake`` and the autograd
+    registration. Only ``args[v_index]`` (model_output) gets a gradient, of the first output."""
+
+    def impl(*args):
+        with torch.no_grad():
+            out = run(*args)
+        return C.fresh(out, [a for a in args if isinstance(a, torch.Tensor)])
+
+    op = torch.library.custom_op(f"flowrl::{name}", impl, mutates_args=(), schema=f"({schema}) -> Tensor[]")
+    op.register_fake(fake)
+
+    def backward_impl(grad, *args):
+        def forward(v):
+            return run(*args[:v_index], v, *args[v_index + 1:])[:1]
+
+        return C.grads_by_replay(forward, [args[v_index]], [True], [grad])[0]
+
+    backward_op = torch.library.custom_op(f"flowrl::{name}_backward", backward_impl, mutates_args=(),
+                                          schema=f"(Tensor grad, {schema}) -> Tensor")
+    backward_op.register_fake(lambda grad, *args: torch.empty_like(args[v_index]))
+
+    def setup(ctx, inputs, output):
+        tensors = [k for k, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
+        ctx.save_for_backward(*(inputs[k] for k in tensors))
+        ctx.tensor_positions = tensors
+        ctx.others = [None if isinstance(a, torch.Tensor) else a for a in inputs]
+        ctx.mark_non_differentiable(*output[1:])
+
+    def backward(ctx, grads):
+        out = [None] * len(ctx.others)
+        if grads[0] is None or not ctx.needs_input_grad[v_index]:
+            return tuple(out)
+        args = list(ctx.others)
+        for k, t in zip(ctx.tensor_positions, ctx.saved_tensors):
+            args[k] = t
+        out[v_index] = backward_op(grads[0], *args)
+        return tuple(out)
+
+    op.register_autograd(backward, setup_context=setup)
+    return op
+
+
+def _or_absent(fields, like):
+    return [C.absent(like) if t is None else t for t in fields]
+
+
+def _dtype(backend, *tensors):
+    """The dtype of the backend's per-sample values: float64 on the torch backend given float64."""
+    wide = backend == "torch" and any(t is not None and t.dtype == torch.float64 for t in tensors)
+    return torch.float64 if wide else torch.float32
+
+
+# flowrl::nft_loss -> [loss, policy_loss, per_sample_loss, positive_loss, negative_loss, kl (empty: None)]
+
+
+def _nft_run(xt, v, old, x0, ref, t, adv, beta, adv_clip_max, kl_coef, backend):
+    out = nft_from_args(_dispatch.backend(backend), xt, v, old, x0, ref, t, adv, beta, adv_clip_max, kl_coef)
+    return _or_absent(out, out.per_sample_loss)
+
+
+def _nft_fake(xt, v, old, x0, ref, t, adv, beta, adv_clip_max, kl_coef, backend):
+    b, dtype = xt.shape[0], _dtype(backend, xt, v, old, x0, ref)
+    shapes = [(), (), (b,), (b,), (b,), (b,) if ref is not None else (0,)]
+    return [xt.new_empty(shape, dtype=dtype) for shape in shapes]
+
+
+_nft_op = _loss_op("nft_loss", "Tensor noised_sample, Tensor model_output, Tensor old_model_output, "
+                   "Tensor clean_sample, Tensor? ref_model_output, Tensor sigma, Tensor advantages, float beta, "
+                   "float adv_clip_max, float kl_coef, str backend", _nft_run, _nft_fake, 1)
+
+
+def nft_loss(ops, xt, v, old, x0, ref, t, adv, beta, adv_clip_max, kl_coef) -> NFTLossOutput:
+    """``nft_from_args``' NFTLossOutput through ``flowrl::nft_loss`` (same arguments)."""
+    out = _nft_op(xt, v, old, x0, ref, t, adv, float(beta), float(adv_clip_max), float(kl_coef), ops.name)
+    return NFTLossOutput(*out[:5], out[5] if ref is not None else None)
+
+
+# flowrl::awm_log_prob -> [log_prob]
+
+
+def _awm_lp_run(v, noise, x0, t, weighting, p, backend):
+    return [awm_log_prob_from_args(_dispatch.backend(backend), v, noise, x0, t, weighting, p)]
+
+
+def _awm_lp_fake(v, noise, x0, t, weighting, p, backend):
+    return [v.new_empty((v.shape[0],), dtype=_dtype(backend, v, noise, x0))]
+
+
+_AWM_SCHEMA = "Tensor model_output, Tensor noise, Tensor clean_sample, Tensor sigma, str weighting, float ghuber_power"
+_awm_lp_op = _loss_op("awm_log_prob", f"{_AWM_SCHEMA}, str backend", _awm_lp_run, _awm_lp_fake, 0)
+
+
+def awm_log_prob(ops, v, noise, x0, t, weighting, p) -> torch.Tensor:
+    """``awm_log_prob_from_args`` through ``flowrl::awm_log_prob`` (same arguments)."""
+    return _awm_lp_op(v, noise, x0, t, weighting, float(p), ops.name)[0]
+
+
+# flowrl::awm_loss -> GRPOLossOutput's 14 fields (empty: None), as flowrl::grpo_family_loss's GRPO variant
+
+
+def _awm_run(v, noise, x0, t, weighting, p, old_lp, adv, is_weights, clip_low, clip_high, backend):
+    out = awm_from_args(_dispatch.backend(backend), v, noise, x0, t, weighting, p, old_lp, adv, (clip_low, clip_high),
+                        is_weights)
+    return _or_absent(out, out.log_prob)
+
+
+def _awm_fake(v, noise, x0, t, weighting, p, old_lp, adv, is_weights, clip_low, clip_high, backend):
+    return _fake(v, _dtype(backend, v, noise, x0), _present(int(Variant.GRPO), False, int(TrustSource.NONE)))
+
+
+_awm_op = _loss_op("awm_loss", f"{_AWM_SCHEMA}, Tensor old_log_prob, Tensor advantages, "
+                   "Tensor? rollout_is_weights, float clip_low, float clip_high, str backend", _awm_run, _awm_fake, 0)
+
+
+def awm_loss(ops, v, noise, x0, t, weighting, p, old_lp, adv, clip, is_weights) -> GRPOLossOutput:
+    """``awm_from_args``' GRPOLossOutput through ``flowrl::awm_loss`` (same arguments)."""
+    out = _awm_op(v, noise, x0, t, weighting, float(p), old_lp, adv, is_weights, float(clip[0]), float(clip[1]),
+                  ops.name)
+    present = _present(int(Variant.GRPO), False, int(TrustSource.NONE))
+    return GRPOLossOutput(*(f if k else None for f, k in zip(out, present)))
+
+
+# flowrl::teacher_kl_loss -> [loss, kl]; step_index an int (step_index_tensor None) or a tensor
+
+
+def _teacher_run(x, v, teacher, sigmas, idx_tensor, idx_int, mode, noise_level, reduction, backend):
+    idx = idx_int if idx_tensor is None else idx_tensor
+    with no_value_checks():  # skipped under compile (docs/compile.md): the op must not read sigmas' values
+        return list(teacher_kl(x, v, teacher, sigmas, idx, mode, noise_level, reduction, backend))
+
+
+def _teacher_fake(x, v, teacher, sigmas, idx_tensor, idx_int, mode, noise_level, reduction, backend):
+    dtype = _dtype(backend, x, v, teacher)
+    return [x.new_empty((), dtype=dtype), x.new_empty((x.shape[0],), dtype=dtype)]
+
+
+_teacher_op = _loss_op("teacher_kl_loss", "Tensor sample, Tensor model_output, Tensor teacher_model_output, "
+                       "Tensor sigmas, Tensor? step_index_tensor, int step_index, str mode, float noise_level, "
+                       "str reduction, str backend", _teacher_run, _teacher_fake, 1)
+
+
+def teacher_kl_loss(sample, model_output, teacher, sigmas, step_index, mode, noise_level, reduction, backend):
+    """``teacher_kl``'s (loss, kl) through ``flowrl::teacher_kl_loss`` (same arguments; the backend resolved
+    here, as eager mode resolves it)."""
+    name = _dispatch.select(backend, sample, model_output, teacher).name
+    tensor = step_index if isinstance(step_index, torch.Tensor) else None
+    loss, kl = _teacher_op(sample, model_output, teacher, sigmas, tensor, 0 if tensor is not None else step_index,
+                           mode, float(noise_level), reduction, name)
+    return loss, kl
+
+
+__all__ = ["grpo_family_loss", "nft_loss", "awm_log_prob", "awm_loss", "teacher_kl_loss"]

@@ -1,0 +1,14 @@
+"""``teacher_kl_loss``'s block (``flowrl.losses`` checks its no-grad inputs): ``flowrl.step_kl``, which
+validates the step's arguments, and the batch mean. Eager mode calls ``teacher_kl``; under
+``torch.compile`` the custom op ``flowrl::teacher_kl_loss`` (flowrl/losses/_custom_ops.py) runs it.
+"""
+from __future__ import annotations
+
+from ..ops.functional import step_kl
+
+
+def teacher_kl(sample, model_output, teacher_model_output, sigmas, step_index, mode, noise_level, reduction, backend):
+    """(loss, per-sample KL [B] detached): the batch mean of ``flowrl.step_kl`` to the teacher."""
+    kl = step_kl(sample, model_output, teacher_model_output, sigmas, step_index, mode=mode, noise_level=noise_level,
+                 reduction=reduction, backend=backend)
+    return kl.mean(), kl.detach()
