@@ -74,6 +74,11 @@ FULL_SHAPES = (
     + [(b, 16, 21, 60, 104) for b in (1, 4)]
 )
 QUICK_SHAPES = [(1, 4096, 64), (2, 16, 128, 128)]
+# --quick: the two modes Flow-GRPO trains with, bf16, no torch.compile baseline (its compile time is most of
+# a CPU sweep); any of --modes / --dtypes / --impls given explicitly wins
+QUICK_MODES = ("sde", "cps")
+QUICK_DTYPES = ("bf16",)
+QUICK_IMPLS = tuple(i for i in IMPLS if i != "compile")
 
 NUM_STEPS, SHIFT, STEP_INDEX, NOISE_LEVEL = 10, 3.0, 2, 0.7
 CHECK_RTOL = 1e-2  # loose on purpose: catches a wrong formula, not rounding-order differences
@@ -1124,17 +1129,19 @@ def _choices(allowed: Sequence[str]):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help=f"reduced sweep: shapes {QUICK_SHAPES}")
+    p.add_argument("--quick", action="store_true",
+                   help=f"reduced sweep (under a minute on a 2-core CPU): shapes {QUICK_SHAPES}, modes {QUICK_MODES}, "
+                        f"dtypes {QUICK_DTYPES}, no torch.compile baseline")
     p.add_argument("--suite", choices=("steps", "losses"), default="steps",
                    help="steps: the step ops (default); losses: flowrl.losses beside the peers' eager loss code")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shapes", type=parse_shapes, help="comma-separated, e.g. 1x4096x64,4x16x21x60x104")
-    p.add_argument("--dtypes", type=_choices(list(DTYPES)), default=list(DTYPES))
-    p.add_argument("--modes", type=_choices(MODES), default=list(MODES))
+    p.add_argument("--dtypes", type=_choices(list(DTYPES)), default=None, help=f"default {list(DTYPES)}")
+    p.add_argument("--modes", type=_choices(MODES), default=None, help=f"default {list(MODES)}")
     p.add_argument("--ops", type=_choices(OPS + COND_OPS), default=list(OPS + COND_OPS),
                    help="the conditioned ops (*_cond) run on 5-D video shapes, in the modes that take per-token "
                         "sigmas (not ddim, dpm_sde)")
-    p.add_argument("--impls", type=_choices(IMPLS), default=list(IMPLS))
+    p.add_argument("--impls", type=_choices(IMPLS), default=None, help=f"default {list(IMPLS)}")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU: torch.set_num_threads (1 gives stable timings on a loaded, shared machine)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
@@ -1163,6 +1170,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available")
     shapes = args.shapes or (QUICK_SHAPES if args.quick else FULL_SHAPES)
+    if args.modes is None:
+        args.modes = list(QUICK_MODES if args.quick else MODES)
+    if args.dtypes is None:
+        args.dtypes = list(QUICK_DTYPES if args.quick else DTYPES)
+    if args.impls is None:
+        args.impls = list(QUICK_IMPLS if args.quick else IMPLS)
     impls = [i for i in args.impls if not (args.no_compile and i == "compile")]
     timing_budget = args.timing_budget if args.timing_budget is not None else (0.2 if args.quick else 0.5)
 
