@@ -434,15 +434,30 @@ def test_copies_of_a_branching_scheduler_are_refused():
 
 def test_rows_that_diverge_later_warn_and_still_replay():
     sched, x0, velocity = _setup(batch=1)
-    spec = BranchSpec(steps=[2], k=2, seed=0)
+    spec = BranchSpec(steps=[3], k=2, seed=0)
+    roots = torch.zeros(2, dtype=torch.int64)
+
+    def unequal(x, j, roots):  # a model whose equal rows gave unequal outputs at step 1
+        v = velocity(x, j, roots)
+        return v + torch.tensor([0.0, 1e-3]).view(2, 1, 1) if j == 1 else v
+
     x = x0.repeat(2, 1, 1)
     with sched.rollout(branch=spec) as rec:
         for j, t in enumerate(sched.timesteps):
-            if j == 1:
-                x = x + torch.tensor([0.0, 1e-3]).view(2, 1, 1)  # a model whose equal rows gave unequal outputs
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                x = sched.step(velocity(x, j, torch.zeros(2, dtype=torch.int64)), t, x).prev_sample
-            if j == 1:
-                assert any("rows [1] differ" in str(w.message) for w in caught)
-    assert isinstance(rec.trajectory().tree, BranchTree)
+                x = sched.step(unequal(x, j, roots), t, x).prev_sample
+            assert any("rows [1] differ" in str(w.message) for w in caught) == (j == 2)
+    traj = rec.trajectory()
+    for j in range(T):
+        assert torch.equal(traj.step_log_prob(j, unequal(traj.latents[:, j], j, roots)), traj.log_probs[:, j])
+
+
+def test_a_step_given_its_noise_is_refused():
+    pytest.importorskip("diffusers")
+    sched = flowrl.DDIMScheduler()
+    sched.set_timesteps(4)
+    x = torch.zeros(2, 4, 8)
+    with pytest.raises(ValueError, match="branch: this step was given its noise"):
+        with sched.rollout(branch=BranchSpec(steps=[1])):
+            sched.step(x, sched.timesteps[0], x, variance_noise=torch.ones_like(x))
