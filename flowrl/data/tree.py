@@ -267,8 +267,8 @@ class BranchTree:
     def check(self, num_rows: int, num_steps: int, where: str = "tree") -> "BranchTree":
         """Raise ``ValueError`` (prefixed by ``where``) unless this is a tree of ``num_rows`` leaf rows
         over ``num_steps`` loop steps: parents before children, roots at step 0 with child 0 and
-        distinct samples; siblings forked at one step, at or after their parent's, with child
-        indices 0 .. k - 1 and their parent's sample; every leaf (a node without children) exactly one
+        distinct samples; siblings forked at one step, after their parent's (or at a root's step 0),
+        with child indices 0 .. k - 1 and their parent's sample; every leaf (a node without children) exactly one
         row's."""
         def fail(msg):
             raise ValueError(f"{where}: {msg}")
@@ -286,6 +286,8 @@ class BranchTree:
                  f"{[getattr(self, name).numel() for name in _FIELDS[:4]]}")
         if self.leaf.numel() != num_rows:
             fail(f"leaf must have one entry per trajectory row ({num_rows}); got {self.leaf.numel()}")
+        if m > num_rows * (num_steps + 1):  # each row's chain has at most T + 1 nodes (bounds the loops below)
+            fail(f"a tree of {num_rows} rows over {num_steps} steps has at most {num_rows * (num_steps + 1)} nodes; got {m}")
         parent, fork, child, sample = (getattr(self, n).tolist() for n in _FIELDS[:4])
         if any(not -1 <= p < i for i, p in enumerate(parent)):
             fail("parent[m] must be -1 (a root) or a node before m")
@@ -302,8 +304,9 @@ class BranchTree:
         for i, p in enumerate(parent):
             if p >= 0:
                 children.setdefault(p, []).append(i)
-                if sample[i] != sample[p] or fork[i] < fork[p]:
-                    fail(f"node {i} must have its parent's sample and a fork step >= its parent's")
+                if sample[i] != sample[p] or fork[i] < fork[p] or (fork[i] == fork[p] and parent[p] >= 0):
+                    fail(f"node {i} must have its parent's sample and a fork step after its parent's (or equal to "
+                         "a root's: a fork at step 0)")
         for p, kids in children.items():
             if len({fork[i] for i in kids}) != 1 or sorted(child[i] for i in kids) != list(range(len(kids))):
                 fail(f"the children of node {p} must fork at one step with child indices 0 .. {len(kids) - 1}")
