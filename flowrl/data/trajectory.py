@@ -15,10 +15,13 @@ from ..ops.functional import step_log_prob
 from .denoising_env import env_of
 from .replay import replay_plan
 from .serialization import DEFAULT_MAX_BYTES, from_wire, load_safetensors, save_safetensors, to_wire
+from .tree import BranchTree
 from .trajectory_store import check_device, move, nbytes_per_sample_step
 
 # identifies the wire dict and the safetensors file; bump the version when the layout changes.
 # /2 adds token_sigmas, frozen, counts and streams (all optional); /1 payloads and files still load.
+# A branching rollout's tree (flowrl.data.tree) adds the key "tree" (files: tensors "tree.<field>"),
+# present only when there is a tree, so a /2 payload without one is unchanged.
 FORMAT = "flowrl.RolloutTrajectory/2"
 FORMAT_V1 = "flowrl.RolloutTrajectory/1"
 _TENSOR_FIELDS = ("latents", "log_probs", "timesteps", "sigmas", "latent_step_indices")
@@ -83,6 +86,9 @@ class RolloutTrajectory:
     prediction_type, clip_sample_range: mode 'ddim''s model output type and x0 clip (None otherwise);
         for ddim ``sigmas`` is the alpha-bar table [2T] of (alpha_bar_t, alpha_bar_prev) pairs
         (flowrl.ddim.alpha_bar_table). ``step_options()`` gives every setting a recompute passes.
+    tree: None, or for a branching rollout (docs/branching.md) the ``flowrl.data.tree.BranchTree``
+        whose leaves are the rows: which rows share which node (and so the same latents, noise and
+        log-prob) at each step, and every node's Philox key.
 
     ``step_inputs(j)`` gives the arguments that recompute loop step ``j``'s log-prob exactly.
     """
@@ -104,6 +110,7 @@ class RolloutTrajectory:
     prev_x0_preds: Optional[torch.Tensor] = None
     prediction_type: Optional[str] = None
     clip_sample_range: Optional[float] = None
+    tree: Optional[BranchTree] = None
     # recorded with scheduler.rollout(model=..., debug=...): flowrl.denoising_env.DenoisingEnv and
     # flowrl.debug.DebugTensors (in memory only: to_wire / save carry neither)
     denoising_env: Optional[Any] = None
@@ -212,6 +219,7 @@ class RolloutTrajectory:
             self, latents=self.latents[i:i + 1], log_probs=self.log_probs[i:i + 1], token_sigmas=cut(self.token_sigmas),
             frozen=cut(self.frozen), counts=cut(self.counts), prev_x0_preds=cut(self.prev_x0_preds),
             streams=None if self.streams is None else tuple(s._sample(i) for s in self.streams),
+            tree=None if self.tree is None else self.tree.select_row(i),
         )
 
     # ----------------------------------------------------------------------------------------------
@@ -324,6 +332,8 @@ class RolloutTrajectory:
         if _has_ddim_fields(self.mode):
             wire.update({name: getattr(self, name) for name in _DDIM_FIELDS})
         wire["streams"] = None if self.streams is None else [s.to_wire() for s in self.streams]
+        if self.tree is not None:
+            wire["tree"] = to_wire(self.tree.to_tensors())
         wire["format"] = FORMAT
         return wire
 
@@ -344,6 +354,8 @@ class RolloutTrajectory:
         expected = set(_TENSOR_FIELDS) | set(_SETTING_FIELDS) | set(optional) | {"format"}
         if version == FORMAT:
             expected.add("streams")
+            if "tree" in wire and not _nested:
+                expected.add("tree")
         if _has_ddim_fields(wire.get("mode")):
             expected |= set(_DDIM_FIELDS)
         if set(wire) != expected:
@@ -365,7 +377,14 @@ class RolloutTrajectory:
                 cls.from_wire(w, max_bytes=max_bytes, device=device, _where=f"{where}: streams[{k}]", _nested=True)
                 for k, w in enumerate(wire["streams"])
             )
-        return cls._checked(tensors, settings, where, device, streams)
+        tree = None
+        if "tree" in expected:
+            envelopes = wire["tree"]
+            if not isinstance(envelopes, dict) or not all(
+                    isinstance(e, dict) and e.get("__tensor__") is True for e in envelopes.values()):
+                raise ValueError(f"{where}: tree must be an object of tensor envelopes")
+            tree = from_wire(envelopes, max_bytes=max_bytes)
+        return cls._checked(tensors, settings, where, device, streams, tree)
 
     def save(self, path) -> None:
         """Write a safetensors file: the tensors under their field names (a joint rollout's streams under
@@ -380,6 +399,8 @@ class RolloutTrajectory:
         tensors = self._tensors()
         for k, stream in enumerate(self.streams or ()):
             tensors.update({f"streams.{k}.{name}": t for name, t in stream._tensors().items()})
+        if self.tree is not None:
+            tensors.update({f"tree.{name}": t for name, t in self.tree.to_tensors().items()})
         save_safetensors(path, tensors, metadata)
 
     @classmethod
@@ -402,6 +423,9 @@ class RolloutTrajectory:
         optional = {"sde_steps"} if version == FORMAT_V1 else set(_OPTIONAL_TENSORS)
         allowed = set(_TENSOR_FIELDS) | optional
         groups: List[Dict[str, torch.Tensor]] = [dict() for _ in range(num_streams + 1)]
+        tree = None
+        if version == FORMAT and any(name.startswith("tree.") for name in tensors):
+            tree = {name[5:]: tensors.pop(name) for name in list(tensors) if name.startswith("tree.")}
         for name, t in tensors.items():
             parts = name.split(".")
             if len(parts) == 3 and parts[0] == "streams" and parts[1].isdigit() and int(parts[1]) < num_streams:
@@ -432,11 +456,11 @@ class RolloutTrajectory:
                 cls._checked(g, dict(settings, reduction="sum"), f"{where}: stream {k}", device)
                 for k, g in enumerate(groups[1:])
             )
-        return cls._checked(groups[0], settings, where, device, streams)
+        return cls._checked(groups[0], settings, where, device, streams, tree)
 
     @classmethod
     def _checked(cls, tensors: Dict[str, torch.Tensor], settings: Dict[str, Any], where: str, device,
-                 streams: Optional[Tuple["RolloutTrajectory", ...]] = None):
+                 streams: Optional[Tuple["RolloutTrajectory", ...]] = None, tree: Optional[Dict[str, torch.Tensor]] = None):
         """Build a trajectory from untrusted parts, checking what the fields' docs promise."""
         mode, noise_level = settings["mode"], settings["noise_level"]
         try:
@@ -516,6 +540,10 @@ class RolloutTrajectory:
                 fail("every stream must have the batch size and step count of the trajectory")
             if not torch.equal(streams[0].latents.to(latents.device), latents):
                 fail("streams[0] must be the trajectory's own stream (the same latents)")
+        if tree is not None:
+            if streams is not None:
+                fail("a branching rollout's tree and joint streams are not combined")
+            tree = BranchTree.from_tensors(tree, batch, num_steps, where=f"{where}: tree")
         fields = dict(
             latents=latents, log_probs=log_probs, timesteps=timesteps, sigmas=sigmas, latent_step_indices=steps,
             sde_steps=sde_steps, token_sigmas=token_sigmas, frozen=frozen, counts=counts, prev_x0_preds=prev_x0_preds,
@@ -525,4 +553,4 @@ class RolloutTrajectory:
         if ddim:
             fields.update(prediction_type=ddim["prediction"].label, clip_sample_range=ddim["clip_sample_range"])
         return cls(**fields, mode=mode, noise_level=noise_level, log_prob=settings["log_prob"],
-                   reduction=settings["reduction"], streams=streams)
+                   reduction=settings["reduction"], streams=streams, tree=tree)

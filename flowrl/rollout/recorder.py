@@ -40,6 +40,7 @@ from .step_output import STEP_SIGNATURE as _STEP_SIGNATURE
 from .step_output import FlowMatchEulerDiscreteSchedulerOutput, check_step_timestep
 from .timestep_lookup import index_for_timestep
 from ..data.trajectory import RolloutTrajectory
+from ..data.tree import BranchSpec
 from ..data.trajectory_store import StepStore, check_store
 
 # instance attributes a rollout sets on a recording scheduler (and removes when it ends): the two methods
@@ -242,6 +243,12 @@ class RolloutRecorder:
     recording adds no device memory past the current step, and ``trajectory()`` returns host tensors
     (``traj.step_inputs(j, device=...)`` moves a step's back). Refused under CUDA-graph capture
     (``flowrl.data.trajectory_store``).
+
+    ``branch``: a ``flowrl.data.tree.BranchSpec`` (docs/branching.md): the loop runs every leaf of the
+    tree from the start (B samples times ``branch.leaves_per_sample`` rows, each sample's rows adjacent
+    and starting from one latent), and step j of each row draws the Philox noise of its node
+    (``sde_step(noise_seed=tree.keys(T)[j])``), so rows under one node stay equal until it forks; the
+    trajectory's ``tree`` records which rows share which node. Replaces ``generator`` (and the step's).
     """
 
     def __init__(
@@ -263,6 +270,7 @@ class RolloutRecorder:
         debug=None,
         solver_order: Optional[int] = None,
         store: str = "device",
+        branch: Optional[BranchSpec] = None,
     ):
         self._check_scheduler(scheduler, mode, noise_level, sde_steps)
         V.check_choice("mode", mode, V.MODES)
@@ -293,12 +301,64 @@ class RolloutRecorder:
             raise ValueError(f"env_device={env_device!r} keeps the replay environment on a device, which store='cpu' "
                              "keeps on the host; pass one of them")
         self._host = StepStore(store)
+        self.branch = self._check_branch(branch, generator, debug)
+        self._tree = self._keys = self._owner_rows = None
         self._env = self._debug = None
         self._env_result = self._debug_result = None
         self._reset()
 
     def _reset(self) -> None:
         self._streams = [_Stream(self, self.scheduler, 0, self.generator, self.frozen)]
+        self._tree = self._keys = self._owner_rows = None
+
+    # ------------------------------------------------------------------ branching (flowrl.data.tree)
+    def _check_branch(self, branch, generator, debug) -> Optional[BranchSpec]:
+        if branch is None:
+            return None
+        if not isinstance(branch, BranchSpec):
+            raise TypeError(f"branch must be a flowrl.data.tree.BranchSpec or None; got {type(branch).__name__}")
+        if generator is not None:
+            raise ValueError("branch draws every node's noise from branch.seed (in-kernel Philox); pass generator=None")
+        if debug:
+            raise ValueError("branch: debug tensors are not recorded for a branching rollout (its noise is drawn "
+                             "in the kernel); pass debug=None")
+        deterministic = [s for s in branch.steps if self.mode == "ode" or self.noise_level == 0
+                         or (self.sde_steps is not None and s not in self.sde_steps)]
+        if deterministic:
+            raise ValueError(f"branch.steps {deterministic} are deterministic steps of this rollout (mode "
+                             f"{self.mode!r}, noise_level {self.noise_level}, sde_steps); a fork there gives equal children")
+        return branch
+
+    def _start_branch(self, stream: _Stream) -> None:
+        if self.branch.steps and self.branch.steps[-1] >= stream.num_steps:
+            raise ValueError(f"branch.steps entries must be loop steps in [0, {stream.num_steps - 1}] for this "
+                             f"{stream.num_steps}-step loop; got {self.branch.steps[-1]}")
+        self._tree = self.branch.tree_for_rows(stream.batch)
+        device = stream.sigmas.device
+        self._keys = self._tree.keys(stream.num_steps).to(device)
+        nodes = self._tree.row_nodes(stream.num_steps)
+        first = {}
+        self._owner_rows = torch.tensor(
+            [[first.setdefault((j, int(m)), n) for n, m in enumerate(nodes[:, j].tolist())]
+             for j in range(stream.num_steps)], dtype=torch.int64, device=device)
+
+    def _branch_noise_seed(self, stream: _Stream, sample: torch.Tensor, i: int, noise) -> torch.Tensor:
+        """Step i's per-row Philox keys; checks that rows under one node received one latent."""
+        if noise is not None:
+            raise ValueError("branch: this step was given its noise (variance_noise); a branching rollout draws "
+                             "every node's noise from branch.seed")
+        if not V._skip_value_reads():
+            owner = sample[self._owner_rows[i].to(sample.device)]
+            if not torch.equal(owner, sample):
+                rows = sorted(set((owner != sample).flatten(1).any(1).nonzero().flatten().tolist()))
+                msg = (f"branch: at loop step {i}, rows {rows} differ from the rows they share a tree node with; rows "
+                       "under one node must receive the same latent")
+                if i == 0:
+                    raise ValueError(msg + " (start each sample's rows from one latent, e.g. "
+                                           "latents.repeat_interleave(branch.leaves_per_sample, 0))")
+                warnings.warn(msg + " (the model's output differed between equal rows); each row still "
+                                    "recomputes its own log-prob exactly")
+        return self._keys[i]
 
     # ------------------------------------------------------- what a scheduler family changes (flowrl.ddim)
     # A recorder for another scheduler family (flowrl.ddim.DDIMRolloutRecorder) overrides these, and
@@ -377,6 +437,9 @@ class RolloutRecorder:
         plain copy of its state, recording as a new stream of this rollout."""
         if not self.active:
             raise RuntimeError("a scheduler of a finished rollout still had its copy hooks; this is a flowrl bug")
+        if self.branch is not None:
+            raise RuntimeError("branch: a branching rollout records one stream; the scheduler was copied while it "
+                               "was recording (joint streams and branching are not combined)")
         if any(s.steps_recorded for s in self._streams):
             raise RuntimeError(
                 "the scheduler was copied after this rollout recorded steps: a copy joins the rollout as "
@@ -468,6 +531,8 @@ class RolloutRecorder:
             if frozen.shape[0] != 1 and frozen.shape[0] != stream.batch:
                 raise ValueError(f"frozen's dim 0 must be 1 or B = {stream.batch}; got shape {tuple(frozen.shape)}")
             stream.frozen_full = frozen.expand(stream.batch, *frozen.shape[1:]).contiguous()
+        if self.branch is not None:
+            self._start_branch(stream)
 
     def _keep(self, loop_step: int) -> bool:
         return self.return_step_indices is None or loop_step in self.return_step_indices
@@ -556,10 +621,13 @@ class RolloutRecorder:
                 and options["noise_level"] != 0):
             noise, generator = debug.draw(sample, generator), None  # the draw sde_step would make
         prev_x0 = self._second_order_input(stream, sample, model_output, i)
+        noise_seed = None
+        if self.branch is not None and stochastic:
+            noise_seed, generator = self._branch_noise_seed(stream, sample, i, noise), None
         out = sde_step(
             sample, velocity, stream.sigmas, i, **options, log_prob=self.log_prob,
             reduction="sum" if joint else self.reduction, backend=self.backend, out_dtype=out_dtype, **masks,
-            generator=generator, noise=noise, prev_x0_pred=prev_x0 if stochastic else None,
+            generator=generator, noise=noise, prev_x0_pred=prev_x0 if stochastic else None, noise_seed=noise_seed,
         )
         if debug is not None:
             debug.record(out, noise, model_output, sample)
@@ -629,6 +697,7 @@ class RolloutRecorder:
             prev_x0_preds=torch.stack(stream.prev_x0_preds, dim=1) if stream.prev_x0_preds else None,
             denoising_env=self._env_result if stream.index == 0 else None,
             debug_tensors=self._debug_result if stream.index == 0 else None,
+            tree=self._tree if stream.index == 0 else None,
         )
 
     def trajectory(self) -> RolloutTrajectory:
