@@ -2,7 +2,8 @@
 (``sde_step``), recomputes (``step_log_prob``), takes the KL (``step_kl``) and the GRPO loss, then
 backpropagates, compiles with ``fullgraph=True`` (0 graph breaks) and gives eager mode's values and
 gradients bit for bit on the torch backend; so does a step through the other losses (``nft_loss``,
-``awm_loss``, ``awm_log_prob``, ``teacher_kl_loss``); every op passes ``torch.library.opcheck`` (schema,
+``awm_loss``, ``awm_log_prob``, ``teacher_kl_loss``) and one through the preference losses (``dpo_loss``,
+``dgpo_loss``); every op passes ``torch.library.opcheck`` (schema,
 fake implementation, registered autograd). The CUDA variants (Triton backend) run in bench/gpu_check.sh.
 
 The compiled tests use tiny shapes and few compiles: Inductor builds C++ on the CPU."""
@@ -68,6 +69,23 @@ def _losses_step(backend):
     return step
 
 
+def _preference_step(backend):
+    """A training step through the preference losses: dpo_loss, dgpo_loss clipped against an old policy
+    (with the KL, clip_kl), dgpo_loss with the EMA reference (group_size None, no KL)."""
+    def step(x, noise, ref, w, old_lp, adv, sigmas):
+        v = (x.float() @ w).to(x.dtype)  # the "model"
+        groups = torch.arange(x.shape[0], device=x.device) // 2
+        old = v.detach() - 0.1 * noise.to(v.dtype)  # the old (EMA) policy
+        dpo = losses.dpo_loss(v, ref, noise, x, beta=50.0, backend=backend)
+        dgpo = losses.dgpo_loss(v, ref, noise, x, adv, groups, beta=10.0, group_size=2, old_model_output=old,
+                                clip_range=(0.1, 0.1), clip_kl=True, kl_coef=0.1, backend=backend)
+        ema = losses.dgpo_loss(v, None, noise, x, adv, groups, beta=10.0, old_model_output=old, ema_reference=True,
+                               backend=backend)
+        loss = dpo.loss + dgpo.loss + ema.loss
+        return (loss, *dpo, *[t for t in dgpo if t is not None], *[t for t in ema if t is not None])
+    return step
+
+
 def _eager_and_compiled(step, args, w_index=3, **compile_kwargs):
     """(eager outputs, eager grad of w, compiled outputs, compiled grad of w); backward outside the step."""
     results = []
@@ -106,10 +124,31 @@ def test_the_other_losses_compile_with_no_graph_break_and_eager_bits():
     _assert_bitwise([grad_e], [grad_c])
 
 
+def test_the_preference_losses_compile_with_no_graph_break_and_eager_bits():
+    """dpo_loss and dgpo_loss (their own custom ops; DGPO's group ids are read inside its op) under
+    Inductor: 0 graph breaks, every output and d loss / d w bit for bit."""
+    args = _inputs("cpu", batch=4)
+    out_e, grad_e, out_c, grad_c = _eager_and_compiled(_preference_step("torch"), args)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert out_e[1 + 8 + 7].numel() == 1 and 0 < out_e[1 + 8 + 7].item() < 1  # some samples clipped, not all
+    _assert_bitwise(out_e, out_c)
+    _assert_bitwise([grad_e], [grad_c])
+
+
+def test_dpo_pairs_is_host_side():
+    """dpo_pairs reads the rewards on the host and its P depends on their values: it is not an op and
+    breaks a fullgraph compile (Dynamo refuses its data-dependent host read: a UserError on the rewards'
+    finiteness check, or Unsupported); call it before the compiled step (docs/compile.md)."""
+    rewards, ids = torch.tensor([0.1, 0.9, 0.5, 0.3]), torch.tensor([0, 0, 1, 1])
+    with pytest.raises((torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
+        torch.compile(lambda r, g: losses.dpo_pairs(r, g), fullgraph=True, backend="eager")(rewards, ids)
+
+
 @pytest.mark.parametrize("make_step, ops", [
     (_training_step, ["sde_step", "step_log_prob", "step_kl", "grpo_family_loss"]),
     (_losses_step, ["nft_loss", "awm_loss", "awm_log_prob", "teacher_kl_loss"]),
-], ids=["training_step", "losses_step"])
+    (_preference_step, ["dpo_loss", "dgpo_loss", "dgpo_loss"]),
+], ids=["training_step", "losses_step", "preference_step"])
 def test_the_traced_graph_calls_the_custom_ops(make_step, ops):
     """Under torch.compile each public call is one opaque flowrl op in Dynamo's graph (teacher_kl_loss:
     one op, its step_kl and batch mean inside it), so Inductor never sees the math."""
@@ -257,9 +296,11 @@ def _through_the_ops(monkeypatch, route=True):
     if route:
         monkeypatch.setattr(_custom_ops, "traced", lambda spec=None: spec is None or spec.shard is None)
         monkeypatch.setattr(losses, "_traced", lambda: True)
+        monkeypatch.setattr(losses.dpo, "_traced", lambda: True)
     for module, name in ((_custom_ops, "_sde_step_op"), (_custom_ops, "_step_log_prob_op"),
                          (_custom_ops, "_step_kl_op"), (loss_ops, "_grpo_op"), (loss_ops, "_nft_op"),
-                         (loss_ops, "_awm_lp_op"), (loss_ops, "_awm_op"), (loss_ops, "_teacher_op")):
+                         (loss_ops, "_awm_lp_op"), (loss_ops, "_awm_op"), (loss_ops, "_teacher_op"),
+                         (loss_ops, "_dpo_op"), (loss_ops, "_dgpo_op")):
         real = getattr(module, name)
 
         def spy(*args, _real=real):
@@ -280,10 +321,13 @@ def _run_ops(backend, device, dtype):
     grpo = losses.grpo_loss(x, v, out.prev_sample.detach(), sigmas, 1, old_lp, adv, clip_range=0.2, kl_coef=0.1,
                             ref_model_output=ref, backend=backend)
     others = _losses_step(backend)(x, noise, ref, w, old_lp, adv, sigmas)  # recomputes v from w
-    total = out.prev_sample.float().sum() + out.log_prob.sum() + lp.sum() + kl.sum() + grpo.loss + others[0]
+    x4, noise4, ref4, _, old_lp4, adv4, sigmas4 = _inputs(device, dtype, batch=4, seed=1)
+    preference = _preference_step(backend)(x4, noise4, ref4, w, old_lp4, adv4, sigmas4)
+    total = (out.prev_sample.float().sum() + out.log_prob.sum() + lp.sum() + kl.sum() + grpo.loss + others[0]
+             + preference[0])
     (grad,) = torch.autograd.grad(total, w)
     return [out.prev_sample, out.log_prob, out.prev_sample_mean, out.std_dev, out.count, lp, kl,
-            *[t for t in grpo if t is not None], *others, grad]
+            *[t for t in grpo if t is not None], *others, *preference, grad]
 
 
 def _backends():
@@ -309,7 +353,8 @@ def test_the_ops_in_eager_mode_give_the_backends_bits(monkeypatch, backend, devi
     assert {real._qualname for real, _ in calls} >= {"flowrl::sde_step", "flowrl::step_log_prob", "flowrl::step_kl",
                                                      "flowrl::grpo_family_loss", "flowrl::nft_loss",
                                                      "flowrl::awm_log_prob", "flowrl::awm_loss",
-                                                     "flowrl::teacher_kl_loss"}
+                                                     "flowrl::teacher_kl_loss", "flowrl::dpo_loss",
+                                                     "flowrl::dgpo_loss"}
     _assert_bitwise(direct, routed)
     for real, args in list(calls):  # a snapshot: opcheck's runs of teacher_kl_loss call flowrl::step_kl again
         # the default tests less test_aot_dispatch_dynamic (it recompiles; the compile tests above cover it)
@@ -326,7 +371,7 @@ def test_docs_list_the_registered_schemas():
     ops = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names()
            if name.startswith("flowrl::") and not name.endswith("_backward")}
     assert ops >= {"sde_step", "step_log_prob", "step_kl", "grpo_family_loss", "nft_loss", "awm_log_prob",
-                   "awm_loss", "teacher_kl_loss"}
+                   "awm_loss", "teacher_kl_loss", "dpo_loss", "dgpo_loss"}
     assert listed == {str(getattr(torch.ops.flowrl, op).default._schema) for op in ops}
 
 
@@ -367,6 +412,24 @@ def test_the_other_losses_compile_with_eager_bits_on_cuda_triton():
 def test_the_other_losses_compile_with_eager_bits_on_cuda_torch():
     args = _inputs("cuda")
     out_e, grad_e, out_c, grad_c = _eager_and_compiled(_losses_step("torch"), args)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    _assert_bitwise(out_e, out_c)
+    _assert_bitwise([grad_e], [grad_c])
+
+
+@cuda
+def test_the_preference_losses_compile_with_eager_bits_on_cuda_triton():
+    args = _inputs("cuda", torch.bfloat16, batch=4)
+    out_e, grad_e, out_c, grad_c = _eager_and_compiled(_preference_step("triton"), args)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    _assert_bitwise(out_e, out_c)
+    _assert_bitwise([grad_e], [grad_c])
+
+
+@cuda
+def test_the_preference_losses_compile_with_eager_bits_on_cuda_torch():
+    args = _inputs("cuda", batch=4)
+    out_e, grad_e, out_c, grad_c = _eager_and_compiled(_preference_step("torch"), args)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     _assert_bitwise(out_e, out_c)
     _assert_bitwise([grad_e], [grad_c])

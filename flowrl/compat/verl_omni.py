@@ -51,6 +51,7 @@ import torch
 
 from ..core import _validate as V
 from ..losses import nft_loss
+from ..losses._policy import Variant, policy_loss
 from ..ops.functional import step_log_prob
 from ..rollout.scheduler import FlowMatchEulerDiscreteScheduler
 from . import _common as C
@@ -267,10 +268,16 @@ def _pg_metrics(log_ratio, ratio, clip) -> Dict[str, float]:
         }
 
 
-def _weighted_mean(per_sample, rollout_is_weights):
-    if rollout_is_weights is not None:
-        per_sample = per_sample * _per_sample("rollout_is_weights", rollout_is_weights, per_sample).detach()
-    return per_sample.mean()
+def _is_weights(rollout_is_weights, log_prob):
+    """verl-omni's ``rollout_is_weights`` (detached; log_prob's shape), or None."""
+    if rollout_is_weights is None:
+        return None
+    return _per_sample("rollout_is_weights", rollout_is_weights, log_prob).detach()
+
+
+# The surrogates below are flowrl.losses._policy.policy_loss's (the GRPO family's per-sample arithmetic,
+# written once): verl-omni's clamp(A), rho, D_s / KL and scale are formed here and passed in; the metrics
+# keep verl-omni's formulas (e.g. |rho - 1| > eps for the clip fraction) on policy_loss's ratio.
 
 
 def flow_grpo_loss(*, old_log_prob, log_prob, advantages, config, rollout_is_weights=None
@@ -282,10 +289,9 @@ def flow_grpo_loss(*, old_log_prob, log_prob, advantages, config, rollout_is_wei
                                                                                                log_prob)
     clip, adv_max = _cfg(config, "clip_ratio"), _cfg(config, "adv_clip_max")
     adv = torch.clamp(advantages, -adv_max, adv_max)
-    log_ratio = log_prob - old_log_prob
-    ratio = torch.exp(log_ratio)
-    per = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip))
-    return _weighted_mean(per, rollout_is_weights), _pg_metrics(log_ratio, ratio, clip)
+    out = policy_loss(Variant.GRPO, log_prob, None, None, old_log_prob, adv, (clip, clip), 0.0, None, None,
+                      _is_weights(rollout_is_weights, log_prob))
+    return out.loss, _pg_metrics(log_prob.detach() - old_log_prob, out.ratio, clip)
 
 
 def _mean_diff_sq(prev_sample_mean, old_prev_sample_mean):
@@ -312,10 +318,11 @@ def grpo_guard_loss(*, old_log_prob, log_prob, advantages, config, old_prev_samp
     d = _mean_diff_sq(prev_sample_mean, old_prev_sample_mean)
     d = d.mean(dim=tuple(range(1, d.ndim))) if d.ndim > 1 else d
     bias = d / (2 * scale ** 2)
-    log_ratio = log_prob - old_log_prob
-    ratio = torch.exp((log_ratio + bias) * scale)
-    per = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip))
-    return _weighted_mean(per, rollout_is_weights) / sqrt_dt_mean ** 2, _pg_metrics(log_ratio, ratio, clip)
+    # guard weights (scale, 1.0): verl-omni divides the batch mean by mean(sqrt_dt)^2 (below), where
+    # flowrl's grpo_guard_loss multiplies each sample by its own 1/D before the mean; * 1.0 is exact
+    out = policy_loss(Variant.GUARD, log_prob, None, bias, old_log_prob, adv, (clip, clip), 0.0, (scale, 1.0), None,
+                      _is_weights(rollout_is_weights, log_prob))
+    return out.loss / sqrt_dt_mean ** 2, _pg_metrics(log_prob.detach() - old_log_prob, out.ratio, clip)
 
 
 def flow_dppo_loss(*, old_log_prob, log_prob, advantages, config, old_prev_sample_mean, prev_sample_mean, std_dev_t,
@@ -328,8 +335,6 @@ def flow_dppo_loss(*, old_log_prob, log_prob, advantages, config, old_prev_sampl
     adv = _per_sample("advantages", advantages, log_prob).detach()
     threshold = _cfg(config, "kl_mask_threshold")
     add_coef = _cfg(config, "add_kl_coefficient", True)
-    log_ratio = log_prob - old_log_prob
-    ratio = torch.exp(log_ratio)
     d = _mean_diff_sq(prev_sample_mean, old_prev_sample_mean)
     if add_coef:
         s = sqrt_dt.reshape(-1, *([1] * (std_dev_t.dim() - 1))) if sqrt_dt.dim() else sqrt_dt
@@ -337,15 +342,16 @@ def flow_dppo_loss(*, old_log_prob, log_prob, advantages, config, old_prev_sampl
     else:
         d = d / 2
     kl = d.mean(dim=tuple(range(1, d.ndim))) if d.ndim > 1 else d
-    high = kl >= threshold
-    removed = high & (((ratio > 1.0) & (adv > 0)) | ((ratio < 1.0) & (adv < 0)))
-    per = torch.where((~removed).detach(), -adv * ratio, torch.zeros((), dtype=ratio.dtype, device=ratio.device))
+    out = policy_loss(Variant.DPPO, log_prob, None, kl, old_log_prob, adv, None, 0.0, None, threshold,
+                      _is_weights(rollout_is_weights, log_prob))
     with torch.no_grad():
-        metrics = {"actor/ppo_kl": float(torch.mean(-log_ratio)), "actor/ratio_mean": float(ratio.mean()),
+        kl = kl.detach()
+        metrics = {"actor/ppo_kl": float(torch.mean(-(log_prob - old_log_prob))),
+                   "actor/ratio_mean": float(out.ratio_mean),
                    "actor/kl_new_old_mean": float(kl.mean()), "actor/kl_new_old_max": float(kl.max()),
-                   "actor/kl_mask_fraction": float(high.float().mean()),
-                   "actor/masked_fraction": float(removed.float().mean())}
-    return _weighted_mean(per, rollout_is_weights), metrics
+                   "actor/kl_mask_fraction": float((kl >= threshold).float().mean()),
+                   "actor/masked_fraction": float(out.masked_fraction)}
+    return out.loss, metrics
 
 
 def diffusion_nft_loss(*, forward_prediction, old_prediction, ref_forward_prediction, x0, xt, t_expanded, reward_prob,

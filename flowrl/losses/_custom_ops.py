@@ -14,7 +14,8 @@ as in eager mode.
 The other losses get one op each, built the same way by ``_loss_op``: ``flowrl::nft_loss``,
 ``flowrl::awm_log_prob``, ``flowrl::awm_loss`` (running ``flowrl.losses._flow``'s blocks) and
 ``flowrl::teacher_kl_loss`` (running ``flowrl.losses._teacher.teacher_kl``: step_kl and the batch mean in
-one op, so the mean is eager's too).
+one op, so the mean is eager's too), ``flowrl::dpo_loss`` and ``flowrl::dgpo_loss`` (running
+``flowrl.losses._preference``'s blocks; DGPO's group ids are read inside the op, so the trace has no sync).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from ..core._validate import no_value_checks
 from ..ops import _custom_ops as C
 from ._flow import NFTLossOutput, awm_from_args, awm_log_prob_from_args, nft_from_args
 from ._policy import GRPOLossOutput, Variant, grpo_from_spec
+from ._preference import DGPOLossOutput, DPOLossOutput, dgpo_from_args, dgpo_references, dpo_from_args
 from ._teacher import teacher_kl
 
 _FIELDS = 14  # GRPOLossOutput's
@@ -301,4 +303,68 @@ def teacher_kl_loss(sample, model_output, teacher, sigmas, step_index, mode, noi
     return loss, kl
 
 
-__all__ = ["grpo_family_loss", "nft_loss", "awm_log_prob", "awm_loss", "teacher_kl_loss"]
+# flowrl::dpo_loss -> DPOLossOutput's 8 fields
+
+
+def _dpo_run(v, ref, noise, x0, beta, pair_layout, backend):
+    return list(dpo_from_args(backend, v, ref, noise, x0, beta, pair_layout))
+
+
+def _dpo_fake(v, ref, noise, x0, beta, pair_layout, backend):
+    b, dtype = v.shape[0], _dtype(backend, v, ref, noise, x0)
+    p = b // 2
+    shapes = [(), (p,), (), (p,), (p,), (), (b,), (b,)]
+    return [v.new_empty(shape, dtype=torch.float32 if k == 2 else dtype) for k, shape in enumerate(shapes)]
+
+
+_dpo_op = _loss_op("dpo_loss", "Tensor model_output, Tensor ref_model_output, Tensor noise, Tensor clean_sample, "
+                   "float beta, str pair_layout, str backend", _dpo_run, _dpo_fake, 0)
+
+
+def dpo_loss(backend, v, ref, noise, x0, beta, pair_layout) -> DPOLossOutput:
+    """``dpo_from_args``' DPOLossOutput through ``flowrl::dpo_loss`` (same arguments; ``backend`` the resolved
+    backend's name)."""
+    return DPOLossOutput(*_dpo_op(v, ref, noise, x0, float(beta), pair_layout, backend))
+
+
+# flowrl::dgpo_loss -> DGPOLossOutput's 8 fields (empty: None); clip (eps_low, eps_high) or None
+
+
+def _dgpo_run(v, ref, noise, x0, adv, group_index, beta, group_size, old, clip_low, clip_high, clip_dsm, clip_kl,
+              ema_reference, kl_coef, backend):
+    clip = None if clip_low is None else (clip_low, clip_high)
+    out = dgpo_from_args(backend, v, ref, noise, x0, adv, group_index, beta, group_size, old, clip, clip_dsm, clip_kl,
+                         ema_reference, kl_coef)
+    return _or_absent(out, out.dsm)
+
+
+def _dgpo_fake(v, ref, noise, x0, adv, group_index, beta, group_size, old, clip_low, clip_high, clip_dsm, clip_kl,
+               ema_reference, kl_coef, backend):
+    clipped = clip_low is not None
+    first, second = dgpo_references(ref, old, (clip_low, clip_high) if clipped else None, ema_reference)
+    b, dtype = v.shape[0], _dtype(backend, first, v, noise, x0, second)  # the tensors the sums read
+    shapes = [(), (), (b,), (b,), (b,), (b,) if ref is not None else (0,), (b,) if clipped else (0,),
+              () if clipped else (0,)]
+    dtypes = [dtype] * 7 + [torch.float32 if clipped else dtype]  # clip_fraction is a bool mean
+    return [v.new_empty(shape, dtype=d) for shape, d in zip(shapes, dtypes)]
+
+
+_dgpo_op = _loss_op("dgpo_loss", "Tensor model_output, Tensor? ref_model_output, Tensor noise, Tensor clean_sample, "
+                    "Tensor advantages, Tensor group_index, float beta, int? group_size, Tensor? old_model_output, "
+                    "float? clip_low, float? clip_high, bool clip_dsm, bool clip_kl, bool ema_reference, "
+                    "float kl_coef, str backend", _dgpo_run, _dgpo_fake, 0)
+
+
+def dgpo_loss(backend, v, ref, noise, x0, adv, group_index, beta, group_size, old, clip, clip_dsm, clip_kl,
+              ema_reference, kl_coef) -> DGPOLossOutput:
+    """``dgpo_from_args``' DGPOLossOutput through ``flowrl::dgpo_loss`` (same arguments; ``backend`` the
+    resolved backend's name)."""
+    out = _dgpo_op(v, ref, noise, x0, adv, group_index, float(beta), group_size, old,
+                   *(clip if clip is not None else (None, None)), clip_dsm, clip_kl, ema_reference, float(kl_coef),
+                   backend)
+    clipped = clip is not None
+    return DGPOLossOutput(*out[:5], out[5] if ref is not None else None, out[6] if clipped else None,
+                          out[7] if clipped else None)
+
+
+__all__ = ["grpo_family_loss", "nft_loss", "awm_log_prob", "awm_loss", "teacher_kl_loss", "dpo_loss", "dgpo_loss"]

@@ -1,0 +1,157 @@
+"""The preference losses' blocks after validation (``flowrl.losses.dpo`` validates): the backend's
+per-sample sums (``Backend.flow_sums``, kinds DPO / DGPO) and the per-sample [B] arithmetic after them,
+written once for both backends. Eager mode calls ``dpo_from_args`` / ``dgpo_from_args``; under
+``torch.compile`` the custom ops ``flowrl::dpo_loss`` and ``flowrl::dgpo_loss``
+(flowrl/losses/_custom_ops.py) run the same functions.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..backends import reference
+from ..contract import FlowLoss
+from ._common import _flow_sums
+
+
+class DPOLossOutput(NamedTuple):
+    """What ``dpo_loss`` returns. ``loss`` is differentiable (to model_output); the rest are detached.
+
+    loss: mean over the P pairs of -log sigmoid(logits).
+    logits: [P] -beta/2 (Delta_w - Delta_l) (the peers' ``inside_term``).
+    implicit_accuracy: 0-d, the fraction of pairs with logits > 0 (the peers' ``implicit_acc``).
+    reward_chosen, reward_rejected: [P] the implicit rewards -beta/2 Delta_w and -beta/2 Delta_l.
+    reward_margin: 0-d, mean(reward_chosen - reward_rejected) (verl-omni's ``rewards/margins``).
+    model_error, ref_error: [2P] mean (v - u)^2 of the policy and the reference, in the input's order.
+    """
+
+    loss: torch.Tensor
+    logits: torch.Tensor
+    implicit_accuracy: torch.Tensor
+    reward_chosen: torch.Tensor
+    reward_rejected: torch.Tensor
+    reward_margin: torch.Tensor
+    model_error: torch.Tensor
+    ref_error: torch.Tensor
+
+
+class DGPOLossOutput(NamedTuple):
+    """What ``dgpo_loss`` returns. ``loss`` is differentiable (to model_output); the rest are detached.
+
+    loss: policy_loss + kl_coef * mean(kl).
+    policy_loss: mean(group_weight * A * dsm) (the peers' ``dgpo_loss`` / ``policy_loss``).
+    dsm, ref_dsm: [B] mean (v - u)^2 of the policy and of the DGPO reference.
+    group_weight: [B] sigmoid of the sample's group sum (detached in the loss).
+    kl: [B] mean (v - v_ref)^2 to ``ref_model_output`` (None without it).
+    ratio: [B] exp(old_dsm - dsm) against ``old_model_output`` (None without clipping).
+    clip_fraction: 0-d, the fraction of clipped samples (DGPO's ``clip_ratio_total``; None without
+        clipping).
+    """
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    dsm: torch.Tensor
+    ref_dsm: torch.Tensor
+    group_weight: torch.Tensor
+    kl: Optional[torch.Tensor]
+    ratio: Optional[torch.Tensor]
+    clip_fraction: Optional[torch.Tensor]
+
+
+def _preference_sums(backend_arg, kind, v, noise, x0, ref, two=None):
+    """[K, B] per-sample sums, K = 2 (DPO), 3 or 5 (DGPO without / with ``two``): rows (v - u)^2,
+    (ref - u)^2 and, for DGPO, (v - ref)^2, then (two - u)^2, (v - two)^2 (u = noise - x0). The backends'
+    flow_sums slots: v_ref in xt's, the second reference in ref's (kernels/loss.py's LOSS_DPO / LOSS_DGPO;
+    flowrl.backends.reference_losses.flow_sums)."""
+    count = 2 if kind is FlowLoss.DPO else (5 if two is not None else 3)
+    t = torch.zeros(v.shape[0], dtype=torch.float32, device=v.device)  # unused by these kinds
+    return _flow_sums(backend_arg, kind, count, ref, v, noise, x0, two, t, (0.0, 0.0, 0.0))
+
+
+def dgpo_references(ref_model_output, old_model_output, clip, ema_reference):
+    """The kernel's references (first, second): the DGPO reference first, the other one (if needed) second."""
+    first = old_model_output if ema_reference else ref_model_output
+    second = ref_model_output if ema_reference else (old_model_output if clip is not None else None)
+    return first, second
+
+
+def dpo_from_args(backend, model_output, ref_model_output, noise, clean_sample, beta, pair_layout) -> DPOLossOutput:
+    """``dpo_loss`` from its validated arguments (``backend``: the argument, or the resolved backend's name)."""
+    batch = model_output.shape[0]
+    sums = _preference_sums(backend, FlowLoss.DPO, model_output, noise, clean_sample, ref_model_output)
+    numel = model_output.numel() // batch
+    err, ref_err = sums[0] / numel, sums[1] / numel
+    p = batch // 2
+    if pair_layout == "halves":
+        w, l = slice(0, p), slice(p, batch)
+    else:
+        w, l = slice(0, batch, 2), slice(1, batch, 2)
+    w_diff = err[w] - ref_err[w]
+    l_diff = err[l] - ref_err[l]
+    scale = -0.5 * beta
+    logits = scale * (w_diff - l_diff)
+    loss = -F.logsigmoid(logits).mean()
+    with torch.no_grad():
+        chosen, rejected = scale * w_diff, scale * l_diff
+        return DPOLossOutput(loss, logits.detach(), (logits > 0).float().mean(), chosen, rejected,
+                             (chosen - rejected).mean(), err.detach(), ref_err.detach())
+
+
+def _group_sums(term, inverse, counts) -> torch.Tensor:
+    """[G] each group's sum of ``term`` over its members in batch order, by the contract's halving tree
+    over the members zero-padded at the end: deterministic (no atomics, as scatter_add has on a GPU) and
+    independent of the other groups in the call (extra zero padding adds exact zeros)."""
+    order = torch.sort(inverse, stable=True).indices
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.arange(inverse.shape[0], device=inverse.device) - starts[inverse[order]]
+    rows = torch.zeros((counts.shape[0], int(counts.max())), dtype=term.dtype, device=term.device)
+    rows[inverse[order], position] = term[order]
+    return reference.combine_partials(rows)
+
+
+def dgpo_from_args(backend, model_output, ref_model_output, noise, clean_sample, advantages, group_index, beta,
+                   group_size, old_model_output, clip, clip_dsm, clip_kl, ema_reference, kl_coef) -> DGPOLossOutput:
+    """``dgpo_loss`` from its validated arguments (``backend``: the argument, or the resolved backend's name;
+    ``clip``: (eps_low, eps_high) or None). The groups are read here (``torch.unique``: a device sync)."""
+    batch = model_output.shape[0]
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    n_groups = int(inverse.max()) + 1
+    first, second = dgpo_references(ref_model_output, old_model_output, clip, ema_reference)
+    sums = _preference_sums(backend, FlowLoss.DGPO, model_output, noise, clean_sample, first, second)
+    numel = model_output.numel() // batch
+    dsm, ref_dsm = sums[0] / numel, (sums[1] / numel).detach()
+    if ema_reference:
+        old_dsm = ref_dsm
+        kl = sums[4] / numel if second is not None else None
+    else:
+        old_dsm = (sums[3] / numel).detach() if second is not None else None
+        kl = sums[2] / numel
+    adv = advantages.to(dsm.dtype)
+    ratio = clip_fraction = should_clip = None
+    if clip is not None:
+        lo, hi = clip
+        ratio = torch.exp(-dsm.detach() + old_dsm)
+        should_clip = torch.where(adv > 0, ratio > 1.0 + hi, ratio < 1.0 - lo)
+        clip_fraction = should_clip.float().mean()
+        if clip_dsm:
+            dsm = torch.where(should_clip, dsm.detach(), dsm)
+    counts = torch.bincount(inverse, minlength=n_groups)
+    size = counts[inverse].to(dsm.dtype) if group_size is None else float(group_size)
+    with torch.no_grad():
+        term = adv * beta * (dsm.detach() - ref_dsm) / size
+        weight = torch.sigmoid(_group_sums(term, inverse, counts))[inverse]
+    policy_loss = (weight * adv * dsm).mean()
+    loss = policy_loss
+    if kl is not None:
+        if clip_kl and should_clip is not None:
+            kl = torch.where(should_clip, kl.detach(), kl)
+        if kl_coef != 0:
+            loss = policy_loss + kl_coef * kl.mean()
+    return DGPOLossOutput(loss, policy_loss.detach(), dsm.detach(), ref_dsm, weight,
+                          None if kl is None else kl.detach(), None if ratio is None else ratio,
+                          clip_fraction)
+
+
+__all__ = ["DPOLossOutput", "DGPOLossOutput", "dpo_from_args", "dgpo_from_args", "dgpo_references"]
