@@ -277,20 +277,9 @@ def flow_grpo_step(
     in ``run_sampling``, which then casts it to the latents' dtype; pass ``out_dtype=dtype`` there),
     ``peer_compatible`` (the log-prob of the float32 sample, as Flow-GRPO), ``backend``; ``index`` may
     also be an integer tensor [B]. ``eta=0``: log-prob 0 (Flow-GRPO: NaN)."""
-    table, idx, eta, x0, peer_dtype = _solver_args(model_output, latents, eta, sigmas, index, prev_sample,
-                                                   peer_compatible)
-    out_dtype = _check_peer_out_dtype(C.check_out_dtype(out_dtype), peer_compatible)
-    if prev_sample is None:
-        noise = C.draw(latents, generator)
-        if out_dtype is None:
-            out_dtype = torch.float32 if peer_compatible else model_output.dtype
-        prev, log_prob, _, _ = C.emit(latents, model_output, table, idx, mode="sde", eta=eta, noise=noise,
-                                      kind="gaussian", out_dtype=out_dtype, peer_compatible=peer_compatible,
-                                      backend=backend)
-        return prev, x0, log_prob
-    log_prob = step_log_prob(latents, model_output, prev_sample, table, idx, mode="sde", noise_level=eta,
-                             log_prob="gaussian", backend=backend)
-    return prev_sample, x0, log_prob
+    table, idx, eta, x0, _ = _solver_args(model_output, latents, eta, sigmas, index, prev_sample, peer_compatible)
+    return _solver_step(model_output, latents, table, idx, x0, prev_sample, "sde", eta, "gaussian", generator,
+                        out_dtype, peer_compatible, backend)
 
 
 def dance_grpo_step(
@@ -315,20 +304,9 @@ def dance_grpo_step(
     Extras: ``generator`` (None: the global RNG, as Flow-GRPO's ``torch.randn_like``), ``out_dtype``,
     ``peer_compatible``, ``backend`` as in ``flow_grpo_step``. ``eta=0``: log-prob 0 (Flow-GRPO:
     NaN)."""
-    table, idx, eta, x0, peer_dtype = _solver_args(model_output, latents, eta, sigmas, index, prev_sample,
-                                                   peer_compatible)
-    out_dtype = _check_peer_out_dtype(C.check_out_dtype(out_dtype), peer_compatible)
-    if prev_sample is None:
-        noise = C.draw(latents, generator)
-        if out_dtype is None:
-            out_dtype = torch.float32 if peer_compatible else model_output.dtype
-        prev, log_prob, _, _ = C.emit(latents, model_output, table, idx, mode="dance", eta=eta, noise=noise,
-                                      kind="kernel", out_dtype=out_dtype, peer_compatible=peer_compatible,
-                                      backend=backend)
-        return prev, x0, log_prob
-    log_prob = step_log_prob(latents, model_output, prev_sample, table, idx, mode="dance", noise_level=eta,
-                             log_prob="kernel", backend=backend)
-    return prev_sample, x0, log_prob
+    table, idx, eta, x0, _ = _solver_args(model_output, latents, eta, sigmas, index, prev_sample, peer_compatible)
+    return _solver_step(model_output, latents, table, idx, x0, prev_sample, "dance", eta, "kernel", generator,
+                        out_dtype, peer_compatible, backend)
 
 
 def ddim_step(
@@ -360,9 +338,8 @@ def ddim_step(
     ``peer_compatible=True`` it raises ``ValueError`` naming ``prev_sample``. Deterministic steps
     (``eta=0``, the last step ``t = 0``): log-prob 0 (Flow-GRPO: NaN). Extras as in
     ``dance_grpo_step``."""
-    table, idx, eta, x0, peer_dtype = _solver_args(model_output, latents, eta, sigmas, index, prev_sample,
-                                                   peer_compatible, one_step=True)
-    out_dtype = _check_peer_out_dtype(C.check_out_dtype(out_dtype), peer_compatible)
+    table, idx, eta, x0, _ = _solver_args(model_output, latents, eta, sigmas, index, prev_sample, peer_compatible,
+                                          one_step=True)
     if peer_compatible and prev_sample is not None:
         raise ValueError(
             "peer_compatible=True with a prev_sample: Flow-GRPO's ddim_step discards the given prev_sample and "
@@ -370,16 +347,24 @@ def ddim_step(
             "score the given prev_sample"
         )
     eta_c = ddim_noise_level(table, int(idx[0]), eta)
+    return _solver_step(model_output, latents, table, idx, x0, prev_sample, "cps", eta_c, "gaussian", generator,
+                        out_dtype, peer_compatible, backend)
+
+
+def _solver_step(model_output, latents, table, idx, x0, prev_sample, mode, eta, kind, generator, out_dtype,
+                 peer_compatible, backend):
+    """The solver functions' common body: sample the step (``prev_sample=None``) or score the given one,
+    with flowrl's ``mode`` at noise level ``eta`` and log-prob ``kind``; ``(prev_sample, x0, log_prob)``."""
+    out_dtype = _check_peer_out_dtype(C.check_out_dtype(out_dtype), peer_compatible)
     if prev_sample is None:
         noise = C.draw(latents, generator)
         if out_dtype is None:
             out_dtype = torch.float32 if peer_compatible else model_output.dtype
-        prev, log_prob, _, _ = C.emit(latents, model_output, table, idx, mode="cps", eta=eta_c, noise=noise,
-                                      kind="gaussian", out_dtype=out_dtype, peer_compatible=peer_compatible,
-                                      backend=backend)
+        prev, log_prob, _, _ = C.emit(latents, model_output, table, idx, mode=mode, eta=eta, noise=noise, kind=kind,
+                                      out_dtype=out_dtype, peer_compatible=peer_compatible, backend=backend)
         return prev, x0, log_prob
-    log_prob = step_log_prob(latents, model_output, prev_sample, table, idx, mode="cps", noise_level=eta_c,
-                             log_prob="gaussian", backend=backend)
+    log_prob = step_log_prob(latents, model_output, prev_sample, table, idx, mode=mode, noise_level=eta,
+                             log_prob=kind, backend=backend)
     return prev_sample, x0, log_prob
 
 
