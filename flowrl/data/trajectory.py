@@ -11,7 +11,7 @@ import torch
 from ..contract import Mode, ModeRules, Schedule
 from ..core import _validate as V
 from ..core.step_spec import ddim_options
-from ..ops.functional import step_log_prob
+from ..ops.functional import check_stream_weights, step_log_prob
 from .denoising_env import env_of
 from .replay import replay_plan
 from .serialization import DEFAULT_MAX_BYTES, from_wire, load_safetensors, save_safetensors, to_wire
@@ -79,6 +79,11 @@ class RolloutTrajectory:
     streams: None, or for a joint rollout (a copied scheduler recording, LTX-2's audio) every stream's
         own trajectory in creation order; the top-level fields are then stream 0's, except
         ``log_probs``, the joint log-prob (``flowrl.combine_streams`` of the streams' sums and counts).
+        Each stream keeps its own schedule (``sigmas``, ``timesteps``: a copied scheduler given other
+        sigmas or another shift recorded them), and recomputes with it.
+    stream_weights: None (streams combined by element count), or a joint rollout's fixed weight per
+        stream (``rollout(stream_weights=(0.5, 0.5))``: the weighted per-stream means), which
+        ``step_inputs`` passes on so the recompute combines exactly as the rollout did.
 
     prev_x0_preds: [B, T, ...] float32, the previous data prediction each step's mean read (mode
         'dpm_sde' at solver order 2: row i is ``x_{i-1} - sigma_{i-1} v_{i-1}`` of the rollout, zeros at
@@ -115,8 +120,13 @@ class RolloutTrajectory:
     # flowrl.debug.DebugTensors (in memory only: to_wire / save carry neither)
     denoising_env: Optional[Any] = None
     debug_tensors: Optional[Any] = None
+    stream_weights: Optional[Tuple[float, ...]] = None
 
     def __post_init__(self) -> None:
+        if self.stream_weights is not None:
+            if self.streams is None:
+                raise ValueError("stream_weights weights a joint rollout's streams; this trajectory has no streams")
+            self.stream_weights = check_stream_weights(self.stream_weights, len(self.streams))
         if self.latent_step_indices is not None:
             return
         for name in ("latents", "sigmas"):
@@ -241,7 +251,8 @@ class RolloutTrajectory:
         (``streams``), ``sample``, ``prev_sample``, ``sigmas``, ``token_sigmas`` and ``frozen`` are
         tuples in stream order, and ``model_output`` must be one too. ``device``: where to put the
         tensors (e.g. the trainer's GPU for a trajectory recorded with ``rollout(store="cpu")``, whose
-        tensors are on the host); None leaves them where they are."""
+        tensors are on the host); None leaves them where they are. A joint rollout with
+        ``stream_weights`` adds them (``stream_weights=``)."""
         device = check_device(device)
         _, mode = self._check_loop_steps(j)
         if self.streams is None:
@@ -263,6 +274,8 @@ class RolloutTrajectory:
         for k in ("token_sigmas", "frozen"):
             if parts[k] is not None:
                 out[k] = parts[k]
+        if self.stream_weights is not None:
+            out["stream_weights"] = self.stream_weights
         return out if device is None else {k: move(v, device) for k, v in out.items()}
 
     def _check_loop_steps(self, j):
@@ -332,6 +345,8 @@ class RolloutTrajectory:
         if _has_ddim_fields(self.mode):
             wire.update({name: getattr(self, name) for name in _DDIM_FIELDS})
         wire["streams"] = None if self.streams is None else [s.to_wire() for s in self.streams]
+        if self.stream_weights is not None:  # the key only when weighted: an unweighted payload is unchanged
+            wire["stream_weights"] = list(self.stream_weights)
         if self.tree is not None:
             wire["tree"] = to_wire(self.tree.to_tensors())
         wire["format"] = FORMAT
@@ -356,6 +371,8 @@ class RolloutTrajectory:
             expected.add("streams")
             if "tree" in wire and not _nested:
                 expected.add("tree")
+            if "stream_weights" in wire and not _nested:
+                expected.add("stream_weights")
         if _has_ddim_fields(wire.get("mode")):
             expected |= set(_DDIM_FIELDS)
         if set(wire) != expected:
@@ -384,7 +401,10 @@ class RolloutTrajectory:
                     isinstance(e, dict) and e.get("__tensor__") is True for e in envelopes.values()):
                 raise ValueError(f"{where}: tree must be an object of tensor envelopes")
             tree = from_wire(envelopes, max_bytes=max_bytes)
-        return cls._checked(tensors, settings, where, device, streams, tree)
+        weights = wire.get("stream_weights") if "stream_weights" in expected else None
+        if "stream_weights" in expected and not isinstance(weights, list):
+            raise ValueError(f"{where}: stream_weights must be a list of numbers (one per stream)")
+        return cls._checked(tensors, settings, where, device, streams, tree, weights)
 
     def save(self, path) -> None:
         """Write a safetensors file: the tensors under their field names (a joint rollout's streams under
@@ -401,6 +421,8 @@ class RolloutTrajectory:
             tensors.update({f"streams.{k}.{name}": t for name, t in stream._tensors().items()})
         if self.tree is not None:
             tensors.update({f"tree.{name}": t for name, t in self.tree.to_tensors().items()})
+        if self.stream_weights is not None:  # JSON: a float round-trips exactly
+            metadata["stream_weights"] = json.dumps(list(self.stream_weights))
         save_safetensors(path, tensors, metadata)
 
     @classmethod
@@ -412,8 +434,9 @@ class RolloutTrajectory:
         if version not in (FORMAT, FORMAT_V1):
             raise ValueError(f"{where}: metadata format must be {FORMAT!r} (or {FORMAT_V1!r}); got {version!r}")
         expected = set(_SETTING_FIELDS) | {"format"} | (set(_DDIM_FIELDS) if _has_ddim_fields(metadata.get("mode")) else set())
-        if set(metadata) - {"streams"} != expected or (version == FORMAT_V1 and "streams" in metadata):
-            extra = " plus optional 'streams'" if version == FORMAT else ""
+        optional_keys = {"streams", "stream_weights"}
+        if set(metadata) - optional_keys != expected or (version == FORMAT_V1 and optional_keys & set(metadata)):
+            extra = " plus optional 'streams', 'stream_weights'" if version == FORMAT else ""
             raise ValueError(f"{where}: metadata keys must be {sorted(expected)}{extra}; got {sorted(metadata)}")
         num_streams = 0
         if "streams" in metadata:
@@ -456,11 +479,20 @@ class RolloutTrajectory:
                 cls._checked(g, dict(settings, reduction="sum"), f"{where}: stream {k}", device)
                 for k, g in enumerate(groups[1:])
             )
-        return cls._checked(groups[0], settings, where, device, streams, tree)
+        weights = None
+        if "stream_weights" in metadata:
+            try:
+                weights = json.loads(metadata["stream_weights"])
+            except ValueError:
+                raise ValueError(f"{where}: stream_weights {metadata['stream_weights']!r} is not JSON") from None
+            if not isinstance(weights, list):
+                raise ValueError(f"{where}: stream_weights must be a list of numbers (one per stream)")
+        return cls._checked(groups[0], settings, where, device, streams, tree, weights)
 
     @classmethod
     def _checked(cls, tensors: Dict[str, torch.Tensor], settings: Dict[str, Any], where: str, device,
-                 streams: Optional[Tuple["RolloutTrajectory", ...]] = None, tree: Optional[Dict[str, torch.Tensor]] = None):
+                 streams: Optional[Tuple["RolloutTrajectory", ...]] = None, tree: Optional[Dict[str, torch.Tensor]] = None,
+                 stream_weights: Optional[list] = None):
         """Build a trajectory from untrusted parts, checking what the fields' docs promise."""
         mode, noise_level = settings["mode"], settings["noise_level"]
         try:
@@ -544,6 +576,13 @@ class RolloutTrajectory:
             if streams is not None:
                 fail("a branching rollout's tree and joint streams are not combined")
             tree = BranchTree.from_tensors(tree, batch, num_steps, where=f"{where}: tree")
+        if stream_weights is not None:
+            if streams is None:
+                fail("stream_weights weights a joint rollout's streams; this payload has no streams")
+            try:
+                stream_weights = check_stream_weights(stream_weights, len(streams))
+            except (ValueError, TypeError) as exc:
+                fail(str(exc))
         fields = dict(
             latents=latents, log_probs=log_probs, timesteps=timesteps, sigmas=sigmas, latent_step_indices=steps,
             sde_steps=sde_steps, token_sigmas=token_sigmas, frozen=frozen, counts=counts, prev_x0_preds=prev_x0_preds,
@@ -553,4 +592,4 @@ class RolloutTrajectory:
         if ddim:
             fields.update(prediction_type=ddim["prediction"].label, clip_sample_range=ddim["clip_sample_range"])
         return cls(**fields, mode=mode, noise_level=noise_level, log_prob=settings["log_prob"],
-                   reduction=settings["reduction"], streams=streams, tree=tree)
+                   reduction=settings["reduction"], streams=streams, tree=tree, stream_weights=stream_weights)

@@ -26,7 +26,7 @@ outputs and the stored means are data, and a tensor among them that requires gra
 from __future__ import annotations
 
 from numbers import Real
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -36,6 +36,7 @@ from ..contract import FlowLoss, Op, Reduction, TrustSource
 from ..core.step_spec import StepSpec, log_prob_kind, schedule_and_steps
 from ..ops._custom_ops import traced as _traced
 from . import _custom_ops as _ops
+from . import _joint
 from ._common import _check_no_grad, _check_per_sample, _check_scalar, _flow_backend, check_clip_range
 from ._custom_ops import grpo_family_loss
 from ._flow import AWM_EPS, NFTLossOutput, awm_from_args, awm_log_prob_from_args, nft_from_args
@@ -60,7 +61,18 @@ def _step_sample_tensor(name, t, sample):
 
 def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, *,
                  clip_range, mode, noise_level, log_prob, reduction, kl_coef, ref_model_output,
-                 old_prev_sample_mean, noise_seed, kl_threshold, backend, rollout_is_weights=None) -> GRPOLossOutput:
+                 old_prev_sample_mean, noise_seed, kl_threshold, backend, rollout_is_weights=None,
+                 stream_weights=None, _stream=False) -> GRPOLossOutput:
+    if isinstance(sample, tuple):  # a joint step: the streams' values combined (flowrl/losses/_joint.py)
+        return _joint.grpo_family(_grpo_family, variant, sample, model_output, prev_sample, sigmas, step_index,
+                                  old_log_prob, advantages, clip_range=clip_range, mode=mode, noise_level=noise_level,
+                                  log_prob=log_prob, reduction=reduction, kl_coef=kl_coef,
+                                  ref_model_output=ref_model_output, old_prev_sample_mean=old_prev_sample_mean,
+                                  noise_seed=noise_seed, kl_threshold=kl_threshold, backend=backend,
+                                  rollout_is_weights=rollout_is_weights, stream_weights=stream_weights)
+    if stream_weights is not None:
+        raise ValueError("stream_weights weights the streams of a joint step: pass sample, model_output and "
+                         "prev_sample as tuples (one tensor per stream), or stream_weights=None")
     sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
     if not mode.rules.losses:  # ddim: its mean is not a * x + c * v (x0's clip; an alpha-bar table), which the loss kernels fuse
         raise ValueError(f"mode={mode.label!r} is not supported by flowrl.losses; compute step_log_prob(mode={mode.label!r}, ...) and "
@@ -95,6 +107,8 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
     ops = _dispatch.select(backend, *tensors)
     args = (variant, ops, spec, sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
             old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold, rollout_is_weights)
+    if _stream:  # one stream of a joint step: its validated arguments (flowrl/losses/_joint.py)
+        return args
     if _traced():  # while torch.compile traces: the custom op flowrl::grpo_family_loss
         return grpo_family_loss(*args)
     return grpo_from_spec(*args)
@@ -118,6 +132,7 @@ def grpo_loss(
     ref_model_output: Optional[torch.Tensor] = None,
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
+    stream_weights: Optional[Sequence[float]] = None,
 ) -> GRPOLossOutput:
     """Flow-GRPO's training loss block for one SDE step, in one call.
 
@@ -129,12 +144,19 @@ def grpo_loss(
     writing d loss / d model_output. ``rollout_is_weights``: [B] rollout-correction weights (detached;
     ``flowrl.consistency.correction_weights``' column of this step) multiplying each sample's surrogate
     before the batch mean, as verl-omni applies them; not the KL term (docs/consistency.md).
+
+    Joint steps (LTX-2's video and audio): ``sample``, ``model_output``, ``prev_sample`` (and
+    ``ref_model_output``) as tuples, one tensor per stream, ``sigmas`` / ``step_index`` a tuple or one
+    shared value, as ``flowrl.step_log_prob`` takes them; the log-prob and the KL are
+    ``flowrl.combine_streams`` of the streams' sums and counts (``stream_weights``: its weights), so
+    the first ratio on a joint rollout is exactly 1 (docs/losses.md, Joint steps). Also
+    ``flow_dppo_loss`` (D_s combined the same way); not ``grpo_guard_loss``.
     """
     return _grpo_family(_Variant.GRPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=None, noise_seed=None, kl_threshold=None, backend=backend,
-                        rollout_is_weights=rollout_is_weights)
+                        rollout_is_weights=rollout_is_weights, stream_weights=stream_weights)
 
 
 def grpo_guard_loss(
@@ -193,6 +215,7 @@ def flow_dppo_loss(
     ref_model_output: Optional[torch.Tensor] = None,
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
+    stream_weights: Optional[Sequence[float]] = None,
 ) -> GRPOLossOutput:
     """Flow-DPPO (verl-omni ``FlowDPPOLoss``): per sample -rho A, masked (0) when D_s = mean ||mu_theta -
     mu_old||^2 / (2 std^2) >= ``kl_threshold`` and the ratio moves in the advantage's direction (rho > 1
@@ -203,7 +226,8 @@ def flow_dppo_loss(
                         advantages, clip_range=None, mode=mode, noise_level=noise_level, log_prob=log_prob,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=kl_threshold,
-                        backend=backend, rollout_is_weights=rollout_is_weights)
+                        backend=backend, rollout_is_weights=rollout_is_weights,
+                        stream_weights=stream_weights)
 
 
 def teacher_kl_loss(

@@ -7,7 +7,9 @@ The math lives in the backends (``flowrl.reference`` and the Triton kernels), ne
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from numbers import Real
 from typing import List, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -58,17 +60,55 @@ class LogProbWithCount(NamedTuple):
     count: torch.Tensor
 
 
-def combine_streams(sums: Sequence[torch.Tensor], counts: Sequence[torch.Tensor], reduction: str = "mean") -> torch.Tensor:
+def check_stream_weights(weights, num_streams: int, name: str = "stream_weights") -> Optional[tuple]:
+    """None, or ``weights`` as a tuple of ``num_streams`` floats, each finite and >= 0, not all 0;
+    ``TypeError`` / ``ValueError`` naming ``name`` otherwise (a list or tuple of real numbers)."""
+    if weights is None:
+        return None
+    if isinstance(weights, (str, bytes, torch.Tensor)) or not isinstance(weights, (list, tuple)):
+        raise TypeError(f"{name} must be None or a tuple of {num_streams} floats (one per stream); got "
+                        f"{type(weights).__name__}")
+    if len(weights) != num_streams:
+        raise ValueError(f"{name} must have one weight per stream ({num_streams}); got {len(weights)}")
+    out = []
+    for k, w in enumerate(weights):
+        if isinstance(w, bool) or not isinstance(w, Real):
+            raise TypeError(f"{name}[{k}] must be a real number; got {w!r}")
+        w = float(w)
+        if not math.isfinite(w) or w < 0:
+            raise ValueError(f"{name}[{k}] must be finite and >= 0; got {w}")
+        out.append(w)
+    if not any(out):
+        raise ValueError(f"{name} must have a weight > 0; got {tuple(out)}")
+    return tuple(out)
+
+
+def combine_streams(sums: Sequence[torch.Tensor], counts: Sequence[torch.Tensor], reduction: str = "mean",
+                    weights: Optional[Sequence[float]] = None) -> torch.Tensor:
     """The joint log-prob (or KL) [B] of several streams stepped together (LTX-2's video and audio):
     ``sums`` are each stream's value with ``reduction="sum"``, ``counts`` their counts. ``"sum"``:
     the streams' sums added left to right; ``"mean"``: that total divided by the total count (0 where
     no element is scored). The one place the combination is written: ``step_log_prob`` with tuples
-    and the recorder's rollout both call it, so they agree bit for bit."""
+    and the recorder's rollout both call it, so they agree bit for bit.
+
+    ``weights`` (one float per stream, finite, >= 0, not all 0; None: the element-count weighting
+    above): ``"mean"`` is ``sum_k w_k * (sums[k] / counts[k])`` (a stream's mean is 0 where its count
+    is 0), the fixed weighting of per-modality means (verl-omni's MiniMax-H3 recipe: 0.5 / 0.5);
+    ``"sum"`` is ``sum_k w_k * sums[k]``; terms added left to right."""
     reduction = Reduction.parse("reduction", reduction)
     sums, counts = list(sums), list(counts)
     if not sums or len(sums) != len(counts):
         raise ValueError(f"combine_streams needs one count per sum and at least one stream; got {len(sums)} sums "
                          f"and {len(counts)} counts")
+    weights = check_stream_weights(weights, len(sums), "weights")
+    if weights is not None:
+        total = None
+        for value, c, w in zip(sums, counts, weights):
+            if reduction is Reduction.MEAN:
+                value = _safe_mean(value, c.to(torch.float32))
+            term = value * w
+            total = term if total is None else total + term
+        return total
     total = sums[0]
     for value in sums[1:]:
         total = total + value
@@ -77,6 +117,11 @@ def combine_streams(sums: Sequence[torch.Tensor], counts: Sequence[torch.Tensor]
     count = counts[0].to(torch.float32)
     for c in counts[1:]:
         count = count + c.to(torch.float32)
+    return _safe_mean(total, count)
+
+
+def _safe_mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``total / count``, 0 where ``count`` is 0."""
     none_scored = count == 0
     value = total / torch.where(none_scored, torch.ones_like(count), count)
     return torch.where(none_scored, torch.zeros_like(value), value)
@@ -187,11 +232,13 @@ def _per_stream(name: str, value, n: int) -> list:
     return [value] * n
 
 
-def _joint(op, sample, tensors: dict, shared: dict, reduction, return_count: bool):
-    """``op`` over streams: each stream's sum and count, combined by ``combine_streams``."""
+def _joint(op, sample, tensors: dict, shared: dict, reduction, return_count: bool, stream_weights=None):
+    """``op`` over streams: each stream's sum and count, combined by ``combine_streams`` (with
+    ``stream_weights``, when given)."""
     n = len(sample)
     if n == 0:
         raise ValueError("sample must hold at least one stream when given as a tuple")
+    stream_weights = check_stream_weights(stream_weights, n)
     for name, value in tensors.items():
         if not isinstance(value, tuple):
             raise TypeError(f"{name} must be a tuple of {n} tensors, one per stream like sample; got {type(value).__name__}")
@@ -204,13 +251,19 @@ def _joint(op, sample, tensors: dict, shared: dict, reduction, return_count: boo
         value, count = op(sample[k], **{name: streams[name][k] for name in streams}, reduction="sum", return_count=True)
         sums.append(value)
         counts.append(count)
-    joint = combine_streams(sums, counts, reduction)
+    joint = combine_streams(sums, counts, reduction, stream_weights)
     if not return_count:
         return joint
     total = counts[0]
     for c in counts[1:]:
         total = total + c
     return LogProbWithCount(joint, total)
+
+
+def _single_stream(stream_weights) -> None:
+    if stream_weights is not None:
+        raise ValueError("stream_weights weights the streams of a joint step: pass sample, model_output and the "
+                         "third tensor as tuples (one tensor per stream), or stream_weights=None")
 
 
 def step_log_prob(
@@ -232,6 +285,7 @@ def step_log_prob(
     prediction_type: Optional[str] = None,
     clip_sample_range: Optional[float] = None,
     prev_x0_pred=None,
+    stream_weights=None,
 ):
     """Log-prob [B] of the stored ``prev_sample`` under the current ``model_output``; differentiable
     with respect to ``model_output``, ``sample`` and ``prev_sample``. On the same backend and inputs it
@@ -240,7 +294,9 @@ def step_log_prob(
 
     Joint streams: ``sample``, ``model_output`` and ``prev_sample`` as tuples (one tensor per stream,
     same batch); ``sigmas``, ``step_index``, ``token_sigmas`` and ``frozen`` a tuple with one entry
-    per stream or one shared value. The value is ``combine_streams`` of the streams' sums and counts.
+    per stream or one shared value. The value is ``combine_streams`` of the streams' sums and counts;
+    ``stream_weights`` (one float per stream, e.g. ``(0.5, 0.5)``: weighted per-stream means) passes
+    its weights (None: weighted by element count). ``return_count``'s count is the streams' total.
 
     ``prediction_type`` and ``clip_sample_range``: mode='ddim''s, as in ``sde_step``. A second-order
     dpm_sde step needs the rollout's ``prev_x0_pred`` (``RolloutTrajectory.prev_x0_preds[:, i]``),
@@ -251,7 +307,8 @@ def step_log_prob(
                            mode=mode, noise_level=noise_level, log_prob=log_prob, backend=backend, shard=shard,
                            prediction_type=prediction_type, clip_sample_range=clip_sample_range,
                            prev_x0_pred=prev_x0_pred),
-                      reduction, V.check_bool("return_count", return_count))
+                      reduction, V.check_bool("return_count", return_count), stream_weights)
+    _single_stream(stream_weights)
     extra = ddim_options(mode, prediction_type, clip_sample_range)
     sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level,
                                                 extra.get("prediction"))
@@ -284,18 +341,20 @@ def step_kl(
     prediction_type: Optional[str] = None,
     clip_sample_range: Optional[float] = None,
     prev_x0_pred=None,
+    stream_weights=None,
 ):
     """Exact KL [B] between this step's transitions under ``model_output`` and ``ref_model_output``
     (same std): ``(mu - mu_ref)^2 / (2 std^2)`` reduced like the log-prob; 0 on deterministic steps.
-    ``token_sigmas``, ``frozen``, ``return_count``, tuples of streams and the ddim / dpm_sde options as
-    in ``step_log_prob``."""
+    ``token_sigmas``, ``frozen``, ``return_count``, tuples of streams (and ``stream_weights``) and the
+    ddim / dpm_sde options as in ``step_log_prob``."""
     if isinstance(sample, tuple):
         return _joint(step_kl, sample, dict(model_output=model_output, ref_model_output=ref_model_output),
                       dict(sigmas=sigmas, step_index=step_index, token_sigmas=token_sigmas, frozen=frozen,
                            mode=mode, noise_level=noise_level, backend=backend, shard=shard,
                            prediction_type=prediction_type, clip_sample_range=clip_sample_range,
                            prev_x0_pred=prev_x0_pred),
-                      reduction, V.check_bool("return_count", return_count))
+                      reduction, V.check_bool("return_count", return_count), stream_weights)
+    _single_stream(stream_weights)
     extra = ddim_options(mode, prediction_type, clip_sample_range)
     sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level,
                                                 extra.get("prediction"))
@@ -310,5 +369,6 @@ def step_kl(
     return LogProbWithCount(value, count) if return_count else value
 
 
-__all__: List[str] = ["SDEStepOutput", "LogProbWithCount", "combine_streams", "sde_step", "step_log_prob", "step_kl",
+__all__: List[str] = ["SDEStepOutput", "LogProbWithCount", "combine_streams", "check_stream_weights", "sde_step",
+                       "step_log_prob", "step_kl",
                        "draw_noise", "ShardContext"]

@@ -35,7 +35,7 @@ from ..core import _validate as V
 from ..backends._dispatch import BACKENDS
 from ..contract import Mode, Schedule
 from ..data.denoising_env import check_env_options, finish_env, start_env
-from ..ops.functional import GeneratorArg, combine_streams, sde_step
+from ..ops.functional import GeneratorArg, check_stream_weights, combine_streams, sde_step
 from .step_output import STEP_SIGNATURE as _STEP_SIGNATURE
 from .step_output import FlowMatchEulerDiscreteSchedulerOutput, check_step_timestep
 from .timestep_lookup import index_for_timestep
@@ -249,6 +249,13 @@ class RolloutRecorder:
     and starting from one latent), and step j of each row draws the Philox noise of its node
     (``sde_step(noise_seed=tree.keys(T)[j])``), so rows under one node stay equal until it forks; the
     trajectory's ``tree`` records which rows share which node. Replaces ``generator`` (and the step's).
+
+    ``stream_weights``: a joint rollout's fixed weight per stream (one float each, >= 0, in stream
+    order, e.g. ``(0.5, 0.5)`` for verl-omni's MiniMax-H3 weighting of the video's and the audio's mean
+    log-probs); None combines the streams by element count. The trajectory's ``log_probs`` are
+    ``combine_streams(..., weights=stream_weights)`` and it keeps the weights for the recompute. Each
+    stream steps on its own scheduler's sigma table (a copy given another shift or other sigmas by
+    the pipeline keeps them), which its trajectory stores.
     """
 
     def __init__(
@@ -271,6 +278,7 @@ class RolloutRecorder:
         solver_order: Optional[int] = None,
         store: str = "device",
         branch: Optional[BranchSpec] = None,
+        stream_weights=None,
     ):
         self._check_scheduler(scheduler, mode, noise_level, sde_steps)
         V.check_choice("mode", mode, V.MODES)
@@ -302,6 +310,9 @@ class RolloutRecorder:
                              "keeps on the host; pass one of them")
         self._host = StepStore(store)
         self.branch = self._check_branch(branch, generator, debug)
+        # the joint log-prob's fixed weight per stream (checked against the stream count in trajectory())
+        self.stream_weights = None if stream_weights is None else check_stream_weights(
+            stream_weights, len(stream_weights) if isinstance(stream_weights, (list, tuple)) else 0)
         self._tree = self._keys = self._owner_rows = None
         self._env = self._debug = None
         self._env_result = self._debug_result = None
@@ -716,6 +727,10 @@ class RolloutRecorder:
                     f"the rollout's stream {s.index} recorded {s.steps_recorded} of {s.num_steps or '?'} steps; run "
                     "the whole denoising loop (the pipeline call) inside `with recorder:` before calling trajectory()"
                 )
+        if self.stream_weights is not None and len(self.stream_weights) != len(streams):
+            raise ValueError(f"stream_weights has {len(self.stream_weights)} weights but the rollout recorded "
+                             f"{len(streams)} stream(s); pass one weight per stream (the scheduler's own first, then "
+                             "its copies in the order they were made)")
         if len(streams) == 1:
             return self._stream_trajectory(streams[0], torch.stack(streams[0].log_probs, dim=1))
         num_steps = {s.num_steps for s in streams}
@@ -725,13 +740,14 @@ class RolloutRecorder:
         sums = [torch.stack(s.log_probs, dim=1) for s in streams]
         counts = [torch.stack(s.counts, dim=1) for s in streams]
         joint = torch.stack([
-            combine_streams([x[:, j] for x in sums], [c[:, j] for c in counts], self.reduction)
+            combine_streams([x[:, j] for x in sums], [c[:, j] for c in counts], self.reduction, self.stream_weights)
             for j in range(streams[0].num_steps)
         ], dim=1)
         per_stream = tuple(
             replace(self._stream_trajectory(s, x), reduction="sum", counts=c) for s, x, c in zip(streams, sums, counts)
         )
-        return replace(per_stream[0], log_probs=joint, reduction=self.reduction, counts=None, streams=per_stream)
+        return replace(per_stream[0], log_probs=joint, reduction=self.reduction, counts=None, streams=per_stream,
+                       stream_weights=self.stream_weights)
 
 
 # ``with rollout(pipe.scheduler, mode="sde") as rec:``: a recorder for a scheduler instance the pipeline

@@ -1,0 +1,262 @@
+"""Weighted joint streams and a schedule per stream (docs/contract.md, Joint steps; docs/losses.md, Joint
+steps), on both backends (Triton through the interpreter).
+
+The peer: verl-omni's MiniMax-H3 FlowGRPO recipe (verl-project/verl-omni pull request 368, commit
+2fbde835690680c122b5e14d953f0e5ecfe680b5, verl_omni/pipelines/minimax_h3_flow_grpo/common.py):
+``combine_log_probs`` returns ``video_weight * video_log_prob + audio_weight * audio_log_prob`` of the
+two modalities' mean log densities with ``H3_VIDEO_LOG_PROB_WEIGHT = H3_AUDIO_LOG_PROB_WEIGHT = 0.5``,
+and ``h3_sigma_schedules`` gives the video and the audio their own time-shifted schedules
+(``H3_VIDEO_SHIFT = 12.0``, ``H3_AUDIO_SHIFT = 3.0``). The float64 oracle below is that formula on
+per-element Gaussian log densities (tests/oracle.py, written from the contract).
+"""
+import copy
+import json
+
+import pytest
+import torch
+
+import flowrl
+from flowrl.losses import flow_dppo_loss, grpo_guard_loss, grpo_loss
+from flowrl.recorder import rollout
+from flowrl.scheduler import FlowMatchEulerDiscreteScheduler as Sched
+
+import oracle
+
+BACKENDS = ["torch", "triton"]
+F64 = torch.float64
+H3 = (0.5, 0.5)  # verl-omni's MiniMax-H3 weights (video, audio)
+
+
+def _schedule(shift, steps=6):
+    t = torch.linspace(1.0, 1.0 / steps, steps, dtype=F64)
+    return torch.cat([shift * t / (1 + (shift - 1) * t), torch.zeros(1, dtype=F64)]).to(torch.float32)
+
+
+VIDEO_SIGMAS, AUDIO_SIGMAS = _schedule(12.0), _schedule(3.0)
+
+
+def _streams(seed=3, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    video = [torch.randn(3, 4, 5, 6, generator=g).to(dtype) for _ in range(3)]
+    audio = [torch.randn(3, 7, 8, generator=g).to(dtype) for _ in range(3)]
+    return video, audio  # each: x, v, v_ref
+
+
+def _oracle_mean_log_density(x, v, prev, sigmas, i, eta):
+    """float64 [B]: the mean over elements of log N(x'; mu, std^2) of an sde step (tests/oracle.py)."""
+    return oracle.log_prob(x, v, prev, sigmas, i, "sde", eta, reduction="mean")
+
+
+# ------------------------------------------------------------------------------------ the combination
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weighted_combination_is_the_weighted_per_stream_means(backend):
+    """combine_streams(weights=) of per-stream sums and counts is sum_k w_k (sum_k / count_k) (mean) or
+    sum_k w_k sum_k (sum); step_log_prob on tuples with stream_weights gives it bit for bit, and it
+    matches a float64 oracle of verl-omni's 0.5 * mean_video + 0.5 * mean_audio."""
+    (xv, vv, _), (xa, va, _) = _streams()
+    ov = flowrl.sde_step(xv, vv, VIDEO_SIGMAS, 2, noise_seed=5, reduction="sum", backend=backend)
+    oa = flowrl.sde_step(xa, va, AUDIO_SIGMAS, 2, noise_seed=6, reduction="sum", backend=backend)
+    args = ((xv, xa), (vv, va), (ov.prev_sample, oa.prev_sample), (VIDEO_SIGMAS, AUDIO_SIGMAS), 2)
+    for weights in (H3, (0.25, 2.0)):
+        for reduction in ("mean", "sum"):
+            rollout_value = flowrl.combine_streams([ov.log_prob, oa.log_prob], [ov.count, oa.count], reduction, weights)
+            joint = flowrl.step_log_prob(*args, reduction=reduction, stream_weights=weights, backend=backend)
+            assert torch.equal(joint, rollout_value)
+            means = [_oracle_mean_log_density(xv, vv, ov.prev_sample, VIDEO_SIGMAS, 2, 0.7),
+                     _oracle_mean_log_density(xa, va, oa.prev_sample, AUDIO_SIGMAS, 2, 0.7)]
+            numel = [xv[0].numel(), xa[0].numel()]
+            if reduction == "mean":
+                want = weights[0] * means[0] + weights[1] * means[1]
+            else:
+                want = weights[0] * means[0] * numel[0] + weights[1] * means[1] * numel[1]
+            torch.testing.assert_close(joint.double(), want, rtol=2e-5, atol=2e-5)
+    # unweighted stays the element-count weighting, and differs from the 0.5 / 0.5 one here (unequal sizes)
+    plain = flowrl.step_log_prob(*args, backend=backend)
+    assert torch.equal(plain, flowrl.combine_streams([ov.log_prob, oa.log_prob], [ov.count, oa.count], "mean"))
+    assert not torch.allclose(plain, flowrl.step_log_prob(*args, stream_weights=H3, backend=backend))
+    kl = flowrl.step_kl((xv, xa), (vv, va), (vv * 1.1, va * 0.9), (VIDEO_SIGMAS, AUDIO_SIGMAS), 2, stream_weights=H3,
+                        backend=backend)
+    kls = [flowrl.step_kl(x, v, r, s, 2, backend=backend) for x, v, r, s in
+           ((xv, vv, vv * 1.1, VIDEO_SIGMAS), (xa, va, va * 0.9, AUDIO_SIGMAS))]
+    torch.testing.assert_close(kl, 0.5 * kls[0] + 0.5 * kls[1], rtol=1e-6, atol=1e-7)
+
+
+def test_a_stream_with_nothing_scored_adds_zero():
+    s = [torch.tensor([2.0, 4.0]), torch.tensor([3.0, 3.0])]
+    c = [torch.tensor([2.0, 0.0]), torch.tensor([3.0, 3.0])]
+    got = flowrl.combine_streams(s, c, "mean", (0.5, 0.5))
+    assert torch.equal(got, torch.tensor([1.0, 0.5]))
+
+
+# ------------------------------------------------------------------ rollout, schedules, recompute, wire
+
+
+def _joint_loop(sched, video, audio, audio_shift, steps=5):
+    """MiniMax-H3's shape through LTX-2's: copy the scheduler inside the rollout, give the copy its own shift,
+    set both schedules, step video then audio on each one's own timesteps."""
+    audio_sched = copy.deepcopy(sched)
+    audio_sched.set_shift(audio_shift)
+    sched.set_timesteps(steps)
+    audio_sched.set_timesteps(steps)
+    outs = []
+    for tv, ta in zip(sched.timesteps, audio_sched.timesteps):
+        v = (torch.sin(3 * video) + tv / 1000).to(video.dtype)
+        a = (torch.cos(2 * audio) + ta / 1000).to(audio.dtype)
+        outs.append((v, a))
+        video = sched.step(v, tv, video, return_dict=False)[0]
+        audio = audio_sched.step(a, ta, audio, return_dict=False)[0]
+    return outs, audio_sched
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("make", [lambda: Sched(shift=12.0),
+                                  lambda: pytest.importorskip("diffusers").FlowMatchEulerDiscreteScheduler(shift=12.0)],
+                         ids=["flowrl", "diffusers"])
+def test_weighted_joint_rollout_with_a_shift_per_stream_recomputes_exactly(backend, make, tmp_path):
+    """The copy's own shift is its stream's schedule: each stream records its own sigmas (not the
+    video's), the joint log-prob is the weighted combination, and the recompute from step_inputs (which
+    passes each stream's sigmas and the weights) and grpo_loss on tuples give ratio exactly 1; the weights
+    survive to_wire / from_wire and save / load, and an unweighted payload has no key for them."""
+    sched = make()
+    video, audio = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(0)), torch.randn(2, 5, 3)
+    gens = [torch.Generator().manual_seed(s) for s in (7, 8)]
+    with rollout(sched, stream_weights=H3, generator=gens, backend=backend) as rec:
+        outs, audio_sched = _joint_loop(sched, video, audio, audio_shift=3.0)
+    traj = rec.trajectory()
+    assert traj.stream_weights == H3 and traj.num_streams == 2
+    assert torch.equal(traj.streams[0].sigmas, sched.sigmas.float())
+    assert torch.equal(traj.streams[1].sigmas, audio_sched.sigmas.float())
+    assert not torch.equal(traj.streams[0].sigmas, traj.streams[1].sigmas)  # shifts 12 and 3
+    for j, (v, a) in enumerate(outs):
+        inputs = traj.step_inputs(j)
+        assert inputs["stream_weights"] == H3 and inputs["sigmas"][1] is traj.streams[1].sigmas
+        lp = flowrl.step_log_prob(model_output=(v, a), backend=backend, **inputs)
+        assert torch.equal(lp, traj.log_probs[:, j]), j
+        sums = [s.log_probs[:, j] for s in traj.streams]
+        counts = [s.counts[:, j] for s in traj.streams]
+        assert torch.equal(traj.log_probs[:, j], flowrl.combine_streams(sums, counts, "mean", H3))
+        out = grpo_loss(inputs["sample"], (v, a), inputs["prev_sample"], inputs["sigmas"], j, traj.log_probs[:, j],
+                        torch.tensor([1.0, -1.0]), clip_range=0.2, stream_weights=H3, backend=backend)
+        assert torch.equal(out.ratio, torch.ones(2)) and torch.equal(out.log_prob, lp)
+    # the wire format and the file keep the weights; each stream's schedule comes back
+    for back in (flowrl.RolloutTrajectory.from_wire(json.loads(json.dumps(traj.to_wire()))),
+                 (traj.save(tmp_path / "t.safetensors"), flowrl.RolloutTrajectory.load(tmp_path / "t.safetensors"))[1]):
+        assert back.stream_weights == H3
+        assert torch.equal(back.streams[1].sigmas, traj.streams[1].sigmas)
+        v, a = outs[1]
+        assert torch.equal(flowrl.step_log_prob(model_output=(v, a), backend=backend, **back.step_inputs(1)),
+                           traj.log_probs[:, 1])
+    unweighted = flowrl.RolloutTrajectory.from_wire({k: w for k, w in traj.to_wire().items() if k != "stream_weights"})
+    assert unweighted.stream_weights is None and "stream_weights" not in unweighted.to_wire()
+    assert "stream_weights" not in unweighted.step_inputs(0)
+
+
+def test_the_recorder_refuses_weights_for_another_stream_count():
+    sched = Sched(shift=12.0)
+    with rollout(sched, stream_weights=(0.5, 0.3, 0.2)) as rec:
+        _joint_loop(sched, torch.randn(2, 6, 4), torch.randn(2, 5, 3), audio_shift=3.0)
+    with pytest.raises(ValueError, match="stream_weights has 3 weights but the rollout recorded 2"):
+        rec.trajectory()
+
+
+# ------------------------------------------------------------------------------------------- losses
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("weights", [None, H3])
+def test_losses_on_tuples_are_the_combination_of_the_streams(backend, weights):
+    """grpo_loss / flow_dppo_loss on tuples: log-prob and KL equal step_log_prob / step_kl on the tuples
+    (bit for bit), the loss equals the single-stream formula on those values (the GRPO surrogate written
+    out here), and gradients reach both streams' model outputs, equal to autograd through step_log_prob."""
+    (xv, vv, rv), (xa, va, ra) = _streams(seed=4)
+    ov = flowrl.sde_step(xv, vv, VIDEO_SIGMAS, 1, noise_seed=1, reduction="sum", backend=backend)
+    oa = flowrl.sde_step(xa, va, AUDIO_SIGMAS, 1, noise_seed=2, reduction="sum", backend=backend)
+    prev, sig = (ov.prev_sample, oa.prev_sample), (VIDEO_SIGMAS, AUDIO_SIGMAS)
+    old = flowrl.combine_streams([ov.log_prob, oa.log_prob], [ov.count, oa.count], "mean", weights) - 0.05
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    vg, ag = vv.clone().requires_grad_(), va.clone().requires_grad_()
+    out = grpo_loss((xv, xa), (vg, ag), prev, sig, 1, old, adv, clip_range=0.2, kl_coef=0.3,
+                    ref_model_output=(rv, ra), stream_weights=weights, backend=backend)
+    out.loss.backward()
+    vr, ar = vv.clone().requires_grad_(), va.clone().requires_grad_()
+    lp = flowrl.step_log_prob((xv, xa), (vr, ar), prev, sig, 1, stream_weights=weights, backend=backend)
+    kl = flowrl.step_kl((xv, xa), (vr, ar), (rv, ra), sig, 1, stream_weights=weights, backend=backend)
+    assert torch.equal(out.log_prob, lp.detach()) and torch.equal(out.kl, kl.detach())
+    ratio = torch.exp(lp - old)
+    want = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean() + 0.3 * kl.mean()
+    torch.testing.assert_close(out.loss, want.detach(), rtol=1e-6, atol=1e-7)
+    want.backward()
+    for got, ref in ((vg.grad, vr.grad), (ag.grad, ar.grad)):
+        assert got.abs().sum() > 0
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
+    dppo = flow_dppo_loss((xv, xa), (vv, va), prev, sig, 1, old, adv, kl_threshold=0.01, noise_seed=(1, 2),
+                          stream_weights=weights, backend=backend)
+    assert torch.equal(dppo.log_prob, lp.detach())
+    assert dppo.trust_divergence.abs().max() < 1e-6  # mu_old replayed from the rollout's own noise: D_s ~ 0
+
+
+# ----------------------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("weights, exc, needle", [
+    ((0.5,), ValueError, "one weight per stream"),
+    ((0.5, 0.5, 0.5), ValueError, "one weight per stream"),
+    ((0.5, -0.1), ValueError, r"stream_weights\[1\] must be finite and >= 0"),
+    ((float("nan"), 1.0), ValueError, r"stream_weights\[0\] must be finite"),
+    ((float("inf"), 1.0), ValueError, r"stream_weights\[0\] must be finite"),
+    ((0.0, 0.0), ValueError, "stream_weights must have a weight > 0"),
+    ((True, 1.0), TypeError, r"stream_weights\[0\] must be a real number"),
+    (torch.tensor([0.5, 0.5]), TypeError, "stream_weights must be None or a tuple"),
+    (0.5, TypeError, "stream_weights must be None or a tuple"),
+])
+def test_bad_weights_name_the_argument(weights, exc, needle):
+    (xv, vv, _), (xa, va, _) = _streams()
+    args = ((xv, xa), (vv, va), (xv, xa), (VIDEO_SIGMAS, AUDIO_SIGMAS), 1)
+    with pytest.raises(exc, match=needle):
+        flowrl.step_log_prob(*args, stream_weights=weights, backend="torch")
+    with pytest.raises(exc, match=needle):
+        flowrl.step_kl(*args, stream_weights=weights, backend="torch")
+    with pytest.raises(exc, match=needle):
+        grpo_loss(*args, torch.zeros(3), torch.zeros(3), clip_range=0.2, stream_weights=weights, backend="torch")
+    with pytest.raises(exc, match=needle.replace("stream_weights", "weights")):
+        flowrl.combine_streams([torch.zeros(3)] * 2, [torch.ones(3)] * 2, "mean", weights)
+    if not isinstance(weights, (float, torch.Tensor)) and len(weights) == 2:
+        with pytest.raises(exc, match=needle):
+            rollout(Sched(), stream_weights=weights)
+
+
+def test_bad_joint_arguments_name_themselves():
+    (xv, vv, _), (xa, va, _) = _streams()
+    z = torch.zeros(3)
+    with pytest.raises(ValueError, match="stream_weights weights the streams of a joint step"):
+        flowrl.step_log_prob(xv, vv, xv, VIDEO_SIGMAS, 1, stream_weights=H3)
+    with pytest.raises(ValueError, match="stream_weights weights the streams of a joint step"):
+        grpo_loss(xv, vv, xv, VIDEO_SIGMAS, 1, z, z, clip_range=0.2, stream_weights=H3)
+    with pytest.raises(TypeError, match="prev_sample"):
+        grpo_loss((xv, xa), (vv, va), xv, VIDEO_SIGMAS, 1, z, z, clip_range=0.2)
+    with pytest.raises(ValueError, match="ref_model_output"):
+        grpo_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, z, z, clip_range=0.2, kl_coef=0.1,
+                  ref_model_output=(vv,))
+    with pytest.raises(ValueError, match="sigmas"):
+        grpo_loss((xv, xa), (vv, va), (xv, xa), (VIDEO_SIGMAS,), 1, z, z, clip_range=0.2)
+    with pytest.raises(ValueError, match="grpo_guard_loss takes one stream"):
+        grpo_guard_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, z, z, clip_range=0.2, noise_seed=1)
+
+
+def test_bad_wire_weights_are_refused(tmp_path):
+    sched = Sched(shift=12.0)
+    with rollout(sched, stream_weights=H3) as rec:
+        _joint_loop(sched, torch.randn(2, 6, 4), torch.randn(2, 5, 3), audio_shift=3.0)
+    wire = rec.trajectory().to_wire()
+    for bad, needle in (([0.5], "one weight per stream"), ([0.5, -1.0], "finite and >= 0"), ("0.5", "list of numbers"),
+                        ([0.5, None], "real number")):
+        with pytest.raises(ValueError, match=needle):
+            flowrl.RolloutTrajectory.from_wire(dict(wire, stream_weights=bad))
+    single = flowrl.RolloutTrajectory.from_wire(wire).streams[0].to_wire()
+    with pytest.raises(ValueError, match="no streams"):
+        flowrl.RolloutTrajectory.from_wire(dict(single, stream_weights=[1.0]))
+    nested = dict(wire, streams=[dict(s, stream_weights=[1.0]) for s in wire["streams"]])
+    with pytest.raises(ValueError, match="unexpected keys"):
+        flowrl.RolloutTrajectory.from_wire(nested)
