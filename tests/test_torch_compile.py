@@ -433,3 +433,30 @@ def test_the_preference_losses_compile_with_eager_bits_on_cuda_torch():
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     _assert_bitwise(out_e, out_c)
     _assert_bitwise([grad_e], [grad_c])
+
+
+def test_joint_stream_losses_are_traced_not_routed():
+    """docs/compile.md, Not routed: a joint (tuple) grpo_loss compiles with fullgraph=True, its streams'
+    values traced from the backend's code (no flowrl:: op in the graph), equal to eager within float32
+    rounding (no bit-for-bit claim)."""
+    g = torch.Generator().manual_seed(0)
+    sigmas = torch.tensor(SIGMAS)
+    shapes = ((2, 4, 8), (2, 3, 4))
+    x, v, prev = ([torch.randn(*s, generator=g) for s in shapes] for _ in range(3))
+    old, adv = torch.zeros(2), torch.tensor([1.0, -1.0])
+
+    def step(va, vb):
+        return losses.grpo_loss(tuple(x), (va, vb), tuple(prev), sigmas, 1, old, adv, clip_range=0.2,
+                                stream_weights=(0.5, 0.5), backend="torch").loss
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    eager = step(*v)
+    compiled = torch.compile(step, fullgraph=True, backend=record)(*v)
+    assert sum(counters["graph_break"].values()) == 0
+    assert not any("flowrl" in str(node.target) for gm in graphs for node in gm.graph.nodes)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
