@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from ..backends import reference
 from ..contract import FlowLoss
 from ..core import _validate as V
+from ..core.step_spec import ShardContext, elements_per_sample
 from ._common import _check_no_grad, _check_per_sample, _check_scalar, _flow_sums, check_clip_range
 
 PAIR_LAYOUTS = ("halves", "interleaved")
@@ -87,14 +88,14 @@ class DGPOLossOutput(NamedTuple):
 # ------------------------------------------------------------------- per-sample sums (backends)
 
 
-def _preference_sums(backend_arg, kind, v, noise, x0, ref, two=None):
+def _preference_sums(backend_arg, kind, v, noise, x0, ref, two=None, shard=None):
     """[K, B] per-sample sums, K = 2 (DPO), 3 or 5 (DGPO without / with ``two``): rows (v - u)^2,
     (ref - u)^2 and, for DGPO, (v - ref)^2, then (two - u)^2, (v - two)^2 (u = noise - x0). The backends'
     flow_sums slots: v_ref in xt's, the second reference in ref's (kernels/loss.py's LOSS_DPO / LOSS_DGPO;
     flowrl.backends.reference_losses.flow_sums)."""
     count = 2 if kind is FlowLoss.DPO else (5 if two is not None else 3)
     t = torch.zeros(v.shape[0], dtype=torch.float32, device=v.device)  # unused by these kinds
-    return _flow_sums(backend_arg, kind, count, ref, v, noise, x0, two, t, (0.0, 0.0, 0.0))
+    return _flow_sums(backend_arg, kind, count, ref, v, noise, x0, two, t, (0.0, 0.0, 0.0), shard=shard)
 
 
 def _check_same(name, t, like):
@@ -113,6 +114,7 @@ def dpo_loss(
     beta: float,
     pair_layout: str = "halves",
     backend: str = "auto",
+    shard: Optional[ShardContext] = None,
 ) -> DPOLossOutput:
     """Flow-matching Diffusion-DPO on P chosen/rejected pairs (2P samples), one element pass.
 
@@ -124,9 +126,11 @@ def dpo_loss(
     the same order: flow_grpo's and Flow-Factory's batches) or "interleaved" (chosen, rejected adjacent:
     verl-omni's). Offline pairs are passed as they are; online pairs come from ``dpo_pairs``.
     The timestep enters only through the model's inputs (x_t, t): the loss does not read sigma.
+    ``shard``: the sequence-parallel context (the means are over the full sample; flowrl.losses' note).
     """
     V.check_sample(model_output, "model_output")
     batch = model_output.shape[0]
+    numel = elements_per_sample(model_output, shard)
     if batch < 2 or batch % 2:
         raise ValueError(f"model_output must hold chosen/rejected pairs: an even batch >= 2; got {batch}")
     for name, u in (("ref_model_output", ref_model_output), ("noise", noise), ("clean_sample", clean_sample)):
@@ -134,8 +138,7 @@ def dpo_loss(
     V.check_choice("pair_layout", pair_layout, PAIR_LAYOUTS)
     beta = _check_scalar("beta", beta, strict=True)
     _check_no_grad(ref_model_output=ref_model_output, noise=noise, clean_sample=clean_sample)
-    sums = _preference_sums(backend, FlowLoss.DPO, model_output, noise, clean_sample, ref_model_output)
-    numel = model_output.numel() // batch
+    sums = _preference_sums(backend, FlowLoss.DPO, model_output, noise, clean_sample, ref_model_output, shard=shard)
     err, ref_err = sums[0] / numel, sums[1] / numel
     p = batch // 2
     if pair_layout == "halves":
@@ -247,6 +250,7 @@ def dgpo_loss(
     ema_reference: bool = False,
     kl_coef: float = 0.0,
     backend: str = "auto",
+    shard: Optional[ShardContext] = None,
 ) -> DGPOLossOutput:
     """DGPO's group-level preference loss (Luo-Yihong/DGPO ``compute_group_dgpo_loss_allreduce``;
     Flow-Factory ``DGPOTrainer``), one element pass over x0, eps, v and the references.
@@ -264,9 +268,11 @@ def dgpo_loss(
     sample's dsm (``clip_dsm``) and kl (``clip_kl``) are detached. Each group is summed by a fixed tree
     over its members in batch order (``_group_sums``): deterministic, and a group's weight does not
     depend on the other groups in the call (the peers' scatter_add uses atomics on a GPU).
+    ``shard``: the sequence-parallel context (the means are over the full sample; flowrl.losses' note).
     """
     V.check_sample(model_output, "model_output")
     batch = model_output.shape[0]
+    numel = elements_per_sample(model_output, shard)
     device = model_output.device
     for name, u in (("noise", noise), ("clean_sample", clean_sample)):
         _check_same(name, u, model_output)
@@ -294,8 +300,7 @@ def dgpo_loss(
     # the kernel's references: the DGPO reference first, the other one (if needed) second
     first = old_model_output if ema_reference else ref_model_output
     second = ref_model_output if ema_reference else (old_model_output if clip is not None else None)
-    sums = _preference_sums(backend, FlowLoss.DGPO, model_output, noise, clean_sample, first, second)
-    numel = model_output.numel() // batch
+    sums = _preference_sums(backend, FlowLoss.DGPO, model_output, noise, clean_sample, first, second, shard=shard)
     dsm, ref_dsm = sums[0] / numel, (sums[1] / numel).detach()
     if ema_reference:
         old_dsm = ref_dsm
