@@ -32,17 +32,19 @@ SPLITS = {
 }
 
 
-def _inputs(S, dtype):
+def _inputs(S, dtype, device="cpu"):
     g = torch.Generator().manual_seed(4321 + S)
     x = torch.randn(B, S, C, generator=g).to(dtype)
     v = torch.randn(B, S, C, generator=g).to(dtype)
     near = lambda t, s: (t.float() + s * torch.randn(B, S, C, generator=g)).to(dtype)  # noqa: E731
     sigmas = torch.linspace(1.0, 0.0, 9, dtype=torch.float32)
     step = torch.tensor([0, 3, 6, 2])  # per-sample steps; step 0 exercises sde's sigma = 1 rule
-    return dict(x=x, v=v, v_ref=near(v, 0.1), v_old=near(v, 0.05), x0=torch.randn(B, S, C, generator=g).to(dtype),
-                eps=torch.randn(B, S, C, generator=g).to(dtype), sigmas=sigmas, step=step,
-                adv=torch.randn(B, generator=g), w=torch.rand(B, generator=g) + 0.5,
-                t=torch.rand(B, generator=g) * 0.8 + 0.1)
+    d = dict(x=x, v=v, v_ref=near(v, 0.1), v_old=near(v, 0.05), x0=torch.randn(B, S, C, generator=g).to(dtype),
+             eps=torch.randn(B, S, C, generator=g).to(dtype), sigmas=sigmas, step=step,
+             adv=torch.randn(B, generator=g), w=torch.rand(B, generator=g) + 0.5,
+             t=torch.rand(B, generator=g) * 0.8 + 0.1, seed=torch.tensor([11, 12, 13, 14]),
+             groups=torch.tensor([0, 0, 1, 1]))
+    return {k: u.to(device) for k, u in d.items()}
 
 
 # the [B] values that are a per-sample reduction (or a ratio of two): off chunk boundaries they agree to
@@ -76,7 +78,7 @@ def _cases(d, backend):
     full) where ``cut`` maps a full [B, S, C] tensor to the tensor the call gets (identity on one device)."""
     x, sig, step, adv, w = d["x"], d["sigmas"], d["step"], d["adv"], d["w"]
     kw = dict(mode="sde", noise_level=0.7, backend=backend)
-    seed = torch.tensor([11, 12, 13, 14])
+    seed = d["seed"]
     # the rollout's sample, drawn from in-kernel Philox noise so that mu_old replays from (x', seed)
     roll = flowrl.sde_step(x, d["v_old"], sig, step, noise_seed=seed, return_prev_sample_mean=True, **kw)
     prev, mean_old = roll.prev_sample, roll.prev_sample_mean
@@ -100,7 +102,7 @@ def _cases(d, backend):
         ("awm_loss", lambda f, v, c: f(v, c(d["eps"]), c(d["x0"]), d["t"], -adv.abs(), adv, clip_range=0.2,
                                        weighting="t", backend=backend, rollout_is_weights=w)),
         ("dpo_loss", lambda f, v, c: f(v, c(d["v_ref"]), c(d["eps"]), c(d["x0"]), beta=500.0, backend=backend)),
-        ("dgpo_loss", lambda f, v, c: f(v, c(d["v_ref"]), c(d["eps"]), c(d["x0"]), adv, torch.tensor([0, 0, 1, 1]),
+        ("dgpo_loss", lambda f, v, c: f(v, c(d["v_ref"]), c(d["eps"]), c(d["x0"]), adv, d["groups"],
                                         beta=50.0, old_model_output=c(d["v_old"]), clip_range=0.01, kl_coef=0.1,
                                         backend=backend)),
     ]
@@ -115,8 +117,8 @@ def _fields(out):
     return {f"[{i}]": t for i, t in enumerate(out)}  # teacher_kl_loss: (loss, kl)
 
 
-def _check_split(rank, S, rows, exact, backend, dtype, only=None):
-    d = _inputs(S, dtype)
+def _check_split(rank, S, rows, exact, backend, dtype, only=None, device="cpu"):
+    d = _inputs(S, dtype, device)
     lo, hi = sum(rows[:rank]), sum(rows[: rank + 1])
     cut = lambda t: t[:, lo:hi].contiguous()  # noqa: E731
     whole = lambda t: t  # noqa: E731
@@ -162,10 +164,9 @@ def _check_errors(rank, world):
     assert out.shape == (B,)
 
 
-def _triton_runs_here():
-    if "triton" not in flowrl.available_backends():
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def _interpreter_runs_here():
+    """The Triton backend on CPU tensors (the gloo ranks' tensors): triton under TRITON_INTERPRET=1."""
+    return "triton" in flowrl.available_backends() and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _check_rank(rank, world):
@@ -190,9 +191,44 @@ def test_losses_under_sequence_parallelism_match_single_device(world):
     run_ranks(_check_rank, world)
 
 
-@pytest.mark.skipif(not _triton_runs_here(), reason="needs triton with CUDA or TRITON_INTERPRET=1")
+@pytest.mark.skipif(not _interpreter_runs_here(), reason="needs triton under TRITON_INTERPRET=1 (CPU tensors)")
 def test_triton_losses_under_sequence_parallelism_match_single_device():
     run_ranks(_check_triton, 2)
+
+
+# ------------------------------------------------------------------------------- NCCL (the GPU check)
+# NCCL needs one GPU per rank: world 1 on a one-GPU machine (the NCCL exchange of the sizes and of the
+# partials, with CUDA tensors, on both backends: the values must equal the plain losses' bit for bit),
+# world 2 where two GPUs are (a split on chunk boundaries, bitwise, and one off them).
+NCCL_SPLITS = {1: [(80, [80], True)], 2: [(80, [48, 32], True), (80, [37, 43], False)]}
+
+
+def _check_nccl(rank, world):
+    device = f"cuda:{rank}"
+    for S, rows, exact in NCCL_SPLITS[world]:
+        for backend in ("torch", "triton"):
+            _check_split(rank, S, rows, exact, backend, torch.float32, device=device)
+        _check_split(rank, S, rows, exact, "torch", torch.bfloat16, device=device)
+
+
+def _nccl_ranks(world):
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    if not dist.is_nccl_available():
+        return "needs torch built with NCCL"
+    if torch.cuda.device_count() < world:
+        return f"needs {world} GPUs (NCCL takes one GPU per rank); {torch.cuda.device_count()} here"
+    if "triton" not in flowrl.available_backends():
+        return "needs triton"
+    return None
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_losses_under_sequence_parallelism_on_nccl(world):
+    why = _nccl_ranks(world)
+    if why:
+        pytest.skip(why)
+    run_ranks(_check_nccl, world, deadline_s=300, backend="nccl")
 
 
 def test_loss_forms_need_an_initialized_group():

@@ -180,7 +180,7 @@ def grpo_guard_loss(
     are each sample's own (the peers use the batch's shared step). mu_old: ``old_prev_sample_mean``
     (the rollout's ``prev_sample_mean``), or replayed from ``prev_sample`` and the rollout's
     ``noise_seed`` (docs/losses.md, Replaying mu_old). ``rollout_is_weights``: as ``grpo_loss``'s (on
-    the surrogate after its 1/D scale)."""
+    the surrogate after its 1/D scale); ``shard``: as ``grpo_loss``'s."""
     return _grpo_family(_Variant.GUARD, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
@@ -213,7 +213,7 @@ def flow_dppo_loss(
     """Flow-DPPO (verl-omni ``FlowDPPOLoss``): per sample -rho A, masked (0) when D_s = mean ||mu_theta -
     mu_old||^2 / (2 std^2) >= ``kl_threshold`` and the ratio moves in the advantage's direction (rho > 1
     with A > 0, or rho < 1 with A < 0); no ratio clipping; batch mean. mu_old as in
-    ``grpo_guard_loss``. ``rollout_is_weights``: as ``grpo_loss``'s."""
+    ``grpo_guard_loss``. ``rollout_is_weights``, ``shard``: as ``grpo_loss``'s."""
     kl_threshold = _check_scalar("kl_threshold", kl_threshold)
     return _grpo_family(_Variant.DPPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=None, mode=mode, noise_level=noise_level, log_prob=log_prob,

@@ -15,9 +15,10 @@ computes the same loss from the same gathered value, so no reduction is needed, 
 rank gets for its shard is the matching slice of the single-device gradient (bit for bit under the
 same condition).
 
-Works with any ``torch.distributed`` backend (gloo on CPU, NCCL on GPU). The per-rank shard sizes are
-exchanged once per call (a tiny all-gather, one host sync); pass ``shard_numels=`` when they are
-known to skip it.
+Written for any ``torch.distributed`` backend; gloo is tested (CPU processes), NCCL only where a GPU run
+is recorded (docs/wire_and_sp.md). The per-rank shard sizes are exchanged once per call (a tiny
+all-gather, one host sync); pass ``shard_numels=`` when they are known to skip it. The losses of
+``flowrl.losses`` have their group forms here too (``grpo_loss``, ...: flowrl/losses/distributed.py).
 """
 from __future__ import annotations
 
