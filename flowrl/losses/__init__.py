@@ -107,7 +107,7 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
     ops = _dispatch.select(backend, *tensors)
     args = (variant, ops, spec, sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
             old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold, rollout_is_weights)
-    if _traced(spec):  # while torch.compile traces (one device): the custom op flowrl::grpo_family_loss
+    if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::grpo_family_loss
         return grpo_family_loss(*args)
     return grpo_from_spec(*args)
 
