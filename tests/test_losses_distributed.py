@@ -177,13 +177,15 @@ def _check_rank(rank, world):
     _check_errors(rank, world)
 
 
-# the interpreter is slow: smaller samples, one split on a chunk boundary (16 rows of 64) and one off it
+# the interpreter is slow: smaller samples, one split on a chunk boundary (16 rows of 64), every loss,
+# and one off it, the losses that cover both gathers (grpo_values' three partials, flow_sums' K rows)
 TRITON_SPLITS = [(40, [16, 24], True), (40, [21, 19], False)]
+TRITON_OFF_BOUNDARY = ("grpo_loss", "grpo_guard_loss replayed", "nft_loss", "dgpo_loss")
 
 
 def _check_triton(rank, world):
     for S, rows, exact in TRITON_SPLITS:
-        _check_split(rank, S, rows, exact, "triton", torch.float32)
+        _check_split(rank, S, rows, exact, "triton", torch.float32, only=None if exact else TRITON_OFF_BOUNDARY)
 
 
 @pytest.mark.parametrize("world", [2, 4])
