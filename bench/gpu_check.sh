@@ -7,7 +7,8 @@
 #   bash bench/gpu_check.sh            from anywhere; results go to $OUT if set, else bench/results/
 #
 # Phases: 1. the GPU-only tests and the kernel matrix (CUDA graphs, offsets past 2^31 elements, the
-# grid limit, Philox, the kernels against the references, sequence parallelism in one process);
+# grid limit, Philox, the kernels against the references, sequence parallelism in one process, the
+# losses under sequence parallelism on NCCL: one rank per GPU, world 1 on a one-GPU machine);
 # 2. the step benchmark at the target shapes (bf16, sde and cps, every implementation);
 # 3. the step benchmark at the other sizes of 1M elements or more, then the small ones; 4. every
 # other test on CUDA (diffusers is not on the GPU image: its tests skip); 5. the step benchmark of
@@ -42,7 +43,8 @@ say() { echo "$*" | tee -a "$log"; }
 
 if [ "$dry" = 1 ]; then
   device=cpu
-  first_tests=(tests/test_gpu.py)           # all skip without CUDA: the phase's plumbing only
+  # all skip without CUDA: the phase's plumbing only
+  first_tests=(tests/test_gpu.py tests/test_losses_distributed.py::test_losses_under_sequence_parallelism_on_nccl)
   rest_tests=(tests/test_validation.py)
   target_shapes=1x64x32,1x2x3x8x8
   sweep_shapes=2x64x32
@@ -55,9 +57,10 @@ else
   # The list: CUDA graphs, int64 offsets, grid limits (test_gpu), the kernels against the
   # references (test_kernels), in-kernel noise (test_philox), host reads (test_capturable), sequence
   # parallelism in one process (test_distributed, test_per_token_distributed), torch.compile of a
-  # training step through the custom ops on CUDA (test_torch_compile).
+  # training step through the custom ops on CUDA (test_torch_compile), the losses under sequence
+  # parallelism (test_losses_distributed: its NCCL variant, one rank per GPU, runs only here).
   first_tests=()
-  for f in test_gpu.py test_kernels.py test_philox.py test_capturable.py test_torch_compile.py test_distributed.py test_per_token_distributed.py; do
+  for f in test_gpu.py test_kernels.py test_philox.py test_capturable.py test_torch_compile.py test_distributed.py test_per_token_distributed.py test_losses_distributed.py; do
     [ -f "tests/$f" ] && first_tests+=("tests/$f")
   done
   rest_tests=(tests)

@@ -1,5 +1,7 @@
 """Runs a check in several CPU processes joined by a gloo process group, as sequence parallelism
-runs: the one harness of the SP tests (test_distributed.py, test_per_token_distributed.py)."""
+runs: the one harness of the SP tests (test_distributed.py, test_per_token_distributed.py,
+test_losses_distributed.py). ``backend="nccl"`` joins them with NCCL instead, rank r on cuda:r (the GPU
+check's variant)."""
 import socket
 import time
 from datetime import timedelta
@@ -10,10 +12,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank, world, port, check):
+def _worker(rank, world, port, check, backend="gloo"):
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
     try:
         check(rank, world)
@@ -28,10 +32,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_ranks(check, world, deadline_s=180):
+def run_ranks(check, world, deadline_s=180, backend="gloo"):
     """``check(rank, world)`` in ``world`` spawned processes (a module-level function, so that it can be
     sent to them); fails the test if a rank fails or they have not all finished within ``deadline_s``."""
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), check), nprocs=world, join=False,
+    ctx = mp.start_processes(_worker, args=(world, _free_port(), check, backend), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + deadline_s
     try:

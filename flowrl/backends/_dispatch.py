@@ -28,8 +28,10 @@ class Backend:
 
     The losses' ops (flowrl.losses): ``grpo_values(spec, sample, model_output, prev_sample, ref_model_output,
     old_mean, trust, seed)`` -> (log_prob, kl, trust_divergence) [B] (zeros where absent; ``trust`` a
-    ``contract.TrustSource``); ``flow_sums(kind, count, xt, v, other, x0, ref, t, coefs)`` -> the
-    forward-process loss ``kind``'s (``contract.FlowLoss``) per-sample sums [count, B]."""
+    ``contract.TrustSource``); ``flow_sums(kind, count, xt, v, other, x0, ref, t, coefs, shard=None)`` -> the
+    forward-process loss ``kind``'s (``contract.FlowLoss``) per-sample sums [count, B]. Under sequence
+    parallelism (``spec.shard``, or flow_sums' ``shard``, a ``ShardContext``) both gather the chunk
+    partials across the ranks, as the step ops do: the [B] values are the full samples'."""
 
     name: str
     sde_step: Callable

@@ -50,6 +50,12 @@ def _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed):
         MODE=int(spec.mode), HAS_REF=ref is not None, TRUST=int(trust), CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE,
         GROUP=group, PHILOX_ALIGNED=aligned, num_warps=num_warps, **_LAUNCH,
     )
+    if spec.shard is not None:  # sequence parallelism: the full samples' partials, one gather for the three
+        present = [lp_p] + ([kl_p] if ref is not None else []) + ([tr_p] if trust else [])
+        full = iter(spec.gather(torch.cat(present)).split(b))
+        lp_p = next(full)
+        kl_p = next(full) if ref is not None else lp_p
+        tr_p = next(full) if trust else lp_p
     lp = _finalize(spec, ks, lp_p)[0]
     zeros = torch.zeros(b, dtype=torch.float32, device=x.device)
     kl = _finalize(dataclasses.replace(spec, kind=LogProbKind.KL), ks, kl_p)[0] if ref is not None else zeros
@@ -104,7 +110,7 @@ def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed):
 # ------------------------------------------------------------------------- forward-process losses
 
 
-def _flow_forward(kind, count, xt, v, other, x0, ref, t, coefs):
+def _flow_forward(kind, count, xt, v, other, x0, ref, t, coefs, shard=None):
     b, n = v.shape[0], v.numel() // v.shape[0]
     n_chunks = triton.cdiv(n, CHUNK_SIZE)
     group, num_warps = launch_config(n)
@@ -117,8 +123,11 @@ def _flow_forward(kind, count, xt, v, other, x0, ref, t, coefs):
         LOSS=int(kind), HAS_REF=ref is not None, CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE, GROUP=group,
         num_warps=num_warps, **_LAUNCH,
     )
+    partials = partials.reshape(count * b, n_chunks)
+    if shard is not None:  # sequence parallelism: the full samples' partials (forward only, as the step ops)
+        partials = shard.gather(partials)
     # [count, B]: the contract's halving tree over each sample's partials
-    return reference.combine_partials(partials.reshape(count * b, n_chunks)).reshape(count, b)
+    return reference.combine_partials(partials).reshape(count, b)
 
 
 class _FlowSums(torch.autograd.Function):
@@ -126,10 +135,10 @@ class _FlowSums(torch.autograd.Function):
     pass writing d / d model_output from the grads of the squared sums."""
 
     @staticmethod
-    def forward(ctx, v, kind, count, xt, other, x0, ref, t, coefs):
+    def forward(ctx, v, kind, count, xt, other, x0, ref, t, coefs, shard):
         ctx.save_for_backward(xt, v, other, x0, ref, t)
         ctx.kind, ctx.coefs = kind, coefs
-        return _flow_forward(kind, count, xt, v, other, x0, ref, t, coefs)
+        return _flow_forward(kind, count, xt, v, other, x0, ref, t, coefs, shard)
 
     @staticmethod
     def backward(ctx, grad):
@@ -145,18 +154,20 @@ class _FlowSums(torch.autograd.Function):
             grad.to(torch.float32).contiguous(), grad_v, n, n_blocks, b, *ctx.coefs,
             LOSS=int(ctx.kind), HAS_REF=ref is not None, BLOCK=block, num_warps=num_warps, **_LAUNCH,
         )
-        return grad_v, None, None, None, None, None, None, None, None
+        return grad_v, None, None, None, None, None, None, None, None, None
 
 
-def flow_sums(kind, count, xt, v, other, x0, ref, t, coefs):
-    """[count, B] float32 per-sample sums of the forward-process loss ``kind`` (see the kernel)."""
+def flow_sums(kind, count, xt, v, other, x0, ref, t, coefs, shard=None):
+    """[count, B] float32 per-sample sums of the forward-process loss ``kind`` (see the kernel);
+    ``shard``: the sequence-parallel context (partials gathered in forward; the backward needs none:
+    d sum / d element does not depend on the other ranks' elements)."""
     xt = xt.contiguous() if xt is not None else None
     v, other, x0 = v.contiguous(), other.contiguous(), x0.contiguous()
     ref = ref.contiguous() if ref is not None else None
     t = t.to(torch.float32).contiguous()
     if torch.is_grad_enabled() and v.requires_grad:
-        return _FlowSums.apply(v, int(kind), count, xt, other, x0, ref, t, coefs)
-    return _flow_forward(int(kind), count, xt, v, other, x0, ref, t, coefs)
+        return _FlowSums.apply(v, int(kind), count, xt, other, x0, ref, t, coefs, shard)
+    return _flow_forward(int(kind), count, xt, v, other, x0, ref, t, coefs, shard)
 
 
 __all__ = ["grpo_values", "flow_sums", "REPLAY_BACKWARD_CONFIG"]

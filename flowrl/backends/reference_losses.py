@@ -29,15 +29,18 @@ def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed):
         else:  # mu_old = x' - std * eps, eps the rollout's Philox noise
             eps = reference.philox_normal(seed, mu.shape[1]).to(dtype)
             old = reference._rows(prev).to(dtype) - reference._col(std) * eps
+        # the spec's numel and shard (sequence parallelism: the full sample's count, partials gathered)
         tr_spec = StepSpec(Op.KL, spec.sigmas, spec.step_index, spec.mode, spec.noise_level, LogProbKind.KL,
-                           Reduction.MEAN, spec.numel)
+                           Reduction.MEAN, spec.numel, shard=spec.shard)
         tr, _ = reference._reduce(tr_spec, mu - old, std)
     return lp, kl, tr
 
 
-def flow_sums(kind, count, xt, v, other, x0, ref, t, coefs):
+def flow_sums(kind, count, xt, v, other, x0, ref, t, coefs, shard=None):
     """The torch backend's [K, B] sums (kernels/loss.py's flow_partials_kernel, same operations);
-    ``count`` (K) is implied by ``kind`` and ``ref`` here."""
+    ``count`` (K) is implied by ``kind`` and ``ref`` here. ``shard`` (a ``ShardContext``, sequence
+    parallelism): the [K * B, P_local] chunk partials are gathered across the ranks before the tree,
+    as the step ops' are, so every rank gets the full samples' sums."""
     dtype = reference.compute_dtype(xt, v, other, x0, ref)
     rows = [reference._rows(u).to(dtype) if u is not None else None for u in (xt, v, other, x0, ref)]
     xt, v, other, x0, ref = rows
@@ -65,7 +68,10 @@ def flow_sums(kind, count, xt, v, other, x0, ref, t, coefs):
         terms = [e * e]
     stacked = torch.stack(terms)  # [K, B, N]
     k, b, n = stacked.shape
-    return reference.combine_partials(reference.chunk_partials(stacked.reshape(k * b, n))).reshape(k, b)
+    partials = reference.chunk_partials(stacked.reshape(k * b, n))
+    if shard is not None:
+        partials = shard.gather(partials)
+    return reference.combine_partials(partials).reshape(k, b)
 
 
 __all__ = ["grpo_values", "flow_sums"]

@@ -22,6 +22,14 @@ _flow.py, _teacher.py), and run by eager mode and by the losses' custom ops unde
 
 Gradients flow to ``model_output`` only: ``sample``, ``prev_sample``, the reference / old / teacher
 outputs and the stored means are data, and a tensor among them that requires grad is refused.
+
+Sequence parallelism: every loss takes ``shard=`` (a ``ShardContext``; ``flowrl.distributed``'s forms
+build it from a process group), and its tensors of the sample's shape are then this rank's shards. The
+per-sample sums' chunk partials are gathered across the ranks (the step ops' mechanism, in the
+backends' ``grpo_values`` / ``flow_sums``), so the [B] values and the [B] arithmetic after them are the
+full samples', the same on every rank, and each rank's gradient is its slice of the single-device
+gradient (bit for bit when every shard but the last is a whole number of chunks; docs/wire_and_sp.md).
+Sharded calls run eagerly (not through the custom ops) under torch.compile, as the step ops do.
 """
 from __future__ import annotations
 
@@ -33,7 +41,7 @@ import torch
 from ..backends import _dispatch
 from ..core import _validate as V
 from ..contract import FlowLoss, Op, Reduction, TrustSource
-from ..core.step_spec import StepSpec, log_prob_kind, schedule_and_steps
+from ..core.step_spec import ShardContext, StepSpec, elements_per_sample, log_prob_kind, schedule_and_steps
 from ..ops._custom_ops import traced as _traced
 from . import _custom_ops as _ops
 from . import _joint
@@ -62,8 +70,11 @@ def _step_sample_tensor(name, t, sample):
 def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, *,
                  clip_range, mode, noise_level, log_prob, reduction, kl_coef, ref_model_output,
                  old_prev_sample_mean, noise_seed, kl_threshold, backend, rollout_is_weights=None,
-                 stream_weights=None, _stream=False) -> GRPOLossOutput:
+                 stream_weights=None, _stream=False, shard=None) -> GRPOLossOutput:
     if isinstance(sample, tuple):  # a joint step: the streams' values combined (flowrl/losses/_joint.py)
+        if shard is not None:
+            raise ValueError("shard: a joint step (tuples of streams) is not supported under sequence parallelism; "
+                             "pass one stream's shards, or shard=None")
         return _joint.grpo_family(_grpo_family, variant, sample, model_output, prev_sample, sigmas, step_index,
                                   old_log_prob, advantages, clip_range=clip_range, mode=mode, noise_level=noise_level,
                                   log_prob=log_prob, reduction=reduction, kl_coef=kl_coef,
@@ -80,6 +91,7 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
     V.check_batch_tensor("prev_sample", prev_sample, sample)
     _step_sample_tensor("ref_model_output", ref_model_output, sample)
     batch = sample.shape[0]
+    numel = elements_per_sample(sample, shard)  # the full sample's under sequence parallelism (checks shard)
     old_log_prob = _check_per_sample("old_log_prob", old_log_prob, batch, sample.device)
     advantages = _check_per_sample("advantages", advantages, batch, sample.device)
     if rollout_is_weights is not None:
@@ -100,16 +112,18 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
             V.check_batch_tensor("old_prev_sample_mean", old_prev_sample_mean, sample)
             trust = TrustSource.GIVEN
         else:
-            seed, trust = V.check_noise_seed(noise_seed, sample), TrustSource.REPLAY
+            # a shard's Philox elements are keyed by their index in the full sample (as sde_step's)
+            seed = V.check_noise_seed(noise_seed, sample)._replace(elem_offset=0 if shard is None else shard.offset)
+            trust = TrustSource.REPLAY
     spec = StepSpec(Op.LOG_PROB, sigmas, idx, mode, eta, log_prob_kind(log_prob), Reduction.parse("reduction", reduction),
-                    sample.numel() // batch)
+                    numel, shard=shard)
     tensors = [t for t in (sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean) if t is not None]
     ops = _dispatch.select(backend, *tensors)
     args = (variant, ops, spec, sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
             old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold, rollout_is_weights)
     if _stream:  # one stream of a joint step: its validated arguments (flowrl/losses/_joint.py)
         return args
-    if _traced():  # while torch.compile traces: the custom op flowrl::grpo_family_loss
+    if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::grpo_family_loss
         return grpo_family_loss(*args)
     return grpo_from_spec(*args)
 
@@ -133,6 +147,7 @@ def grpo_loss(
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
     stream_weights: Optional[Sequence[float]] = None,
+    shard: Optional[ShardContext] = None,
 ) -> GRPOLossOutput:
     """Flow-GRPO's training loss block for one SDE step, in one call.
 
@@ -151,12 +166,13 @@ def grpo_loss(
     ``flowrl.combine_streams`` of the streams' sums and counts (``stream_weights``: its weights), so
     the first ratio on a joint rollout is exactly 1 (docs/losses.md, Joint steps). Also
     ``flow_dppo_loss`` (D_s combined the same way); not ``grpo_guard_loss``.
+    ``shard``: the sequence-parallel context (``flowrl.distributed.grpo_loss`` builds it; module note).
     """
     return _grpo_family(_Variant.GRPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=None, noise_seed=None, kl_threshold=None, backend=backend,
-                        rollout_is_weights=rollout_is_weights, stream_weights=stream_weights)
+                        rollout_is_weights=rollout_is_weights, stream_weights=stream_weights, shard=shard)
 
 
 def grpo_guard_loss(
@@ -179,6 +195,7 @@ def grpo_guard_loss(
     ref_model_output: Optional[torch.Tensor] = None,
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
+    shard: Optional[ShardContext] = None,
 ) -> GRPOLossOutput:
     """GRPO-Guard (arXiv 2510.22319; verl-omni ``GRPOGuardLoss``, Flow-Factory ``GRPOGuardTrainer``).
 
@@ -187,12 +204,12 @@ def grpo_guard_loss(
     are each sample's own (the peers use the batch's shared step). mu_old: ``old_prev_sample_mean``
     (the rollout's ``prev_sample_mean``), or replayed from ``prev_sample`` and the rollout's
     ``noise_seed`` (docs/losses.md, Replaying mu_old). ``rollout_is_weights``: as ``grpo_loss``'s (on
-    the surrogate after its 1/D scale)."""
+    the surrogate after its 1/D scale); ``shard``: as ``grpo_loss``'s."""
     return _grpo_family(_Variant.GUARD, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=None,
-                        backend=backend, rollout_is_weights=rollout_is_weights)
+                        backend=backend, rollout_is_weights=rollout_is_weights, shard=shard)
 
 
 def flow_dppo_loss(
@@ -216,18 +233,19 @@ def flow_dppo_loss(
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
     stream_weights: Optional[Sequence[float]] = None,
+    shard: Optional[ShardContext] = None,
 ) -> GRPOLossOutput:
     """Flow-DPPO (verl-omni ``FlowDPPOLoss``): per sample -rho A, masked (0) when D_s = mean ||mu_theta -
     mu_old||^2 / (2 std^2) >= ``kl_threshold`` and the ratio moves in the advantage's direction (rho > 1
     with A > 0, or rho < 1 with A < 0); no ratio clipping; batch mean. mu_old as in
-    ``grpo_guard_loss``. ``rollout_is_weights``: as ``grpo_loss``'s."""
+    ``grpo_guard_loss``. ``rollout_is_weights``, ``shard``: as ``grpo_loss``'s."""
     kl_threshold = _check_scalar("kl_threshold", kl_threshold)
     return _grpo_family(_Variant.DPPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=None, mode=mode, noise_level=noise_level, log_prob=log_prob,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=kl_threshold,
                         backend=backend, rollout_is_weights=rollout_is_weights,
-                        stream_weights=stream_weights)
+                        stream_weights=stream_weights, shard=shard)
 
 
 def teacher_kl_loss(
@@ -241,15 +259,17 @@ def teacher_kl_loss(
     noise_level: float = 0.7,
     reduction: str = "mean",
     backend: str = "auto",
+    shard: Optional[ShardContext] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Diffusion-OPD's teacher KL: the batch mean of ||mu_theta - mu_teacher||^2 / (2 std^2) reduced per
     sample (the exact Gaussian KL of docs/contract.md, ``flowrl.step_kl`` with the teacher as the
-    reference, whose fused backward writes d / d model_output). Returns (loss, per-sample KL [B])."""
+    reference, whose fused backward writes d / d model_output). Returns (loss, per-sample KL [B]).
+    ``shard``: step_kl's sequence-parallel context."""
     _check_no_grad(sample=sample, teacher_model_output=teacher_model_output)
     args = (sample, model_output, teacher_model_output, sigmas, step_index, mode, noise_level, reduction, backend)
-    if _traced():  # while torch.compile traces: the custom op flowrl::teacher_kl_loss
+    if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::teacher_kl_loss
         return _ops.teacher_kl_loss(*args)
-    return _teacher_kl(*args)
+    return _teacher_kl(*args, shard=shard)
 
 
 # ----------------------------------------------------------------------------- forward-process losses
@@ -274,14 +294,17 @@ def nft_loss(
     kl_coef: float = 0.0,
     ref_model_output: Optional[torch.Tensor] = None,
     backend: str = "auto",
+    shard: Optional[ShardContext] = None,
 ) -> NFTLossOutput:
     """DiffusionNFT's loss (NVlabs/DiffusionNFT scripts/train_nft_sd3.py), one element pass.
 
     r = clip((clip(A, -A_max, A_max) / A_max) / 2 + 1/2, 0, 1); v+ = beta v + (1 - beta) v_old;
     v- = (1 + beta) v_old - beta v; e+- = (x_t - t v+-) - x0; w+- = stop-grad max(mean |e+-|, 1e-5);
     per sample L = r mse+ / w+ / beta + (1 - r) mse- / w- / beta; loss = mean(L * A_max) + kl_coef *
-    mean(mean (v - v_ref)^2). ``sigma`` is t (a float or [B]); x_t = ``noised_sample``."""
+    mean(mean (v - v_ref)^2). ``sigma`` is t (a float or [B]); x_t = ``noised_sample``. ``shard``: the
+    sequence-parallel context (the means are over the full sample)."""
     V.check_sample(noised_sample, "noised_sample")
+    elements_per_sample(noised_sample, shard)  # checks shard's type
     batch = noised_sample.shape[0]
     for name, u in (("model_output", model_output), ("old_model_output", old_model_output),
                     ("clean_sample", clean_sample)):
@@ -300,9 +323,9 @@ def nft_loss(
     ops = _flow_backend(backend, noised_sample, model_output, old_model_output, clean_sample, ref_model_output)
     args = (ops, noised_sample, model_output, old_model_output, clean_sample, ref_model_output, t, advantages, beta,
             adv_clip_max, kl_coef)
-    if _traced():  # while torch.compile traces: the custom op flowrl::nft_loss
+    if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::nft_loss
         return _ops.nft_loss(*args)
-    return nft_from_args(*args)
+    return nft_from_args(*args, shard=shard)
 
 
 AWM_WEIGHTINGS = ("uniform", "t", "t**2", "huber", "ghuber")
@@ -317,22 +340,25 @@ def awm_log_prob(
     weighting: str = "uniform",
     ghuber_power: float = 0.25,
     backend: str = "auto",
+    shard: Optional[ShardContext] = None,
 ) -> torch.Tensor:
     """AWM's per-sample matching "log-prob" [B] (Flow-Factory trainers/awm.py
     ``compute_weighted_log_prob``): l = -mean (v - (eps - x0))^2, then weighted by ``weighting``:
     "uniform" l, "t" l t, "t**2" l t^2, "huber" -(sqrt(-l + 1e-10) - 1e-5) t, "ghuber"
     -((-l + 1e-10)^p - 1e-10^p) t / p with p = ``ghuber_power``; t = ``sigma``. The reference reduces in
     float64; this reduces float32 squares by the contract's chunked halving tree, within a few float32
-    ulps of the float64 result (tested)."""
-    args = _awm_args(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend)
-    if _traced():  # while torch.compile traces: the custom op flowrl::awm_log_prob
+    ulps of the float64 result (tested). ``shard``: the sequence-parallel context (the mean is over the
+    full sample)."""
+    args = _awm_args(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend, shard)
+    if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::awm_log_prob
         return _ops.awm_log_prob(*args)
-    return awm_log_prob_from_args(*args)
+    return awm_log_prob_from_args(*args, shard=shard)
 
 
-def _awm_args(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend):
+def _awm_args(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend, shard=None):
     """``awm_log_prob``'s arguments validated: (ops, model_output, noise, clean_sample, t [B], weighting, p)."""
     V.check_sample(model_output, "model_output")
+    elements_per_sample(model_output, shard)  # checks shard's type
     batch = model_output.shape[0]
     V.check_batch_tensor("noise", noise, model_output, "model_output")
     V.check_batch_tensor("clean_sample", clean_sample, model_output, "model_output")
@@ -356,10 +382,11 @@ def awm_loss(
     ghuber_power: float = 0.25,
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
+    shard: Optional[ShardContext] = None,
 ) -> GRPOLossOutput:
     """Advantage Weighted Matching (Flow-Factory trainers/awm.py): ``awm_log_prob`` under the current
     policy, rho = exp(l - old_log_prob), the clipped surrogate of ``grpo_loss``, batch mean.
-    ``rollout_is_weights``: as ``grpo_loss``'s."""
+    ``rollout_is_weights``: as ``grpo_loss``'s; ``shard``: as ``awm_log_prob``'s."""
     batch = model_output.shape[0]
     old_log_prob = _check_per_sample("old_log_prob", old_log_prob, batch, model_output.device)
     advantages = _check_per_sample("advantages", advantages, batch, model_output.device)
@@ -367,11 +394,11 @@ def awm_loss(
         rollout_is_weights = _check_per_sample("rollout_is_weights", rollout_is_weights, batch, model_output.device)
     _check_no_grad(old_log_prob=old_log_prob, advantages=advantages, rollout_is_weights=rollout_is_weights)
     clip = check_clip_range(clip_range)
-    args = (*_awm_args(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend), old_log_prob,
-            advantages, clip, rollout_is_weights)
-    if _traced():  # while torch.compile traces: the custom op flowrl::awm_loss
+    args = (*_awm_args(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend, shard),
+            old_log_prob, advantages, clip, rollout_is_weights)
+    if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::awm_loss
         return _ops.awm_loss(*args)
-    return awm_from_args(*args)
+    return awm_from_args(*args, shard=shard)
 
 
 from .dpo import DGPOLossOutput, DPOLossOutput, dgpo_loss, dpo_loss, dpo_pairs  # noqa: E402 (Diffusion-DPO, DGPO)

@@ -57,6 +57,8 @@ def _flow_backend(backend_arg, *tensors):
     return _dispatch.select(backend_arg, *(u for u in tensors if u is not None))
 
 
-def _flow_sums(backend_arg, kind, count, xt, v, other, x0, ref, t, coefs):
-    """[count, B] per-sample sums of the forward-process loss ``kind`` on the backend of its tensors."""
-    return _flow_backend(backend_arg, xt, v, other, x0, ref).flow_sums(kind, count, xt, v, other, x0, ref, t, coefs)
+def _flow_sums(backend_arg, kind, count, xt, v, other, x0, ref, t, coefs, shard=None):
+    """[count, B] per-sample sums of the forward-process loss ``kind`` on the backend of its tensors
+    (``shard``: the full samples' sums under sequence parallelism, the same on every rank)."""
+    return _flow_backend(backend_arg, xt, v, other, x0, ref).flow_sums(kind, count, xt, v, other, x0, ref, t, coefs,
+                                                                        shard=shard)

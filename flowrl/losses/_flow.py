@@ -29,14 +29,19 @@ class NFTLossOutput(NamedTuple):
     kl: Optional[torch.Tensor]
 
 
+def _numel(like, shard) -> int:
+    """Elements per full sample: ``like``'s, or the shard context's under sequence parallelism."""
+    return like.numel() // like.shape[0] if shard is None else shard.numel
+
+
 def nft_from_args(ops, noised_sample, model_output, old_model_output, clean_sample, ref_model_output, t, advantages,
-                  beta, adv_clip_max, kl_coef) -> NFTLossOutput:
-    """``nft_loss`` from its validated arguments (``t`` the [B] sigma), on backend ``ops``."""
+                  beta, adv_clip_max, kl_coef, shard=None) -> NFTLossOutput:
+    """``nft_loss`` from its validated arguments (``t`` the [B] sigma), on backend ``ops``; ``shard``: the
+    sequence-parallel context (None on one device)."""
     has_ref = ref_model_output is not None
-    batch = noised_sample.shape[0]
     sums = ops.flow_sums(FlowLoss.NFT, 5 if has_ref else 4, noised_sample, model_output, old_model_output,
-                         clean_sample, ref_model_output, t, (beta, 1.0 - beta, 1.0 + beta))
-    numel = noised_sample.numel() // batch
+                         clean_sample, ref_model_output, t, (beta, 1.0 - beta, 1.0 + beta), shard=shard)
+    numel = _numel(noised_sample, shard)
     abs_pos, sq_pos, abs_neg, sq_neg = sums[0], sums[1], sums[2], sums[3]
     w_pos = (abs_pos.detach() / numel).clamp(min=1e-5)
     w_neg = (abs_neg.detach() / numel).clamp(min=1e-5)
@@ -52,10 +57,11 @@ def nft_from_args(ops, noised_sample, model_output, old_model_output, clean_samp
                          None if kl is None else kl.detach())
 
 
-def awm_log_prob_from_args(ops, model_output, noise, clean_sample, t, weighting, p) -> torch.Tensor:
+def awm_log_prob_from_args(ops, model_output, noise, clean_sample, t, weighting, p, shard=None) -> torch.Tensor:
     """``awm_log_prob`` from its validated arguments (``t`` the [B] sigma, ``p`` the ghuber power)."""
-    sums = ops.flow_sums(FlowLoss.AWM, 1, None, model_output, noise, clean_sample, None, t, (0.0, 0.0, 0.0))
-    lp = -(sums[0] / (model_output.numel() // model_output.shape[0]))
+    sums = ops.flow_sums(FlowLoss.AWM, 1, None, model_output, noise, clean_sample, None, t, (0.0, 0.0, 0.0),
+                         shard=shard)
+    lp = -(sums[0] / _numel(model_output, shard))
     t = t.to(lp.dtype)
     if weighting == "t":
         lp = lp * t
@@ -69,8 +75,8 @@ def awm_log_prob_from_args(ops, model_output, noise, clean_sample, t, weighting,
 
 
 def awm_from_args(ops, model_output, noise, clean_sample, t, weighting, p, old_log_prob, advantages, clip,
-                  rollout_is_weights) -> GRPOLossOutput:
+                  rollout_is_weights, shard=None) -> GRPOLossOutput:
     """``awm_loss`` from its validated arguments: ``awm_log_prob`` and the GRPO surrogate's arithmetic."""
-    lp = awm_log_prob_from_args(ops, model_output, noise, clean_sample, t, weighting, p)
+    lp = awm_log_prob_from_args(ops, model_output, noise, clean_sample, t, weighting, p, shard)
     return policy_loss(Variant.GRPO, lp, None, None, old_log_prob.to(lp.dtype), advantages.to(lp.dtype), clip,
                        0.0, None, None, None if rollout_is_weights is None else rollout_is_weights.to(lp.dtype))

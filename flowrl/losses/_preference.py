@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ..backends import reference
 from ..contract import FlowLoss
+from ..core.step_spec import elements_per_sample
 from ._common import _flow_sums
 
 
@@ -60,14 +61,14 @@ class DGPOLossOutput(NamedTuple):
     clip_fraction: Optional[torch.Tensor]
 
 
-def _preference_sums(backend_arg, kind, v, noise, x0, ref, two=None):
+def _preference_sums(backend_arg, kind, v, noise, x0, ref, two=None, shard=None):
     """[K, B] per-sample sums, K = 2 (DPO), 3 or 5 (DGPO without / with ``two``): rows (v - u)^2,
     (ref - u)^2 and, for DGPO, (v - ref)^2, then (two - u)^2, (v - two)^2 (u = noise - x0). The backends'
     flow_sums slots: v_ref in xt's, the second reference in ref's (kernels/loss.py's LOSS_DPO / LOSS_DGPO;
     flowrl.backends.reference_losses.flow_sums)."""
     count = 2 if kind is FlowLoss.DPO else (5 if two is not None else 3)
     t = torch.zeros(v.shape[0], dtype=torch.float32, device=v.device)  # unused by these kinds
-    return _flow_sums(backend_arg, kind, count, ref, v, noise, x0, two, t, (0.0, 0.0, 0.0))
+    return _flow_sums(backend_arg, kind, count, ref, v, noise, x0, two, t, (0.0, 0.0, 0.0), shard=shard)
 
 
 def dgpo_references(ref_model_output, old_model_output, clip, ema_reference):
@@ -77,11 +78,13 @@ def dgpo_references(ref_model_output, old_model_output, clip, ema_reference):
     return first, second
 
 
-def dpo_from_args(backend, model_output, ref_model_output, noise, clean_sample, beta, pair_layout) -> DPOLossOutput:
-    """``dpo_loss`` from its validated arguments (``backend``: the argument, or the resolved backend's name)."""
+def dpo_from_args(backend, model_output, ref_model_output, noise, clean_sample, beta, pair_layout,
+                  shard=None) -> DPOLossOutput:
+    """``dpo_loss`` from its validated arguments (``backend``: the argument, or the resolved backend's name;
+    ``shard``: the sequence-parallel context, the means over the full sample)."""
     batch = model_output.shape[0]
-    sums = _preference_sums(backend, FlowLoss.DPO, model_output, noise, clean_sample, ref_model_output)
-    numel = model_output.numel() // batch
+    sums = _preference_sums(backend, FlowLoss.DPO, model_output, noise, clean_sample, ref_model_output, shard=shard)
+    numel = elements_per_sample(model_output, shard)
     err, ref_err = sums[0] / numel, sums[1] / numel
     p = batch // 2
     if pair_layout == "halves":
@@ -112,15 +115,16 @@ def _group_sums(term, inverse, counts) -> torch.Tensor:
 
 
 def dgpo_from_args(backend, model_output, ref_model_output, noise, clean_sample, advantages, group_index, beta,
-                   group_size, old_model_output, clip, clip_dsm, clip_kl, ema_reference, kl_coef) -> DGPOLossOutput:
+                   group_size, old_model_output, clip, clip_dsm, clip_kl, ema_reference, kl_coef,
+                   shard=None) -> DGPOLossOutput:
     """``dgpo_loss`` from its validated arguments (``backend``: the argument, or the resolved backend's name;
-    ``clip``: (eps_low, eps_high) or None). The groups are read here (``torch.unique``: a device sync)."""
-    batch = model_output.shape[0]
+    ``clip``: (eps_low, eps_high) or None; ``shard`` as ``dpo_from_args``'). The groups are read here
+    (``torch.unique``: a device sync)."""
     _, inverse = torch.unique(group_index, return_inverse=True)
     n_groups = int(inverse.max()) + 1
     first, second = dgpo_references(ref_model_output, old_model_output, clip, ema_reference)
-    sums = _preference_sums(backend, FlowLoss.DGPO, model_output, noise, clean_sample, first, second)
-    numel = model_output.numel() // batch
+    sums = _preference_sums(backend, FlowLoss.DGPO, model_output, noise, clean_sample, first, second, shard=shard)
+    numel = elements_per_sample(model_output, shard)
     dsm, ref_dsm = sums[0] / numel, (sums[1] / numel).detach()
     if ema_reference:
         old_dsm = ref_dsm

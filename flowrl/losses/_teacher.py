@@ -7,8 +7,10 @@ from __future__ import annotations
 from ..ops.functional import step_kl
 
 
-def teacher_kl(sample, model_output, teacher_model_output, sigmas, step_index, mode, noise_level, reduction, backend):
-    """(loss, per-sample KL [B] detached): the batch mean of ``flowrl.step_kl`` to the teacher."""
+def teacher_kl(sample, model_output, teacher_model_output, sigmas, step_index, mode, noise_level, reduction, backend,
+               shard=None):
+    """(loss, per-sample KL [B] detached): the batch mean of ``flowrl.step_kl`` to the teacher (``shard``:
+    step_kl's sequence-parallel context)."""
     kl = step_kl(sample, model_output, teacher_model_output, sigmas, step_index, mode=mode, noise_level=noise_level,
-                 reduction=reduction, backend=backend)
+                 reduction=reduction, backend=backend, shard=shard)
     return kl.mean(), kl.detach()

@@ -33,6 +33,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..core import _validate as V
+from ..core.step_spec import ShardContext, elements_per_sample
 from ..ops._custom_ops import traced as _traced
 from . import _custom_ops as _ops
 from ._common import _check_no_grad, _check_per_sample, _check_scalar, _flow_backend, check_clip_range
@@ -59,6 +60,7 @@ def dpo_loss(
     beta: float,
     pair_layout: str = "halves",
     backend: str = "auto",
+    shard: Optional[ShardContext] = None,
 ) -> DPOLossOutput:
     """Flow-matching Diffusion-DPO on P chosen/rejected pairs (2P samples), one element pass.
 
@@ -70,9 +72,11 @@ def dpo_loss(
     the same order: flow_grpo's and Flow-Factory's batches) or "interleaved" (chosen, rejected adjacent:
     verl-omni's). Offline pairs are passed as they are; online pairs come from ``dpo_pairs``.
     The timestep enters only through the model's inputs (x_t, t): the loss does not read sigma.
+    ``shard``: the sequence-parallel context (the means are over the full sample; flowrl.losses' note).
     """
     V.check_sample(model_output, "model_output")
     batch = model_output.shape[0]
+    elements_per_sample(model_output, shard)  # checks shard's type
     if batch < 2 or batch % 2:
         raise ValueError(f"model_output must hold chosen/rejected pairs: an even batch >= 2; got {batch}")
     for name, u in (("ref_model_output", ref_model_output), ("noise", noise), ("clean_sample", clean_sample)):
@@ -81,9 +85,9 @@ def dpo_loss(
     beta = _check_scalar("beta", beta, strict=True)
     _check_no_grad(ref_model_output=ref_model_output, noise=noise, clean_sample=clean_sample)
     args = (model_output, ref_model_output, noise, clean_sample, beta, pair_layout)
-    if _traced():  # while torch.compile traces: the custom op flowrl::dpo_loss
+    if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::dpo_loss
         return _ops.dpo_loss(_flow_backend(backend, ref_model_output, model_output, noise, clean_sample).name, *args)
-    return dpo_from_args(backend, *args)
+    return dpo_from_args(backend, *args, shard=shard)
 
 
 def dpo_pairs(rewards: torch.Tensor, group_ids: torch.Tensor, *, ties: str = "verl_omni"
@@ -167,6 +171,7 @@ def dgpo_loss(
     ema_reference: bool = False,
     kl_coef: float = 0.0,
     backend: str = "auto",
+    shard: Optional[ShardContext] = None,
 ) -> DGPOLossOutput:
     """DGPO's group-level preference loss (Luo-Yihong/DGPO ``compute_group_dgpo_loss_allreduce``;
     Flow-Factory ``DGPOTrainer``), one element pass over x0, eps, v and the references.
@@ -184,9 +189,11 @@ def dgpo_loss(
     sample's dsm (``clip_dsm``) and kl (``clip_kl``) are detached. Each group is summed by a fixed tree
     over its members in batch order (``_group_sums``): deterministic, and a group's weight does not
     depend on the other groups in the call (the peers' scatter_add uses atomics on a GPU).
+    ``shard``: the sequence-parallel context (the means are over the full sample; flowrl.losses' note).
     """
     V.check_sample(model_output, "model_output")
     batch = model_output.shape[0]
+    elements_per_sample(model_output, shard)  # checks shard's type
     device = model_output.device
     for name, u in (("noise", noise), ("clean_sample", clean_sample)):
         _check_same(name, u, model_output)
@@ -213,10 +220,10 @@ def dgpo_loss(
                    clean_sample=clean_sample, advantages=advantages)
     args = (model_output, ref_model_output, noise, clean_sample, advantages, group_index, beta, group_size,
             old_model_output, clip, clip_dsm, clip_kl, ema_reference, kl_coef)
-    if _traced():  # while torch.compile traces: the custom op flowrl::dgpo_loss
+    if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::dgpo_loss
         first, second = dgpo_references(ref_model_output, old_model_output, clip, ema_reference)
         return _ops.dgpo_loss(_flow_backend(backend, first, model_output, noise, clean_sample, second).name, *args)
-    return dgpo_from_args(backend, *args)
+    return dgpo_from_args(backend, *args, shard=shard)
 
 
 __all__ = ["dpo_loss", "dpo_pairs", "dgpo_loss", "DPOLossOutput", "DGPOLossOutput", "PAIR_LAYOUTS", "PAIR_TIES"]

@@ -15,13 +15,15 @@ computes the same loss from the same gathered value, so no reduction is needed, 
 rank gets for its shard is the matching slice of the single-device gradient (bit for bit under the
 same condition).
 
-Works with any ``torch.distributed`` backend (gloo on CPU, NCCL on GPU). The per-rank shard sizes are
-exchanged once per call (a tiny all-gather, one host sync); pass ``shard_numels=`` when they are
-known to skip it.
+Written for any ``torch.distributed`` backend; gloo is tested (CPU processes), NCCL only where a GPU run
+is recorded (docs/wire_and_sp.md). The per-rank shard sizes are exchanged once per call (a tiny
+all-gather, one host sync); pass ``shard_numels=`` when they are known to skip it. The losses of
+``flowrl.losses`` have their group forms here too (``grpo_loss``, ...: flowrl/losses/distributed.py).
 """
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -144,26 +146,35 @@ def shard_layout(sample: torch.Tensor, group=None, shard_numels: Optional[Sequen
     return ShardLayout([n for _, n in pairs], rank, group)
 
 
-def _with_group(op):
-    """``op`` (a ``flowrl.functional`` op) on this rank's shards: the same arguments, less ``shard``,
-    plus ``group`` (the process group; None: the default group) and ``shard_numels`` (every rank's
-    elements per sample, when known: skips their exchange). The layout becomes the spec's shard
-    context; nothing else changes."""
+def _with_group(op, note: Optional[str] = None):
+    """``op`` (a ``flowrl.functional`` op, or a loss of ``flowrl.losses``) on this rank's shards: the same
+    arguments, less ``shard``, plus ``group`` (the process group; None: the default group) and
+    ``shard_numels`` (every rank's elements per sample, when known: skips their exchange). The layout
+    comes from op's first argument (a tensor of the sample's shape: ``sample``, ``noised_sample`` or
+    ``model_output``) and becomes the op's ``shard=`` context; nothing else changes. ``note``: the
+    wrapper's doc paragraph (the step ops' by default)."""
     signature = inspect.signature(op)
+    first = next(iter(signature.parameters))
     params = [p for name, p in signature.parameters.items() if name != "shard"]
     params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
                for name in ("group", "shard_numels")]
 
     @functools.wraps(op)
-    def on_shards(sample, *args, group=None, shard_numels: Optional[Sequence[int]] = None, **kwargs):
+    def on_shards(*args, group=None, shard_numels: Optional[Sequence[int]] = None, **kwargs):
         if "shard" in kwargs:
             raise TypeError(f"flowrl.distributed.{op.__name__} builds the shard from group and shard_numels; "
                             "do not pass shard")
-        return op(sample, *args, shard=shard_layout(sample, group, shard_numels).context(), **kwargs)
+        if args:
+            sample = args[0]
+        elif first in kwargs:
+            sample = kwargs[first]
+        else:
+            raise TypeError(f"flowrl.distributed.{op.__name__} missing its first argument {first!r}")
+        return op(*args, shard=shard_layout(sample, group, shard_numels).context(), **kwargs)
 
     on_shards.__signature__ = signature.replace(parameters=params)
     on_shards.__module__ = __name__
-    on_shards.__doc__ = (
+    on_shards.__doc__ = note.format(name=op.__name__) + (op.__doc__ or "") if note is not None else (
         f"``flowrl.{op.__name__}`` on this rank's shard of every sample (``group``: the process group).\n\n"
         "Tensors of the sample's shape are this rank's shards (and so are ``prev_sample`` and the mean "
         "returned by sde_step); values [B] (log_prob, KL, std_dev) are the full samples', the same on "
@@ -182,4 +193,17 @@ step_log_prob = _with_group(F.step_log_prob)
 step_kl = _with_group(F.step_kl)
 
 
-__all__ = ["CHUNK_SIZE", "ShardLayout", "shard_layout", "sde_step", "step_log_prob", "step_kl"]
+# The losses' forms (flowrl.distributed.grpo_loss, ...) are built by the same ``_with_group`` in the losses
+# layer (flowrl/losses/distributed.py) and re-exported here on first use, as flowrl/__init__.py's lazy names
+# are: this module imports nothing above the ops layer.
+LOSSES = ("grpo_loss", "grpo_guard_loss", "flow_dppo_loss", "teacher_kl_loss", "nft_loss", "awm_log_prob",
+          "awm_loss", "dpo_loss", "dgpo_loss")
+
+
+def __getattr__(name):
+    if name in LOSSES:
+        return getattr(importlib.import_module("flowrl.losses.distributed"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["CHUNK_SIZE", "ShardLayout", "shard_layout", "sde_step", "step_log_prob", "step_kl", *LOSSES]
