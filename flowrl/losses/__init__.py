@@ -2,7 +2,8 @@
 
 - ``grpo_loss``: the PPO/GRPO clipped surrogate with its log-prob recompute (bit for bit
   ``flowrl.step_log_prob``'s, so the first ratio is exactly 1) and ``kl_coef`` x the exact KL to a
-  reference policy; symmetric or asymmetric clip ranges; the stats trainers log.
+  reference policy (or, ``kl_space="velocity"``, its velocity's mean (v - v_ref)^2; the reference given
+  guided or as its two CFG branches); symmetric or asymmetric clip ranges; the stats trainers log.
 - ``grpo_guard_loss`` (GRPO-Guard) and ``flow_dppo_loss`` (Flow-DPPO): trust-region variants that need
   the rollout's mean mu_old, given (``old_prev_sample_mean``) or replayed from the stored x' and the
   rollout's in-kernel noise (``noise_seed``): mu_old = x' - std * eps.
@@ -25,6 +26,7 @@ outputs and the stored means are data, and a tensor among them that requires gra
 """
 from __future__ import annotations
 
+import math
 from numbers import Real
 from typing import Optional, Tuple, Union
 
@@ -32,7 +34,7 @@ import torch
 
 from ..backends import _dispatch
 from ..core import _validate as V
-from ..contract import FlowLoss, Op, Reduction, TrustSource
+from ..contract import FlowLoss, KLSpace, Op, Reduction, TrustSource
 from ..core.step_spec import StepSpec, log_prob_kind, schedule_and_steps
 from ..ops._custom_ops import traced as _traced
 from . import _custom_ops as _ops
@@ -44,6 +46,9 @@ from ._policy import Variant as _Variant
 from ._teacher import teacher_kl as _teacher_kl
 
 ClipRange = Union[float, Tuple[float, float]]
+# the reference policy's output: its (guided) output, or its two branches (uncond, cond) guided inside the
+# loss's pass at ``ref_guidance_scale``
+RefOutput = Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -58,15 +63,38 @@ def _step_sample_tensor(name, t, sample):
 # --------------------------------------------------------------------- the GRPO family's loss block
 
 
+def _reference(ref_model_output, ref_guidance_scale, sample):
+    """The reference's output: (ref, None, None) for one tensor (or None), (uncond, cond, w) for the two
+    branches ``ref_model_output=(uncond, cond)`` with ``ref_guidance_scale=w``; each checked."""
+    if isinstance(ref_model_output, (tuple, list)):
+        if len(ref_model_output) != 2:
+            raise ValueError("ref_model_output must be a tensor or a pair (uncond, cond) of the reference's two "
+                             f"branches; got a {type(ref_model_output).__name__} of {len(ref_model_output)}")
+        uncond, cond = ref_model_output
+        _step_sample_tensor("ref_model_output[0] (uncond)", uncond, sample)
+        _step_sample_tensor("ref_model_output[1] (cond)", cond, sample)
+        _check_no_grad(**{"ref_model_output[0] (uncond)": uncond, "ref_model_output[1] (cond)": cond})
+        if ref_guidance_scale is None:
+            raise ValueError("ref_model_output is a pair (uncond, cond) but ref_guidance_scale is None: pass the "
+                             "guidance scale w of the reference's uncond + w (cond - uncond)")
+        return uncond, cond, _check_scalar("ref_guidance_scale", ref_guidance_scale, minimum=-math.inf)
+    if ref_guidance_scale is not None:
+        raise ValueError("ref_guidance_scale is given but ref_model_output is not a pair (uncond, cond): pass the "
+                         "reference's two branches, or its guided output alone without ref_guidance_scale")
+    return _step_sample_tensor("ref_model_output", ref_model_output, sample), None, None
+
+
 def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, *,
                  clip_range, mode, noise_level, log_prob, reduction, kl_coef, ref_model_output,
-                 old_prev_sample_mean, noise_seed, kl_threshold, backend, rollout_is_weights=None) -> GRPOLossOutput:
+                 old_prev_sample_mean, noise_seed, kl_threshold, backend, rollout_is_weights=None,
+                 kl_space="transition", ref_guidance_scale=None) -> GRPOLossOutput:
     sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
     if not mode.rules.losses:  # ddim: its mean is not a * x + c * v (x0's clip; an alpha-bar table), which the loss kernels fuse
         raise ValueError(f"mode={mode.label!r} is not supported by flowrl.losses; compute step_log_prob(mode={mode.label!r}, ...) and "
                          "form the loss from it")
     V.check_batch_tensor("prev_sample", prev_sample, sample)
-    _step_sample_tensor("ref_model_output", ref_model_output, sample)
+    kl_space = KLSpace.parse("kl_space", kl_space)
+    ref_model_output, ref_cond, ref_scale = _reference(ref_model_output, ref_guidance_scale, sample)
     batch = sample.shape[0]
     old_log_prob = _check_per_sample("old_log_prob", old_log_prob, batch, sample.device)
     advantages = _check_per_sample("advantages", advantages, batch, sample.device)
@@ -91,10 +119,12 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
             seed, trust = V.check_noise_seed(noise_seed, sample), TrustSource.REPLAY
     spec = StepSpec(Op.LOG_PROB, sigmas, idx, mode, eta, log_prob_kind(log_prob), Reduction.parse("reduction", reduction),
                     sample.numel() // batch)
-    tensors = [t for t in (sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean) if t is not None]
+    tensors = [t for t in (sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean, ref_cond)
+               if t is not None]
     ops = _dispatch.select(backend, *tensors)
     args = (variant, ops, spec, sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
-            old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold, rollout_is_weights)
+            old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold, rollout_is_weights, kl_space, ref_cond,
+            ref_scale)
     if _traced():  # while torch.compile traces: the custom op flowrl::grpo_family_loss
         return grpo_family_loss(*args)
     return grpo_from_spec(*args)
@@ -115,9 +145,11 @@ def grpo_loss(
     log_prob: str = "gaussian",
     reduction: str = "mean",
     kl_coef: float = 0.0,
-    ref_model_output: Optional[torch.Tensor] = None,
+    ref_model_output: RefOutput = None,
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
+    kl_space: str = "transition",
+    ref_guidance_scale: Optional[float] = None,
 ) -> GRPOLossOutput:
     """Flow-GRPO's training loss block for one SDE step, in one call.
 
@@ -129,12 +161,20 @@ def grpo_loss(
     writing d loss / d model_output. ``rollout_is_weights``: [B] rollout-correction weights (detached;
     ``flowrl.consistency.correction_weights``' column of this step) multiplying each sample's surrogate
     before the batch mean, as verl-omni applies them; not the KL term (docs/consistency.md).
+
+    ``kl_space="velocity"``: the KL term is instead the velocity's (v - v_ref)^2 per element, reduced
+    like the log-prob (mean over the sample's elements by default), with no std scaling: Flow-Factory's
+    ``kl_type="v-based"`` (docs/losses.md, KL choices). ``ref_model_output=(uncond, cond)`` with
+    ``ref_guidance_scale=w``: the reference's two branches, combined in float32 inside the pass as
+    uncond + w (cond - uncond) (the CFG reference of a trainer that trains without CFG); a single tensor
+    is the reference's output as it is (guided or not). The same three arguments in every variant.
     """
     return _grpo_family(_Variant.GRPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=None, noise_seed=None, kl_threshold=None, backend=backend,
-                        rollout_is_weights=rollout_is_weights)
+                        rollout_is_weights=rollout_is_weights, kl_space=kl_space,
+                        ref_guidance_scale=ref_guidance_scale)
 
 
 def grpo_guard_loss(
@@ -154,9 +194,11 @@ def grpo_guard_loss(
     log_prob: str = "gaussian",
     reduction: str = "mean",
     kl_coef: float = 0.0,
-    ref_model_output: Optional[torch.Tensor] = None,
+    ref_model_output: RefOutput = None,
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
+    kl_space: str = "transition",
+    ref_guidance_scale: Optional[float] = None,
 ) -> GRPOLossOutput:
     """GRPO-Guard (arXiv 2510.22319; verl-omni ``GRPOGuardLoss``, Flow-Factory ``GRPOGuardTrainer``).
 
@@ -165,12 +207,14 @@ def grpo_guard_loss(
     are each sample's own (the peers use the batch's shared step). mu_old: ``old_prev_sample_mean``
     (the rollout's ``prev_sample_mean``), or replayed from ``prev_sample`` and the rollout's
     ``noise_seed`` (docs/losses.md, Replaying mu_old). ``rollout_is_weights``: as ``grpo_loss``'s (on
-    the surrogate after its 1/D scale)."""
+    the surrogate after its 1/D scale). ``kl_space``, ``ref_model_output``, ``ref_guidance_scale``: as
+    ``grpo_loss``'s."""
     return _grpo_family(_Variant.GUARD, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=None,
-                        backend=backend, rollout_is_weights=rollout_is_weights)
+                        backend=backend, rollout_is_weights=rollout_is_weights, kl_space=kl_space,
+                        ref_guidance_scale=ref_guidance_scale)
 
 
 def flow_dppo_loss(
@@ -190,20 +234,24 @@ def flow_dppo_loss(
     log_prob: str = "gaussian",
     reduction: str = "mean",
     kl_coef: float = 0.0,
-    ref_model_output: Optional[torch.Tensor] = None,
+    ref_model_output: RefOutput = None,
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
+    kl_space: str = "transition",
+    ref_guidance_scale: Optional[float] = None,
 ) -> GRPOLossOutput:
     """Flow-DPPO (verl-omni ``FlowDPPOLoss``): per sample -rho A, masked (0) when D_s = mean ||mu_theta -
     mu_old||^2 / (2 std^2) >= ``kl_threshold`` and the ratio moves in the advantage's direction (rho > 1
     with A > 0, or rho < 1 with A < 0); no ratio clipping; batch mean. mu_old as in
-    ``grpo_guard_loss``. ``rollout_is_weights``: as ``grpo_loss``'s."""
+    ``grpo_guard_loss``. ``rollout_is_weights``, ``kl_space``, ``ref_model_output``, ``ref_guidance_scale``:
+    as ``grpo_loss``'s."""
     kl_threshold = _check_scalar("kl_threshold", kl_threshold)
     return _grpo_family(_Variant.DPPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=None, mode=mode, noise_level=noise_level, log_prob=log_prob,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=kl_threshold,
-                        backend=backend, rollout_is_weights=rollout_is_weights)
+                        backend=backend, rollout_is_weights=rollout_is_weights, kl_space=kl_space,
+                        ref_guidance_scale=ref_guidance_scale)
 
 
 def teacher_kl_loss(
@@ -354,6 +402,6 @@ from .dpo import DGPOLossOutput, DPOLossOutput, dgpo_loss, dpo_loss, dpo_pairs  
 
 __all__ = [
     "grpo_loss", "grpo_guard_loss", "flow_dppo_loss", "teacher_kl_loss", "nft_loss", "awm_log_prob", "awm_loss",
-    "GRPOLossOutput", "NFTLossOutput", "check_clip_range", "TrustSource", "FlowLoss", "AWM_WEIGHTINGS", "AWM_EPS",
+    "GRPOLossOutput", "NFTLossOutput", "check_clip_range", "TrustSource", "FlowLoss", "KLSpace", "AWM_WEIGHTINGS", "AWM_EPS",
     "dpo_loss", "dpo_pairs", "dgpo_loss", "DPOLossOutput", "DGPOLossOutput",
 ]
