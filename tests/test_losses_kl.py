@@ -365,3 +365,24 @@ def test_bad_arguments_name_the_argument():
             call(fn, ref_model_output=(u, c.clone().requires_grad_()), ref_guidance_scale=4.5)
         with pytest.raises(ValueError, match="ref_model_output"):
             call(fn, kl_coef=0.1, kl_space="velocity")
+
+
+# --------------------------------------------------------------------------------------- AOT list
+
+
+def test_the_aot_list_compiles_the_kl_switches():
+    """kernels/aot.py lists the new switches (tests/test_compile.py compiles every listed specialization;
+    tests/test_roofline.py holds the hot ones to their bound) and counts the conditional branch's bytes."""
+    from flowrl.contract import KLSpace
+    from flowrl.kernels import aot
+
+    for storage in aot.STORAGES:
+        specs = [s for s in aot.loss_specializations(storage) if s.kernel.startswith("grpo")]
+        seen = {(s.kernel, s.constexprs["KL_SPACE"], s.constexprs["REF_GUIDED"]) for s in specs}
+        for kernel in ("grpo_partials_kernel", "grpo_backward_kernel"):
+            assert {(kernel, int(KLSpace.TRANSITION), False), (kernel, int(KLSpace.VELOCITY), True),
+                    (kernel, int(KLSpace.TRANSITION), True)} <= seen
+    g = (1, 1)
+    plain = aot._grpo_loss("bf16", flowrl.contract.Mode.SDE, True, 1, *g, kl_space=KLSpace.VELOCITY)
+    guided = aot._grpo_loss("bf16", flowrl.contract.Mode.SDE, True, 1, *g, kl_space=KLSpace.VELOCITY, guided=True)
+    assert aot.bytes_per_element(guided) == aot.bytes_per_element(plain) + 2
