@@ -178,6 +178,15 @@ class FlowLoss(_Named):
     DGPO = 3
 
 
+class KLSpace(_Named):
+    """Where the GRPO family's KL to the reference is measured (kernels/loss.py's KL_* switches): the
+    exact KL of the two step transitions, (mu_theta - mu_ref)^2 / (2 std^2) per element, or the velocity
+    space's (v - v_ref)^2 (Flow-Factory's ``kl_type="v-based"``); both reduced like the log-prob."""
+
+    TRANSITION = 0
+    VELOCITY = 1
+
+
 # Elements per reduction chunk: the unit of the deterministic, shard-invariant reduction order. Each
 # chunk is summed by the halving tree t[:h] + t[h:] (zero-padded to CHUNK_SIZE), and a sample's chunk
 # partials by the same tree, zero-padded to a power of two (docs/contract.md, Reduction order).
@@ -220,6 +229,7 @@ COSPI_C12 = 2.0876755879584152e-09
 
 __all__ = [
     "Mode", "ModeRules", "MODE_RULES", "Schedule", "Variants", "Prediction", "LogProbKind", "LOG_PROB_KINDS", "Reduction", "Op", "NoiseSource", "TrustSource", "FlowLoss",
+    "KLSpace",
     "CHUNK_SIZE",
     "LOG2_CHUNK_SIZE", "HALF_LOG_2PI", "SIGMA_ONE_RTOL", "SIGMA_ONE_ATOL", "SIGMA_ONE_TOL", "STD_FLOOR",
 ]

@@ -29,7 +29,7 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from typing import Dict, Iterator, List, NamedTuple, Sequence
 
-from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, LogProbKind, Mode, NoiseSource, Op, Prediction, Variants
+from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, KLSpace, LogProbKind, Mode, NoiseSource, Op, Prediction, Variants
 
 STORAGES = ("bf16", "fp16", "fp32")
 ARCHS = (90, 80)
@@ -135,9 +135,11 @@ def _backward(storage, mode, kind, mean, needs, group, warps, elementwise=(), ha
                           + _elementwise_label(elementwise), group * CHUNK_SIZE)
 
 
-def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind=LogProbKind.GAUSSIAN, mean=True):
+def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind=LogProbKind.GAUSSIAN, mean=True,
+               kl_space=KLSpace.TRANSITION, guided=False):
     """flowrl.losses' GRPO-family element pass (kernels/loss.py) or its backward; trust: 0 none, 1 a
-    given float32 mu_old, 2 mu_old replayed from Philox noise."""
+    given float32 mu_old, 2 mu_old replayed from Philox noise; kl_space: the KL's KLSpace; guided: the
+    reference as its two CFG branches (REF_GUIDED)."""
     sig = {"x_ptr": "*" + storage, "v_ptr": "*" + storage, "prev_ptr": "*" + storage, "ref_ptr": "*" + storage,
            "old_mean_ptr": "*" + ("fp32" if trust == 1 else storage)}
     if backward:
@@ -148,7 +150,9 @@ def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind
                 "elem_offset": "i32", "n_per_sample": "i32"})
     sig.update({"n_blocks": "i32", "numel_f": "fp32"} if backward else {"n_chunks": "i32", "n_blocks": "i32"})
     sig.update({"sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32", "last_index": "i32"})
-    cx = {"MODE": int(mode), "HAS_REF": has_ref, "TRUST": trust, "PHILOX_ALIGNED": trust == 2}
+    sig.update({"ref_cond_ptr": "*" + storage, "ref_scale": "fp32"})
+    cx = {"MODE": int(mode), "HAS_REF": has_ref, "TRUST": trust, "PHILOX_ALIGNED": trust == 2,
+          "KL_SPACE": int(kl_space), "REF_GUIDED": guided}
     if backward:
         cx.update({"KIND": int(kind), "MEAN": mean, "BLOCK": group * CHUNK_SIZE})
     else:
@@ -157,6 +161,8 @@ def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind
     name = "grpo_backward_kernel" if backward else "grpo_partials_kernel"
     label = f"{mode.label} ref={has_ref} trust={trust}" + (f" {kind.label} {'mean' if mean else 'sum'}" if backward
                                                            else "") + f" g{group}w{warps}"
+    if kl_space is not KLSpace.TRANSITION or guided:
+        label += f" kl={kl_space.label}" + (" guided" if guided else "")
     return Specialization(name, sig, cx, ptrs + ("n_per_sample",), warps, label, group * CHUNK_SIZE)
 
 
@@ -195,6 +201,12 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
                          backward=backward)
         yield _grpo_loss(storage, Mode.CPS, True, 1, *largest, backward=backward, kind=LogProbKind.SQ_ERR, mean=False)
         yield _grpo_loss(storage, Mode.DANCE, False, 0, *largest, backward=backward, kind=LogProbKind.KERNEL)
+        # the KL choices (KL_SPACE, REF_GUIDED): the velocity KL to a guided reference with a given mu_old,
+        # and the transition KL to a guided reference beside the heaviest switch, mu_old replayed
+        yield _grpo_loss(storage, Mode.SDE, True, 1, *largest, backward=backward, kl_space=KLSpace.VELOCITY,
+                         guided=True)
+        yield _grpo_loss(storage, Mode.SDE, True, 2, *(REPLAY_BACKWARD_CONFIG if backward else largest),
+                         backward=backward, guided=True)
         yield _flow_loss(storage, 0, True, *largest, backward=backward)
         yield _flow_loss(storage, 1, False, *largest, backward=backward)
         yield _flow_loss(storage, 2, False, *largest, backward=backward)  # Diffusion-DPO
@@ -394,10 +406,12 @@ ELEMENT_TRAFFIC = {
     "grpo_partials_kernel": (
         ("x_ptr", lambda c: True), ("v_ptr", lambda c: True), ("prev_ptr", lambda c: True),
         ("ref_ptr", lambda c: c["HAS_REF"]), ("old_mean_ptr", lambda c: c["TRUST"] == 1),
+        ("ref_cond_ptr", lambda c: c["HAS_REF"] and c["REF_GUIDED"]),
     ),
     "grpo_backward_kernel": (
         ("x_ptr", lambda c: True), ("v_ptr", lambda c: True), ("prev_ptr", lambda c: True),
         ("ref_ptr", lambda c: c["HAS_REF"]), ("old_mean_ptr", lambda c: c["TRUST"] == 1),
+        ("ref_cond_ptr", lambda c: c["HAS_REF"] and c["REF_GUIDED"]),
         ("grad_v_ptr", lambda c: True),
     ),
     "flow_partials_kernel": (

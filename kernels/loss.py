@@ -8,7 +8,8 @@ batch-invariant:
 - ``grpo_partials_kernel``: one pass over x, v, x' (and v_ref, and mu_old or its Philox replay)
   writes the chunk partials of the log-prob residual r = x' - mu (the same operations as
   step_partials_kernel's OP_LOG_PROB, so the combined log-prob is step_log_prob's bit for bit), of the
-  KL residual c v - c v_ref (common.policy_difference), and of the trust-region residual
+  KL residual c v - c v_ref (common.policy_difference; KL_VELOCITY: v - v_ref, Flow-Factory's v-based KL;
+  REF_GUIDED: v_ref = uncond + w (cond - uncond) from the reference's two branches), and of the trust-region residual
   mu - mu_old, mu_old given or replayed as x' - std * eps from the rollout's in-kernel noise.
   ``grpo_backward_kernel`` writes d loss / d model_output from the three per-sample incoming grads.
 - ``flow_partials_kernel``: the forward-process losses (no SDE log-prob). LOSS_NFT: DiffusionNFT's
@@ -40,6 +41,10 @@ LOSS_NFT = tl.constexpr(0)
 LOSS_AWM = tl.constexpr(1)
 LOSS_DPO = tl.constexpr(2)
 LOSS_DGPO = tl.constexpr(3)
+# where the GRPO family's KL to the reference is measured (flowrl.contract.KLSpace): the transitions'
+# exact KL (c v - c v_ref)^2 / (2 std^2), or the velocity's (v - v_ref)^2
+KL_TRANSITION = tl.constexpr(0)
+KL_VELOCITY = tl.constexpr(1)
 
 
 @triton.jit
@@ -65,15 +70,26 @@ def _old_mean(old_mean_ptr, prev, std, offs, mask, seeds_ptr, row, first, stream
 
 
 @triton.jit
+def _guided_reference(v_ref, ref_cond_ptr, offs, mask, ref_scale):
+    """The reference's guided output from its branches (``v_ref`` the loaded unconditional one, the
+    conditional one at ``ref_cond_ptr``): uncond + w (cond - uncond) in float32, in that order
+    (flowrl.reference_losses.guided_reference; the peers' CFG line)."""
+    cond = tl.load(ref_cond_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return v_ref + ref_scale * (cond - v_ref)
+
+
+@triton.jit
 def grpo_partials_kernel(
     x_ptr, v_ptr, prev_ptr, ref_ptr, old_mean_ptr, lp_partials_ptr, kl_partials_ptr, tr_partials_ptr,
     sigmas_ptr, step_ptr, seeds_ptr, stream_stride, elem_offset,
     n_per_sample, n_chunks, n_blocks, sigma_one_tol, eta, sin_half_pi_eta, last_index,
     MODE: tl.constexpr, HAS_REF: tl.constexpr, TRUST: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
     GROUP: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
+    ref_cond_ptr=None, ref_scale=0.0, KL_SPACE: tl.constexpr = 0, REF_GUIDED: tl.constexpr = False,
 ):
-    """Chunk partials [B, n_chunks] of (x' - mu)^2, (c v - c v_ref)^2 (HAS_REF) and (mu - mu_old)^2
-    (TRUST != TRUST_NONE), from one read of each input."""
+    """Chunk partials [B, n_chunks] of (x' - mu)^2, (c v - c v_ref)^2 (HAS_REF; KL_VELOCITY: (v - v_ref)^2)
+    and (mu - mu_old)^2 (TRUST != TRUST_NONE), from one read of each input. REF_GUIDED: ref_ptr holds the
+    reference's unconditional branch, ref_cond_ptr its conditional one, v_ref their guided combination."""
     row, first, _, offs, mask = _block_offsets(n_per_sample, n_blocks, GROUP * CHUNK)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
@@ -85,7 +101,12 @@ def grpo_partials_kernel(
     _store_partials(r * r, mask, lp_partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
     if HAS_REF:
         v_ref = tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        rk = policy_difference(c, v, v_ref)
+        if REF_GUIDED:
+            v_ref = _guided_reference(v_ref, ref_cond_ptr, offs, mask, ref_scale)
+        if KL_SPACE == KL_VELOCITY:
+            rk = v - v_ref
+        else:
+            rk = policy_difference(c, v, v_ref)
         _store_partials(rk * rk, mask, kl_partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
     if TRUST != TRUST_NONE:
         old = _old_mean(old_mean_ptr, prev, std, offs, mask, seeds_ptr, row, first, stream_stride, elem_offset,
@@ -101,9 +122,11 @@ def grpo_backward_kernel(
     n_per_sample, n_blocks, numel_f, sigma_one_tol, eta, sin_half_pi_eta, last_index,
     MODE: tl.constexpr, KIND: tl.constexpr, MEAN: tl.constexpr, HAS_REF: tl.constexpr, TRUST: tl.constexpr,
     BLOCK: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
+    ref_cond_ptr=None, ref_scale=0.0, KL_SPACE: tl.constexpr = 0, REF_GUIDED: tl.constexpr = False,
 ):
     """d loss / d v from the per-sample grads of the log-prob, the KL and the trust-region divergence
-    (always a mean): per element d value / d r = 2 coef r (common.total_grad), dmu/dv = c."""
+    (always a mean): per element d value / d r = 2 coef r (common.total_grad), dmu/dv = c. KL_VELOCITY:
+    the KL's 2 (v - v_ref) g, g over the element count when MEAN (no std, scored on every step)."""
     row, first, _, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
@@ -124,9 +147,18 @@ def grpo_backward_kernel(
     grad_v = grad_mu * c
     if HAS_REF:
         v_ref = tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        coef_kl = total_grad(tl.load(grad_kl_ptr + row), std, count, KIND_KL, MEAN)
-        ck = coef_kl * policy_difference(c, v, v_ref)
-        grad_v = grad_v + (ck + ck) * c
+        if REF_GUIDED:
+            v_ref = _guided_reference(v_ref, ref_cond_ptr, offs, mask, ref_scale)
+        if KL_SPACE == KL_VELOCITY:
+            coef_kl = tl.load(grad_kl_ptr + row)
+            if MEAN:
+                coef_kl = tl.div_rn(coef_kl, numel_f)
+            ck = coef_kl * (v - v_ref)
+            grad_v = grad_v + (ck + ck)
+        else:
+            coef_kl = total_grad(tl.load(grad_kl_ptr + row), std, count, KIND_KL, MEAN)
+            ck = coef_kl * policy_difference(c, v, v_ref)
+            grad_v = grad_v + (ck + ck) * c
     tl.store(grad_v_ptr + offs, round_to(grad_v, grad_v_ptr.dtype.element_ty), mask=mask)
 
 

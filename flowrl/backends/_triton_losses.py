@@ -16,7 +16,7 @@ import torch
 import triton
 
 from flowrl.backends._triton_ops import LAUNCH_TABLE, _KernelScalars, _finalize, _launch, _LAUNCH, launch_config
-from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, LogProbKind, Reduction
+from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, KLSpace, LogProbKind, Reduction
 from flowrl.kernels.loss import flow_backward_kernel, flow_partials_kernel, grpo_backward_kernel, grpo_partials_kernel
 
 from . import reference
@@ -34,7 +34,23 @@ def _grpo_launch_args(spec, ks, trust, seed, x):
     return (seeds, stream_stride, elem_offset), philox, aligned
 
 
-def _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed):
+def _kl_args(ref, ref_cond, ref_scale, kl_space, like):
+    """The KL switches' launch arguments: the reference's conditional branch (``like`` when not guided),
+    its guidance scale, KL_SPACE, REF_GUIDED (kernels/loss.py)."""
+    guided = ref is not None and ref_cond is not None
+    return dict(ref_cond_ptr=ref_cond if guided else like, ref_scale=float(ref_scale) if guided else 0.0,
+                KL_SPACE=int(kl_space), REF_GUIDED=guided)
+
+
+def _velocity_kl(spec, kl_p):
+    """The velocity KL [B] from its chunk partials: the contract's halving tree over them (as
+    flowrl.reference_losses.velocity_kl), over the element count for ``reduction="mean"``."""
+    total = reference.combine_partials(kl_p)
+    return total / spec.numel if spec.reduction is Reduction.MEAN else total
+
+
+def _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed, kl_space=KLSpace.TRANSITION, ref_cond=None,
+                  ref_scale=None):
     b, n = x.shape[0], x.numel() // x.shape[0]
     n_chunks = triton.cdiv(n, CHUNK_SIZE)
     (seeds, stride, offset), philox, aligned = _grpo_launch_args(spec, ks, trust, seed, x)
@@ -49,6 +65,7 @@ def _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed):
         ks.sigmas, ks.step_index, seeds, stride, offset, n, n_chunks, n_blocks, *ks.args, ks.last_index,
         MODE=int(spec.mode), HAS_REF=ref is not None, TRUST=int(trust), CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE,
         GROUP=group, PHILOX_ALIGNED=aligned, num_warps=num_warps, **_LAUNCH,
+        **_kl_args(ref, ref_cond, ref_scale, kl_space, v),
     )
     if spec.shard is not None:  # sequence parallelism: the full samples' partials, one gather for the three
         present = [lp_p] + ([kl_p] if ref is not None else []) + ([tr_p] if trust else [])
@@ -58,7 +75,10 @@ def _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed):
         tr_p = next(full) if trust else lp_p
     lp = _finalize(spec, ks, lp_p)[0]
     zeros = torch.zeros(b, dtype=torch.float32, device=x.device)
-    kl = _finalize(dataclasses.replace(spec, kind=LogProbKind.KL), ks, kl_p)[0] if ref is not None else zeros
+    if ref is not None and kl_space is KLSpace.VELOCITY:
+        kl = _velocity_kl(spec, kl_p)
+    else:
+        kl = _finalize(dataclasses.replace(spec, kind=LogProbKind.KL), ks, kl_p)[0] if ref is not None else zeros
     tr = (_finalize(dataclasses.replace(spec, kind=LogProbKind.KL, reduction=Reduction.MEAN), ks, tr_p)[0]
           if trust else zeros)
     return lp, kl, tr
@@ -69,14 +89,15 @@ class _GRPOValues(torch.autograd.Function):
     backward: one element pass writing d / d model_output from the three incoming grads."""
 
     @staticmethod
-    def forward(ctx, v, x, prev, ref, old_mean, spec, ks, trust, seed):
-        ctx.save_for_backward(x, v, prev, ref, old_mean)
+    def forward(ctx, v, x, prev, ref, old_mean, spec, ks, trust, seed, kl_space, ref_cond, ref_scale):
+        ctx.save_for_backward(x, v, prev, ref, old_mean, ref_cond)
         ctx.spec, ctx.ks, ctx.trust, ctx.seed = spec, ks, trust, seed
-        return _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed)
+        ctx.kl_space, ctx.ref_scale = kl_space, ref_scale
+        return _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed, kl_space, ref_cond, ref_scale)
 
     @staticmethod
     def backward(ctx, g_lp, g_kl, g_tr):
-        x, v, prev, ref, old_mean = ctx.saved_tensors
+        x, v, prev, ref, old_mean, ref_cond = ctx.saved_tensors
         spec, ks, trust = ctx.spec, ctx.ks, ctx.trust
         b, n = x.shape[0], x.numel() // x.shape[0]
         zeros = torch.zeros(b, dtype=torch.float32, device=x.device)
@@ -92,19 +113,24 @@ class _GRPOValues(torch.autograd.Function):
             grad_v, ks.sigmas, ks.step_index, seeds, stride, offset, n, n_blocks, float(spec.numel), *ks.args,
             ks.last_index, MODE=int(spec.mode), KIND=int(spec.kind), MEAN=spec.reduction is Reduction.MEAN, HAS_REF=ref is not None,
             TRUST=int(trust), BLOCK=block, PHILOX_ALIGNED=aligned, num_warps=num_warps, **_LAUNCH,
+            **_kl_args(ref, ref_cond, ctx.ref_scale, ctx.kl_space, v),
         )
-        return grad_v, None, None, None, None, None, None, None, None
+        return grad_v, None, None, None, None, None, None, None, None, None, None, None
 
 
-def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed):
-    """(log_prob, kl, trust_divergence) [B] float32; kl / trust_divergence are zeros when absent."""
+def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed, kl_space=KLSpace.TRANSITION, ref_cond=None,
+                ref_scale=None):
+    """(log_prob, kl, trust_divergence) [B] float32; kl / trust_divergence are zeros when absent.
+    ``kl_space``: KLSpace; ``ref_cond``: the reference's conditional branch (``ref`` its unconditional
+    one), guided in the kernel at ``ref_scale``."""
     ks = _KernelScalars(spec, x.shape)
     x, v, prev = x.contiguous(), v.contiguous(), prev.contiguous()
     ref = ref.contiguous() if ref is not None else None
     old_mean = old_mean.contiguous() if old_mean is not None else None
+    ref_cond = ref_cond.contiguous() if ref_cond is not None else None
     if torch.is_grad_enabled() and v.requires_grad:
-        return _GRPOValues.apply(v, x, prev, ref, old_mean, spec, ks, int(trust), seed)
-    return _grpo_forward(spec, ks, x, v, prev, ref, old_mean, int(trust), seed)
+        return _GRPOValues.apply(v, x, prev, ref, old_mean, spec, ks, int(trust), seed, kl_space, ref_cond, ref_scale)
+    return _grpo_forward(spec, ks, x, v, prev, ref, old_mean, int(trust), seed, kl_space, ref_cond, ref_scale)
 
 
 # ------------------------------------------------------------------------- forward-process losses

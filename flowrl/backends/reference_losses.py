@@ -10,15 +10,42 @@ import dataclasses
 import torch
 
 from . import reference
-from ..contract import FlowLoss, LogProbKind, Op, Reduction, TrustSource
+from ..contract import FlowLoss, KLSpace, LogProbKind, Op, Reduction, TrustSource
 from ..core.step_spec import StepSpec
 
 
-def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed):
-    """The torch backend's (log_prob, kl, trust_divergence) [B]: flowrl.reference's ops and math."""
+def guided_reference(x, v, uncond, cond, scale):
+    """The reference's guided output from its two branches, uncond + w (cond - uncond) in the compute
+    dtype, in that operation order (kernels/loss.py's ``_guided_reference``; the peers' CFG line)."""
+    dtype = reference.compute_dtype(x, v, uncond, cond)
+    u = reference._rows(uncond).to(dtype)
+    return u + scale * (reference._rows(cond).to(dtype) - u)
+
+
+def velocity_kl(spec, x, v, ref):
+    """The velocity-space KL [B]: (v - v_ref)^2 per element, reduced in the contract's chunked order,
+    divided by the element count for ``reduction="mean"`` (no std: a deterministic step has one too)."""
+    dtype = reference.compute_dtype(x, v, ref)
+    d = reference._rows(v).to(dtype) - reference._rows(ref).to(dtype)
+    total = reference.combine_partials(spec.gather(reference._chunk_partials(d * d, consume=True)))
+    return total / spec.numel if spec.reduction is Reduction.MEAN else total
+
+
+def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed, kl_space=KLSpace.TRANSITION, ref_cond=None,
+                ref_scale=None):
+    """The torch backend's (log_prob, kl, trust_divergence) [B]: flowrl.reference's ops and math.
+    ``ref_cond`` given: ``ref`` is the reference's unconditional branch, combined with ``ref_cond`` at
+    guidance scale ``ref_scale`` (``guided_reference``); ``kl_space``: KLSpace."""
     lp, _ = reference.step_log_prob(spec, x, v, prev)
     zeros = torch.zeros_like(lp)
-    kl = reference.step_kl(dataclasses.replace(spec, kind=LogProbKind.KL), x, v, ref)[0] if ref is not None else zeros
+    if ref is not None and ref_cond is not None:
+        ref = guided_reference(x, v, ref, ref_cond, ref_scale)
+    if ref is None:
+        kl = zeros
+    elif kl_space is KLSpace.VELOCITY:
+        kl = velocity_kl(spec, x, v, ref)
+    else:
+        kl = reference.step_kl(dataclasses.replace(spec, kind=LogProbKind.KL), x, v, ref)[0]
     tr = zeros
     if trust is not TrustSource.NONE:
         dtype = reference.compute_dtype(x, v, prev)

@@ -2,7 +2,8 @@
 
 - ``grpo_loss``: the PPO/GRPO clipped surrogate with its log-prob recompute (bit for bit
   ``flowrl.step_log_prob``'s, so the first ratio is exactly 1) and ``kl_coef`` x the exact KL to a
-  reference policy; symmetric or asymmetric clip ranges; the stats trainers log.
+  reference policy (or, ``kl_space="velocity"``, its velocity's mean (v - v_ref)^2; the reference given
+  guided or as its two CFG branches); symmetric or asymmetric clip ranges; the stats trainers log.
 - ``grpo_guard_loss`` (GRPO-Guard) and ``flow_dppo_loss`` (Flow-DPPO): trust-region variants that need
   the rollout's mean mu_old, given (``old_prev_sample_mean``) or replayed from the stored x' and the
   rollout's in-kernel noise (``noise_seed``): mu_old = x' - std * eps.
@@ -33,6 +34,7 @@ Sharded calls run eagerly (not through the custom ops) under torch.compile, as t
 """
 from __future__ import annotations
 
+import math
 from numbers import Real
 from typing import Optional, Sequence, Tuple, Union
 
@@ -40,7 +42,7 @@ import torch
 
 from ..backends import _dispatch
 from ..core import _validate as V
-from ..contract import FlowLoss, Op, Reduction, TrustSource
+from ..contract import FlowLoss, KLSpace, Op, Reduction, TrustSource
 from ..core.step_spec import ShardContext, StepSpec, elements_per_sample, log_prob_kind, schedule_and_steps
 from ..ops._custom_ops import traced as _traced
 from . import _custom_ops as _ops
@@ -53,6 +55,9 @@ from ._policy import Variant as _Variant
 from ._teacher import teacher_kl as _teacher_kl
 
 ClipRange = Union[float, Tuple[float, float]]
+# the reference policy's output: its (guided) output, or its two branches (uncond, cond) guided inside the
+# loss's pass at ``ref_guidance_scale``
+RefOutput = Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -67,10 +72,32 @@ def _step_sample_tensor(name, t, sample):
 # --------------------------------------------------------------------- the GRPO family's loss block
 
 
+def _reference(ref_model_output, ref_guidance_scale, sample):
+    """The reference's output: (ref, None, None) for one tensor (or None), (uncond, cond, w) for the two
+    branches ``ref_model_output=(uncond, cond)`` with ``ref_guidance_scale=w``; each checked."""
+    if isinstance(ref_model_output, (tuple, list)):
+        if len(ref_model_output) != 2:
+            raise ValueError("ref_model_output must be a tensor or a pair (uncond, cond) of the reference's two "
+                             f"branches; got a {type(ref_model_output).__name__} of {len(ref_model_output)}")
+        uncond, cond = ref_model_output
+        _step_sample_tensor("ref_model_output[0] (uncond)", uncond, sample)
+        _step_sample_tensor("ref_model_output[1] (cond)", cond, sample)
+        _check_no_grad(**{"ref_model_output[0] (uncond)": uncond, "ref_model_output[1] (cond)": cond})
+        if ref_guidance_scale is None:
+            raise ValueError("ref_model_output is a pair (uncond, cond) but ref_guidance_scale is None: pass the "
+                             "guidance scale w of the reference's uncond + w (cond - uncond)")
+        return uncond, cond, _check_scalar("ref_guidance_scale", ref_guidance_scale, minimum=-math.inf)
+    if ref_guidance_scale is not None:
+        raise ValueError("ref_guidance_scale is given but ref_model_output is not a pair (uncond, cond): pass the "
+                         "reference's two branches, or its guided output alone without ref_guidance_scale")
+    return _step_sample_tensor("ref_model_output", ref_model_output, sample), None, None
+
+
 def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, *,
                  clip_range, mode, noise_level, log_prob, reduction, kl_coef, ref_model_output,
                  old_prev_sample_mean, noise_seed, kl_threshold, backend, rollout_is_weights=None,
-                 stream_weights=None, _stream=False, shard=None) -> GRPOLossOutput:
+                 stream_weights=None, _stream=False, shard=None, kl_space="transition",
+                 ref_guidance_scale=None) -> GRPOLossOutput:
     if isinstance(sample, tuple):  # a joint step: the streams' values combined (flowrl/losses/_joint.py)
         if shard is not None:
             raise ValueError("shard: a joint step (tuples of streams) is not supported under sequence parallelism; "
@@ -80,7 +107,8 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
                                   log_prob=log_prob, reduction=reduction, kl_coef=kl_coef,
                                   ref_model_output=ref_model_output, old_prev_sample_mean=old_prev_sample_mean,
                                   noise_seed=noise_seed, kl_threshold=kl_threshold, backend=backend,
-                                  rollout_is_weights=rollout_is_weights, stream_weights=stream_weights)
+                                  rollout_is_weights=rollout_is_weights, stream_weights=stream_weights,
+                                  kl_space=kl_space, ref_guidance_scale=ref_guidance_scale)
     if stream_weights is not None:
         raise ValueError("stream_weights weights the streams of a joint step: pass sample, model_output and "
                          "prev_sample as tuples (one tensor per stream), or stream_weights=None")
@@ -89,7 +117,8 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
         raise ValueError(f"mode={mode.label!r} is not supported by flowrl.losses; compute step_log_prob(mode={mode.label!r}, ...) and "
                          "form the loss from it")
     V.check_batch_tensor("prev_sample", prev_sample, sample)
-    _step_sample_tensor("ref_model_output", ref_model_output, sample)
+    kl_space = KLSpace.parse("kl_space", kl_space)
+    ref_model_output, ref_cond, ref_scale = _reference(ref_model_output, ref_guidance_scale, sample)
     batch = sample.shape[0]
     numel = elements_per_sample(sample, shard)  # the full sample's under sequence parallelism (checks shard)
     old_log_prob = _check_per_sample("old_log_prob", old_log_prob, batch, sample.device)
@@ -117,10 +146,12 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
             trust = TrustSource.REPLAY
     spec = StepSpec(Op.LOG_PROB, sigmas, idx, mode, eta, log_prob_kind(log_prob), Reduction.parse("reduction", reduction),
                     numel, shard=shard)
-    tensors = [t for t in (sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean) if t is not None]
+    tensors = [t for t in (sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean, ref_cond)
+               if t is not None]
     ops = _dispatch.select(backend, *tensors)
     args = (variant, ops, spec, sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
-            old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold, rollout_is_weights)
+            old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold, rollout_is_weights, kl_space, ref_cond,
+            ref_scale)
     if _stream:  # one stream of a joint step: its validated arguments (flowrl/losses/_joint.py)
         return args
     if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::grpo_family_loss
@@ -143,11 +174,13 @@ def grpo_loss(
     log_prob: str = "gaussian",
     reduction: str = "mean",
     kl_coef: float = 0.0,
-    ref_model_output: Optional[torch.Tensor] = None,
+    ref_model_output: RefOutput = None,
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
     stream_weights: Optional[Sequence[float]] = None,
     shard: Optional[ShardContext] = None,
+    kl_space: str = "transition",
+    ref_guidance_scale: Optional[float] = None,
 ) -> GRPOLossOutput:
     """Flow-GRPO's training loss block for one SDE step, in one call.
 
@@ -167,12 +200,20 @@ def grpo_loss(
     the first ratio on a joint rollout is exactly 1 (docs/losses.md, Joint steps). Also
     ``flow_dppo_loss`` (D_s combined the same way); not ``grpo_guard_loss``.
     ``shard``: the sequence-parallel context (``flowrl.distributed.grpo_loss`` builds it; module note).
+
+    ``kl_space="velocity"``: the KL term is instead the velocity's (v - v_ref)^2 per element, reduced
+    like the log-prob (mean over the sample's elements by default), with no std scaling: Flow-Factory's
+    ``kl_type="v-based"`` (docs/losses.md, KL choices). ``ref_model_output=(uncond, cond)`` with
+    ``ref_guidance_scale=w``: the reference's two branches, combined in float32 inside the pass as
+    uncond + w (cond - uncond) (the CFG reference of a trainer that trains without CFG); a single tensor
+    is the reference's output as it is (guided or not). The same three arguments in every variant.
     """
     return _grpo_family(_Variant.GRPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=None, noise_seed=None, kl_threshold=None, backend=backend,
-                        rollout_is_weights=rollout_is_weights, stream_weights=stream_weights, shard=shard)
+                        rollout_is_weights=rollout_is_weights, stream_weights=stream_weights, shard=shard,
+                        kl_space=kl_space, ref_guidance_scale=ref_guidance_scale)
 
 
 def grpo_guard_loss(
@@ -192,10 +233,12 @@ def grpo_guard_loss(
     log_prob: str = "gaussian",
     reduction: str = "mean",
     kl_coef: float = 0.0,
-    ref_model_output: Optional[torch.Tensor] = None,
+    ref_model_output: RefOutput = None,
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
     shard: Optional[ShardContext] = None,
+    kl_space: str = "transition",
+    ref_guidance_scale: Optional[float] = None,
 ) -> GRPOLossOutput:
     """GRPO-Guard (arXiv 2510.22319; verl-omni ``GRPOGuardLoss``, Flow-Factory ``GRPOGuardTrainer``).
 
@@ -204,12 +247,14 @@ def grpo_guard_loss(
     are each sample's own (the peers use the batch's shared step). mu_old: ``old_prev_sample_mean``
     (the rollout's ``prev_sample_mean``), or replayed from ``prev_sample`` and the rollout's
     ``noise_seed`` (docs/losses.md, Replaying mu_old). ``rollout_is_weights``: as ``grpo_loss``'s (on
-    the surrogate after its 1/D scale); ``shard``: as ``grpo_loss``'s."""
+    the surrogate after its 1/D scale); ``shard``, ``kl_space``, ``ref_model_output``, ``ref_guidance_scale``:
+    as ``grpo_loss``'s."""
     return _grpo_family(_Variant.GUARD, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=None,
-                        backend=backend, rollout_is_weights=rollout_is_weights, shard=shard)
+                        backend=backend, rollout_is_weights=rollout_is_weights, shard=shard,
+                        kl_space=kl_space, ref_guidance_scale=ref_guidance_scale)
 
 
 def flow_dppo_loss(
@@ -229,23 +274,27 @@ def flow_dppo_loss(
     log_prob: str = "gaussian",
     reduction: str = "mean",
     kl_coef: float = 0.0,
-    ref_model_output: Optional[torch.Tensor] = None,
+    ref_model_output: RefOutput = None,
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
     stream_weights: Optional[Sequence[float]] = None,
     shard: Optional[ShardContext] = None,
+    kl_space: str = "transition",
+    ref_guidance_scale: Optional[float] = None,
 ) -> GRPOLossOutput:
     """Flow-DPPO (verl-omni ``FlowDPPOLoss``): per sample -rho A, masked (0) when D_s = mean ||mu_theta -
     mu_old||^2 / (2 std^2) >= ``kl_threshold`` and the ratio moves in the advantage's direction (rho > 1
     with A > 0, or rho < 1 with A < 0); no ratio clipping; batch mean. mu_old as in
-    ``grpo_guard_loss``. ``rollout_is_weights``, ``shard``: as ``grpo_loss``'s."""
+    ``grpo_guard_loss``. ``rollout_is_weights``, ``shard``, ``kl_space``, ``ref_model_output``,
+    ``ref_guidance_scale``: as ``grpo_loss``'s."""
     kl_threshold = _check_scalar("kl_threshold", kl_threshold)
     return _grpo_family(_Variant.DPPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=None, mode=mode, noise_level=noise_level, log_prob=log_prob,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=kl_threshold,
                         backend=backend, rollout_is_weights=rollout_is_weights,
-                        stream_weights=stream_weights, shard=shard)
+                        stream_weights=stream_weights, shard=shard,
+                        kl_space=kl_space, ref_guidance_scale=ref_guidance_scale)
 
 
 def teacher_kl_loss(
@@ -405,6 +454,6 @@ from .dpo import DGPOLossOutput, DPOLossOutput, dgpo_loss, dpo_loss, dpo_pairs  
 
 __all__ = [
     "grpo_loss", "grpo_guard_loss", "flow_dppo_loss", "teacher_kl_loss", "nft_loss", "awm_log_prob", "awm_loss",
-    "GRPOLossOutput", "NFTLossOutput", "check_clip_range", "TrustSource", "FlowLoss", "AWM_WEIGHTINGS", "AWM_EPS",
+    "GRPOLossOutput", "NFTLossOutput", "check_clip_range", "TrustSource", "FlowLoss", "KLSpace", "AWM_WEIGHTINGS", "AWM_EPS",
     "dpo_loss", "dpo_pairs", "dgpo_loss", "DPOLossOutput", "DGPOLossOutput",
 ]

@@ -24,7 +24,7 @@ from typing import List, Optional
 import torch
 
 from ..backends import _dispatch
-from ..contract import TrustSource
+from ..contract import KLSpace, TrustSource
 from ..core._validate import no_value_checks
 from ..ops import _custom_ops as C
 from ._flow import NFTLossOutput, awm_from_args, awm_log_prob_from_args, nft_from_args
@@ -44,12 +44,12 @@ def _present(variant: int, has_ref: bool, trust: int) -> List[bool]:
 
 def _run(sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean,
          spec_tensors, spec_ints, noise_level, seeds, seed_ints, variant, trust, clip_low, clip_high, kl_coef,
-         kl_threshold, backend, rollout_is_weights):
+         kl_threshold, backend, rollout_is_weights, ref_cond=None, ref_scale=None, kl_space=0):
     spec = C.unpack_spec(spec_tensors, spec_ints, noise_level, None, None)
     return grpo_from_spec(Variant(variant), _dispatch.backend(backend), spec, sample, model_output, prev_sample,
                           old_log_prob, advantages, ref_model_output, old_prev_sample_mean, TrustSource(trust),
                           C.unpack_seed(seeds, seed_ints), None if clip_low is None else (clip_low, clip_high), kl_coef,
-                          kl_threshold, rollout_is_weights)
+                          kl_threshold, rollout_is_weights, KLSpace(kl_space), ref_cond, ref_scale)
 
 
 @torch.library.custom_op("flowrl::grpo_family_loss", mutates_args=())
@@ -59,20 +59,21 @@ def _grpo_op(sample: torch.Tensor, model_output: torch.Tensor, prev_sample: torc
              spec_ints: List[int], noise_level: float, seeds: Optional[torch.Tensor], seed_ints: List[int], variant: int,
              trust: int, clip_low: Optional[float], clip_high: Optional[float], kl_coef: float,
              kl_threshold: Optional[float], backend: str,
-             rollout_is_weights: Optional[torch.Tensor]) -> List[torch.Tensor]:
+             rollout_is_weights: Optional[torch.Tensor], ref_cond: Optional[torch.Tensor],
+             ref_scale: Optional[float], kl_space: int) -> List[torch.Tensor]:
     with torch.no_grad():
         out = _run(sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean,
                    spec_tensors, spec_ints, noise_level, seeds, seed_ints, variant, trust, clip_low, clip_high, kl_coef,
-                   kl_threshold, backend, rollout_is_weights)
+                   kl_threshold, backend, rollout_is_weights, ref_cond, ref_scale, kl_space)
     fields = [C.absent(out.log_prob) if t is None else t for t in out]
     return C.fresh(fields, [sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
-                            old_prev_sample_mean, seeds, rollout_is_weights, *spec_tensors])
+                            old_prev_sample_mean, seeds, rollout_is_weights, ref_cond, *spec_tensors])
 
 
 @_grpo_op.register_fake
 def _(sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean, spec_tensors,
       spec_ints, noise_level, seeds, seed_ints, variant, trust, clip_low, clip_high, kl_coef, kl_threshold, backend,
-      rollout_is_weights):
+      rollout_is_weights, ref_cond, ref_scale, kl_space):
     wide = backend == "torch" and any(t.dtype == torch.float64 for t in (sample, model_output, prev_sample))
     dtype = torch.float64 if wide else torch.float32
     return _fake(sample, dtype, _present(variant, ref_model_output is not None, trust))
@@ -96,11 +97,12 @@ def _grpo_backward_op(grad_loss: torch.Tensor, sample: torch.Tensor, model_outpu
                       seeds: Optional[torch.Tensor], seed_ints: List[int], variant: int, trust: int,
                       clip_low: Optional[float], clip_high: Optional[float],
                       kl_coef: float, kl_threshold: Optional[float], backend: str,
-                      rollout_is_weights: Optional[torch.Tensor]) -> torch.Tensor:
+                      rollout_is_weights: Optional[torch.Tensor], ref_cond: Optional[torch.Tensor],
+                      ref_scale: Optional[float], kl_space: int) -> torch.Tensor:
     def forward(v):
         return (_run(sample, v, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean,
                      spec_tensors, spec_ints, noise_level, seeds, seed_ints, variant, trust, clip_low, clip_high,
-                     kl_coef, kl_threshold, backend, rollout_is_weights).loss,)
+                     kl_coef, kl_threshold, backend, rollout_is_weights, ref_cond, ref_scale, kl_space).loss,)
 
     return C.grads_by_replay(forward, [model_output], [True], [grad_loss])[0]
 
@@ -111,20 +113,21 @@ def _(grad_loss, sample, model_output, *rest):
 
 
 def _setup(ctx, inputs, output):
-    # saved: the 7 tensors, seeds, rollout_is_weights, then the spec's tensors
-    ctx.save_for_backward(*inputs[:7], inputs[10], inputs[19], *inputs[7])
+    # saved: the 7 tensors, seeds, rollout_is_weights, ref_cond, then the spec's tensors
+    ctx.save_for_backward(*inputs[:7], inputs[10], inputs[19], inputs[20], *inputs[7])
     ctx.scalars = (inputs[8], inputs[9], inputs[11], *inputs[12:19])
+    ctx.kl_scalars = (inputs[21], inputs[22])  # ref_scale, kl_space
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _backward(ctx, grads):
     saved = ctx.saved_tensors
-    none = (None,) * 7 + (C.list_grad(saved[9:]),) + (None,) * 12
+    none = (None,) * 7 + (C.list_grad(saved[10:]),) + (None,) * 15
     if grads[0] is None or not ctx.needs_input_grad[1]:
         return none
     spec_ints, noise_level, seed_ints, *rest = ctx.scalars
-    grad_v = _grpo_backward_op(grads[0], *saved[:7], list(saved[9:]), spec_ints, noise_level, saved[7], seed_ints,
-                               *rest, saved[8])
+    grad_v = _grpo_backward_op(grads[0], *saved[:7], list(saved[10:]), spec_ints, noise_level, saved[7], seed_ints,
+                               *rest, saved[8], saved[9], *ctx.kl_scalars)
     return (none[0], grad_v) + none[2:]
 
 
@@ -132,13 +135,15 @@ _grpo_op.register_autograd(_backward, setup_context=_setup)
 
 
 def grpo_family_loss(variant, ops, spec, sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
-                     old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold, rollout_is_weights):
+                     old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold, rollout_is_weights,
+                     kl_space=KLSpace.TRANSITION, ref_cond=None, ref_scale=None):
     """``grpo_from_spec``'s GRPOLossOutput through ``flowrl::grpo_family_loss`` (same arguments)."""
     tensors, ints, eta, _, _ = C.pack_spec(spec)
     seeds, seed_ints = C.pack_seed(seed)
     out = _grpo_op(sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean,
                    tensors, ints, eta, seeds, seed_ints, int(variant), int(trust), *(clip if clip else (None, None)),
-                   float(kl_coef), kl_threshold, ops.name, rollout_is_weights)
+                   float(kl_coef), kl_threshold, ops.name, rollout_is_weights, ref_cond,
+                   None if ref_scale is None else float(ref_scale), int(kl_space))
     present = _present(int(variant), ref_model_output is not None, int(trust))
     return GRPOLossOutput(*(t if p else None for t, p in zip(out, present)))
 

@@ -42,7 +42,8 @@ def _shared(name: str, value, n: int) -> list:
 
 def grpo_family(family, variant, sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, *,
                 clip_range, mode, noise_level, log_prob, reduction, kl_coef, ref_model_output, old_prev_sample_mean,
-                noise_seed, kl_threshold, backend, rollout_is_weights, stream_weights) -> GRPOLossOutput:
+                noise_seed, kl_threshold, backend, rollout_is_weights, stream_weights, kl_space="transition",
+                ref_guidance_scale=None) -> GRPOLossOutput:
     """The GRPO-family loss of a joint step; ``family`` is ``flowrl.losses._grpo_family`` (per stream)."""
     n = len(sample)
     if n == 0:
@@ -50,6 +51,9 @@ def grpo_family(family, variant, sample, model_output, prev_sample, sigmas, step
     if variant is Variant.GUARD:
         raise ValueError("grpo_guard_loss takes one stream: its ratio and loss weights (std, 1/D) are a step's, and "
                          "the streams of a joint step have their own; use grpo_loss or flow_dppo_loss for tuples")
+    if ref_guidance_scale is not None:
+        raise ValueError("ref_guidance_scale: a joint step takes each stream's reference output as one tensor (the "
+                         "streams' tuple is ref_model_output); combine the guided reference per stream first")
     outputs = _streams("model_output", model_output, n, False)
     prevs = _streams("prev_sample", prev_sample, n, False)
     refs = _streams("ref_model_output", ref_model_output, n, True)
@@ -63,10 +67,11 @@ def grpo_family(family, variant, sample, model_output, prev_sample, sigmas, step
         args = family(variant, sample[k], outputs[k], prevs[k], tables[k], steps[k], old_log_prob, advantages,
                       clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob, reduction="sum",
                       kl_coef=kl_coef, ref_model_output=refs[k], old_prev_sample_mean=olds[k], noise_seed=seeds[k],
-                      kl_threshold=kl_threshold, backend=backend, rollout_is_weights=rollout_is_weights, _stream=True)
+                      kl_threshold=kl_threshold, backend=backend, rollout_is_weights=rollout_is_weights, _stream=True,
+                      kl_space=kl_space)
         (_, ops, spec, x, v, prev, old_lp, adv, ref, old_mean, trust, seed, clip, kl_coef, kl_threshold,
-         is_weights) = args
-        lp, kl, tr = ops.grpo_values(spec, x, v, prev, ref, old_mean, trust, seed)
+         is_weights, kl_space_k, ref_cond, ref_scale) = args
+        lp, kl, tr = ops.grpo_values(spec, x, v, prev, ref, old_mean, trust, seed, kl_space=kl_space_k)
         # the count step_log_prob returns for a step with nothing frozen: every element, or none where the
         # step is deterministic (std 0)
         std = scheme_weights("grpo_guard", spec.sigmas, spec.step_index, spec.mode, spec.noise_level, lp.dtype)[0]

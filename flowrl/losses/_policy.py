@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..contract import TrustSource
+from ..contract import KLSpace, TrustSource
 from ..ops.weights import scheme_weights
 
 
@@ -31,7 +31,8 @@ class GRPOLossOutput(NamedTuple):
         times ``rollout_is_weights`` when given).
     log_prob: [B] the recomputed log-prob, bit for bit ``flowrl.step_log_prob``'s on the same backend.
     ratio: [B] the importance ratio (GRPO-Guard: its corrected ratio).
-    kl: [B] exact KL to the reference policy (when ``ref_model_output`` is given).
+    kl: [B] the KL to the reference policy (when ``ref_model_output`` is given): the exact transition KL,
+        or with ``kl_space="velocity"`` the velocity's mean (v - v_ref)^2.
     trust_divergence: [B] D_s = mean ||mu_theta - mu_old||^2 / (2 std^2) (trust-region variants).
     clip_fraction, clip_fraction_low, clip_fraction_high: fraction of samples whose ratio is outside
         [1 - eps_low, 1 + eps_high] (both sides, below, above).
@@ -97,10 +98,13 @@ def policy_loss(variant, lp, kl, tr, old_lp, adv, clip, kl_coef, guard_weights, 
 
 
 def grpo_from_spec(variant, ops, spec, sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
-                   old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold, rollout_is_weights) -> GRPOLossOutput:
-    """The GRPO family's loss from its validated arguments (``flowrl.losses._grpo_family``), on backend ``ops``."""
+                   old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold, rollout_is_weights,
+                   kl_space=KLSpace.TRANSITION, ref_cond=None, ref_scale=None) -> GRPOLossOutput:
+    """The GRPO family's loss from its validated arguments (``flowrl.losses._grpo_family``), on backend ``ops``.
+    ``ref_cond`` given: ``ref_model_output`` is the reference's unconditional branch, guided by ``ref_cond``
+    at scale ``ref_scale`` inside the backend's pass; ``kl_space``: where the KL is measured."""
     lp, kl, tr = ops.grpo_values(spec, sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean,
-                                 trust, seed)
+                                 trust, seed, kl_space=kl_space, ref_cond=ref_cond, ref_scale=ref_scale)
     dtype = lp.dtype
     # GRPO-Guard's weights: std on the corrected log-ratio, 1/D on the loss (flowrl.weights)
     guard_weights = (scheme_weights("grpo_guard", spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
