@@ -86,6 +86,10 @@ def _cases(d, backend):
     cases = [
         ("grpo_loss", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_lp, adv, clip_range=(0.2, 0.28),
                                         kl_coef=0.04, ref_model_output=c(d["v_ref"]), rollout_is_weights=w, **kw)),
+        ("grpo_loss velocity kl guided", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_lp, adv, clip_range=0.2,
+                                                           kl_coef=0.04, kl_space="velocity",
+                                                           ref_model_output=(c(d["v_ref"]), c(d["v_old"])),
+                                                           ref_guidance_scale=4.5, **kw)),
         ("grpo_loss sq_err sum", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_lp, adv, clip_range=1e-3,
                                                    log_prob="sq_err", reduction="sum", **kw)),
         ("grpo_guard_loss given mean", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_lp, adv, clip_range=0.2,
