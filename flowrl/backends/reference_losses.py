@@ -39,7 +39,7 @@ def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed, kl_space=KLSpace.T
     lp, _ = reference.step_log_prob(spec, x, v, prev)
     zeros = torch.zeros_like(lp)
     if ref is not None and ref_cond is not None:
-        ref = guided_reference(x, v, ref, ref_cond, ref_scale)
+        ref = guided_reference(x, v, ref, ref_cond, ref_scale).reshape(x.shape)
     if ref is None:
         kl = zeros
     elif kl_space is KLSpace.VELOCITY:
@@ -47,7 +47,9 @@ def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed, kl_space=KLSpace.T
     else:
         kl = reference.step_kl(dataclasses.replace(spec, kind=LogProbKind.KL), x, v, ref)[0]
     tr = zeros
-    if trust is not TrustSource.NONE:
+    if trust is not TrustSource.NONE and spec.elementwise:
+        tr = _trust_elementwise(spec, x, v, prev, old_mean, trust, seed)
+    elif trust is not TrustSource.NONE:
         dtype = reference.compute_dtype(x, v, prev)
         a, c, std = reference.mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
         mu = reference._mean(x, v, a, c)
@@ -61,6 +63,23 @@ def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed, kl_space=KLSpace.T
                            Reduction.MEAN, spec.numel, shard=spec.shard)
         tr, _ = reference._reduce(tr_spec, mu - old, std)
     return lp, kl, tr
+
+
+def _trust_elementwise(spec, x, v, prev, old_mean, trust, seed):
+    """D_s [B] of an elementwise step (per-token sigmas, a frozen mask): step_kl's per-element terms
+    (``reference.ElementTerms``: each token's mean and std, weighted squares of the scored elements, the
+    scored count) with mu_old in place of the reference's mean, always a mean; a replayed mu_old is
+    x' - std_token * eps (a held token's std is 0: mu_old = x')."""
+    dtype = reference.compute_dtype(x, v, prev)
+    tr_spec = dataclasses.replace(spec, op=Op.KL, kind=LogProbKind.KL, reduction=Reduction.MEAN)
+    t = reference.ElementTerms(tr_spec, x, dtype)
+    mu = t.a * x + t.c * v
+    if trust is TrustSource.GIVEN:
+        old = old_mean.to(dtype)
+    else:
+        eps = reference.philox_normal(seed, mu[0].numel()).to(dtype).reshape(x.shape)
+        old = prev.to(dtype) - t.std * eps
+    return t.reduce(tr_spec, mu - old)[0]
 
 
 def flow_sums(kind, count, xt, v, other, x0, ref, t, coefs, shard=None):

@@ -43,7 +43,9 @@ import torch
 from ..backends import _dispatch
 from ..core import _validate as V
 from ..contract import FlowLoss, KLSpace, Op, Reduction, TrustSource
-from ..core.step_spec import ShardContext, StepSpec, elements_per_sample, log_prob_kind, schedule_and_steps
+from ..core.step_spec import (
+    ShardContext, StepSpec, elements_per_sample, elementwise_inputs, log_prob_kind, schedule_and_steps,
+)
 from ..ops._custom_ops import traced as _traced
 from . import _custom_ops as _ops
 from . import _joint
@@ -97,18 +99,24 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
                  clip_range, mode, noise_level, log_prob, reduction, kl_coef, ref_model_output,
                  old_prev_sample_mean, noise_seed, kl_threshold, backend, rollout_is_weights=None,
                  stream_weights=None, _stream=False, shard=None, kl_space="transition",
-                 ref_guidance_scale=None) -> GRPOLossOutput:
+                 ref_guidance_scale=None, token_sigmas=None, frozen=None) -> GRPOLossOutput:
     if isinstance(sample, tuple):  # a joint step: the streams' values combined (flowrl/losses/_joint.py)
         if shard is not None:
             raise ValueError("shard: a joint step (tuples of streams) is not supported under sequence parallelism; "
                              "pass one stream's shards, or shard=None")
+        if token_sigmas is not None or frozen is not None:
+            given = "token_sigmas" if token_sigmas is not None else "frozen"
+            raise ValueError(f"{given}: a joint step (tuples of streams) takes no per-token sigmas or frozen mask in "
+                             "the losses; pass one stream, or compute step_log_prob(..., token_sigmas=, frozen=) per "
+                             "stream and form the loss from it")
         return _joint.grpo_family(_grpo_family, variant, sample, model_output, prev_sample, sigmas, step_index,
                                   old_log_prob, advantages, clip_range=clip_range, mode=mode, noise_level=noise_level,
                                   log_prob=log_prob, reduction=reduction, kl_coef=kl_coef,
                                   ref_model_output=ref_model_output, old_prev_sample_mean=old_prev_sample_mean,
                                   noise_seed=noise_seed, kl_threshold=kl_threshold, backend=backend,
                                   rollout_is_weights=rollout_is_weights, stream_weights=stream_weights,
-                                  kl_space=kl_space, ref_guidance_scale=ref_guidance_scale)
+                                  kl_space=kl_space, ref_guidance_scale=ref_guidance_scale, token_sigmas=token_sigmas,
+                        frozen=frozen)
     if stream_weights is not None:
         raise ValueError("stream_weights weights the streams of a joint step: pass sample, model_output and "
                          "prev_sample as tuples (one tensor per stream), or stream_weights=None")
@@ -118,6 +126,18 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
                          "form the loss from it")
     V.check_batch_tensor("prev_sample", prev_sample, sample)
     kl_space = KLSpace.parse("kl_space", kl_space)
+    # per-token sigmas and the frozen mask: step_log_prob's checks and spec fields (one formula, one place)
+    elementwise = elementwise_inputs(sample, sigmas, token_sigmas, frozen, mode)
+    if token_sigmas is not None and variant is _Variant.GUARD:
+        raise ValueError("token_sigmas is not supported by grpo_guard_loss: its ratio exp((dlogp + D_s) * std) and "
+                         "loss weight 1/D are one step's std and D (flowrl.weights.scheme_weights), and per-token "
+                         "sigmas give each token its own; use flow_dppo_loss or grpo_loss (frozen= alone is "
+                         "supported: the sample's own step)")
+    if (token_sigmas is not None or frozen is not None) and kl_space is KLSpace.VELOCITY:
+        given = "token_sigmas" if token_sigmas is not None else "frozen"
+        raise ValueError(f"{given} is not supported with kl_space='velocity' (its (v - v_ref)^2 is a mean over "
+                         "every element, with no scored count); use kl_space='transition', whose KL is "
+                         "step_kl(..., token_sigmas=, frozen=)")
     ref_model_output, ref_cond, ref_scale = _reference(ref_model_output, ref_guidance_scale, sample)
     batch = sample.shape[0]
     numel = elements_per_sample(sample, shard)  # the full sample's under sequence parallelism (checks shard)
@@ -145,7 +165,7 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
             seed = V.check_noise_seed(noise_seed, sample)._replace(elem_offset=0 if shard is None else shard.offset)
             trust = TrustSource.REPLAY
     spec = StepSpec(Op.LOG_PROB, sigmas, idx, mode, eta, log_prob_kind(log_prob), Reduction.parse("reduction", reduction),
-                    numel, shard=shard)
+                    numel, shard=shard, **elementwise)
     tensors = [t for t in (sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean, ref_cond)
                if t is not None]
     ops = _dispatch.select(backend, *tensors)
@@ -181,6 +201,8 @@ def grpo_loss(
     shard: Optional[ShardContext] = None,
     kl_space: str = "transition",
     ref_guidance_scale: Optional[float] = None,
+    token_sigmas: Optional[torch.Tensor] = None,
+    frozen: Optional[torch.Tensor] = None,
 ) -> GRPOLossOutput:
     """Flow-GRPO's training loss block for one SDE step, in one call.
 
@@ -213,7 +235,8 @@ def grpo_loss(
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=None, noise_seed=None, kl_threshold=None, backend=backend,
                         rollout_is_weights=rollout_is_weights, stream_weights=stream_weights, shard=shard,
-                        kl_space=kl_space, ref_guidance_scale=ref_guidance_scale)
+                        kl_space=kl_space, ref_guidance_scale=ref_guidance_scale, token_sigmas=token_sigmas,
+                        frozen=frozen)
 
 
 def grpo_guard_loss(
@@ -239,6 +262,8 @@ def grpo_guard_loss(
     shard: Optional[ShardContext] = None,
     kl_space: str = "transition",
     ref_guidance_scale: Optional[float] = None,
+    token_sigmas: Optional[torch.Tensor] = None,
+    frozen: Optional[torch.Tensor] = None,
 ) -> GRPOLossOutput:
     """GRPO-Guard (arXiv 2510.22319; verl-omni ``GRPOGuardLoss``, Flow-Factory ``GRPOGuardTrainer``).
 
@@ -254,7 +279,8 @@ def grpo_guard_loss(
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=None,
                         backend=backend, rollout_is_weights=rollout_is_weights, shard=shard,
-                        kl_space=kl_space, ref_guidance_scale=ref_guidance_scale)
+                        kl_space=kl_space, ref_guidance_scale=ref_guidance_scale, token_sigmas=token_sigmas,
+                        frozen=frozen)
 
 
 def flow_dppo_loss(
@@ -281,6 +307,8 @@ def flow_dppo_loss(
     shard: Optional[ShardContext] = None,
     kl_space: str = "transition",
     ref_guidance_scale: Optional[float] = None,
+    token_sigmas: Optional[torch.Tensor] = None,
+    frozen: Optional[torch.Tensor] = None,
 ) -> GRPOLossOutput:
     """Flow-DPPO (verl-omni ``FlowDPPOLoss``): per sample -rho A, masked (0) when D_s = mean ||mu_theta -
     mu_old||^2 / (2 std^2) >= ``kl_threshold`` and the ratio moves in the advantage's direction (rho > 1
@@ -294,7 +322,8 @@ def flow_dppo_loss(
                         old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=kl_threshold,
                         backend=backend, rollout_is_weights=rollout_is_weights,
                         stream_weights=stream_weights, shard=shard,
-                        kl_space=kl_space, ref_guidance_scale=ref_guidance_scale)
+                        kl_space=kl_space, ref_guidance_scale=ref_guidance_scale, token_sigmas=token_sigmas,
+                        frozen=frozen)
 
 
 def teacher_kl_loss(
@@ -309,16 +338,20 @@ def teacher_kl_loss(
     reduction: str = "mean",
     backend: str = "auto",
     shard: Optional[ShardContext] = None,
+    token_sigmas: Optional[torch.Tensor] = None,
+    frozen: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Diffusion-OPD's teacher KL: the batch mean of ||mu_theta - mu_teacher||^2 / (2 std^2) reduced per
     sample (the exact Gaussian KL of docs/contract.md, ``flowrl.step_kl`` with the teacher as the
     reference, whose fused backward writes d / d model_output). Returns (loss, per-sample KL [B]).
-    ``shard``: step_kl's sequence-parallel context."""
+    ``shard``, ``token_sigmas``, ``frozen``: step_kl's (sequence parallelism; per-token schedules and frozen
+    masks, docs/contract.md), the KL is step_kl's with them bit for bit."""
     _check_no_grad(sample=sample, teacher_model_output=teacher_model_output)
     args = (sample, model_output, teacher_model_output, sigmas, step_index, mode, noise_level, reduction, backend)
-    if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::teacher_kl_loss
+    # while torch.compile traces (one device, no per-token inputs): the custom op flowrl::teacher_kl_loss
+    if _traced() and shard is None and token_sigmas is None and frozen is None:
         return _ops.teacher_kl_loss(*args)
-    return _teacher_kl(*args, shard=shard)
+    return _teacher_kl(*args, shard=shard, token_sigmas=token_sigmas, frozen=frozen)
 
 
 # ----------------------------------------------------------------------------- forward-process losses

@@ -8,9 +8,9 @@ from ..ops.functional import step_kl
 
 
 def teacher_kl(sample, model_output, teacher_model_output, sigmas, step_index, mode, noise_level, reduction, backend,
-               shard=None):
+               shard=None, token_sigmas=None, frozen=None):
     """(loss, per-sample KL [B] detached): the batch mean of ``flowrl.step_kl`` to the teacher (``shard``:
-    step_kl's sequence-parallel context)."""
+    step_kl's sequence-parallel context; ``token_sigmas``, ``frozen``: step_kl's)."""
     kl = step_kl(sample, model_output, teacher_model_output, sigmas, step_index, mode=mode, noise_level=noise_level,
-                 reduction=reduction, backend=backend, shard=shard)
+                 reduction=reduction, backend=backend, shard=shard, token_sigmas=token_sigmas, frozen=frozen)
     return kl.mean(), kl.detach()
