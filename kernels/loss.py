@@ -29,7 +29,7 @@ from .common import (
     halving_tree_rows, mode_coefficients, ordinary_count, policy_difference, round_to, step_mean, total_grad,
 )
 from .common import KIND_KL
-from .step import _block_offsets, _philox_eps
+from .step import _block_offsets, _element_terms, _philox_eps
 
 # where mu_old (the trust-region variants' rollout mean) comes from: none, a stored float32 tensor,
 # or replayed from x' and the rollout's Philox noise (flowrl.losses.TrustSource)
@@ -79,6 +79,29 @@ def _guided_reference(v_ref, ref_cond_ptr, offs, mask, ref_scale):
 
 
 @triton.jit
+def _element_square(r, scored, weight, ELEMENTWISE: tl.constexpr, WEIGHTED: tl.constexpr):
+    """r * r of an element; in an elementwise step (per-token sigmas, a frozen mask) weighted per token
+    (WEIGHTED) and 0 off the scored elements: step_partials_kernel's operations, in its order."""
+    sq = r * r
+    if ELEMENTWISE:
+        if WEIGHTED:
+            sq = sq * weight
+        sq = tl.where(scored, sq, 0.0)
+    return sq
+
+
+@triton.jit
+def _element_coef(coef, scored, weight, ELEMENTWISE: tl.constexpr, WEIGHTED: tl.constexpr):
+    """A sample's d value / d total as an element's: weighted per token (WEIGHTED) and 0 off the scored
+    elements of an elementwise step (step_backward_kernel's operations, in its order)."""
+    if ELEMENTWISE:
+        if WEIGHTED:
+            coef = coef * weight
+        coef = tl.where(scored, coef, 0.0)
+    return coef
+
+
+@triton.jit
 def grpo_partials_kernel(
     x_ptr, v_ptr, prev_ptr, ref_ptr, old_mean_ptr, lp_partials_ptr, kl_partials_ptr, tr_partials_ptr,
     sigmas_ptr, step_ptr, seeds_ptr, stream_stride, elem_offset,
@@ -86,19 +109,33 @@ def grpo_partials_kernel(
     MODE: tl.constexpr, HAS_REF: tl.constexpr, TRUST: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
     GROUP: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
     ref_cond_ptr=None, ref_scale=0.0, KL_SPACE: tl.constexpr = 0, REF_GUIDED: tl.constexpr = False,
+    tok_ptr=None, tok_inner=1, tok_groups=1, tok_stride=0, frozen_ptr=None, frozen_inner=1, frozen_groups=1,
+    frozen_stride=0, PER_TOKEN: tl.constexpr = False, HAS_FROZEN: tl.constexpr = False,
+    WEIGHTED: tl.constexpr = False,
 ):
     """Chunk partials [B, n_chunks] of (x' - mu)^2, (c v - c v_ref)^2 (HAS_REF; KL_VELOCITY: (v - v_ref)^2)
     and (mu - mu_old)^2 (TRUST != TRUST_NONE), from one read of each input. REF_GUIDED: ref_ptr holds the
-    reference's unconditional branch, ref_cond_ptr its conditional one, v_ref their guided combination."""
-    row, first, _, offs, mask = _block_offsets(n_per_sample, n_blocks, GROUP * CHUNK)
+    reference's unconditional branch, ref_cond_ptr its conditional one, v_ref their guided combination.
+    PER_TOKEN / HAS_FROZEN: step_partials_kernel's elementwise step (kernels/step.py's ``_element_terms``):
+    each element's (a, c, std), squares weighted per token (WEIGHTED: the log-prob's kind divides by the
+    variance; the KL and D_s always are when PER_TOKEN) and 0 off the scored elements."""
+    ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
+    row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, GROUP * CHUNK)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
+    scored, weight = mask, 1.0
+    if ELEMENTWISE:
+        a, c, std, _, scored, weight = _element_terms(
+            a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
+            frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index,
+            PER_TOKEN, HAS_FROZEN, PER_TOKEN)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     prev = tl.load(prev_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     mu = step_mean(a, c, x, v)
     r = prev - mu  # step_partials_kernel's OP_LOG_PROB residual, the same operations
-    _store_partials(r * r, mask, lp_partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
+    _store_partials(_element_square(r, scored, weight, ELEMENTWISE, WEIGHTED), mask, lp_partials_ptr, row, first,
+                    n_chunks, GROUP, CHUNK, LOG2_CHUNK)
     if HAS_REF:
         v_ref = tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if REF_GUIDED:
@@ -107,12 +144,14 @@ def grpo_partials_kernel(
             rk = v - v_ref
         else:
             rk = policy_difference(c, v, v_ref)
-        _store_partials(rk * rk, mask, kl_partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
+        _store_partials(_element_square(rk, scored, weight, ELEMENTWISE, PER_TOKEN), mask, kl_partials_ptr, row,
+                        first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
     if TRUST != TRUST_NONE:
         old = _old_mean(old_mean_ptr, prev, std, offs, mask, seeds_ptr, row, first, stream_stride, elem_offset,
                         TRUST, GROUP * CHUNK, PHILOX_ALIGNED)
         rt = mu - old
-        _store_partials(rt * rt, mask, tr_partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
+        _store_partials(_element_square(rt, scored, weight, ELEMENTWISE, PER_TOKEN), mask, tr_partials_ptr, row,
+                        first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
 
 
 @triton.jit
@@ -123,25 +162,43 @@ def grpo_backward_kernel(
     MODE: tl.constexpr, KIND: tl.constexpr, MEAN: tl.constexpr, HAS_REF: tl.constexpr, TRUST: tl.constexpr,
     BLOCK: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
     ref_cond_ptr=None, ref_scale=0.0, KL_SPACE: tl.constexpr = 0, REF_GUIDED: tl.constexpr = False,
+    tok_ptr=None, tok_inner=1, tok_groups=1, tok_stride=0, frozen_ptr=None, frozen_inner=1, frozen_groups=1,
+    frozen_stride=0, PER_TOKEN: tl.constexpr = False, HAS_FROZEN: tl.constexpr = False,
+    WEIGHTED: tl.constexpr = False, count_ptr=None,
 ):
     """d loss / d v from the per-sample grads of the log-prob, the KL and the trust-region divergence
     (always a mean): per element d value / d r = 2 coef r (common.total_grad), dmu/dv = c. KL_VELOCITY:
-    the KL's 2 (v - v_ref) g, g over the element count when MEAN (no std, scored on every step)."""
-    row, first, _, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
+    the KL's 2 (v - v_ref) g, g over the element count when MEAN (no std, scored on every step).
+    PER_TOKEN / HAS_FROZEN: step_backward_kernel's elementwise step: the scored count from count_ptr,
+    each sample coefficient (of its own std) weighted per token and 0 off the scored elements, then
+    the element's (a, c, std)."""
+    ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
+    row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
+    std_ref = std  # the sample's own step: the value's variance (per-token weights are relative to it)
+    scored, weight = mask, 1.0
+    if ELEMENTWISE:
+        count = tl.load(count_ptr + row)
+        a, c, std, _, scored, weight = _element_terms(
+            a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
+            frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index,
+            PER_TOKEN, HAS_FROZEN, PER_TOKEN)
+    else:
+        count = ordinary_count(std, numel_f)  # 0 on a deterministic step: no gradient
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     prev = tl.load(prev_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     mu = step_mean(a, c, x, v)
-    count = ordinary_count(std, numel_f)  # 0 on a deterministic step: no gradient
-    coef_lp = total_grad(tl.load(grad_lp_ptr + row), std, count, KIND, MEAN)
+    coef_lp = _element_coef(total_grad(tl.load(grad_lp_ptr + row), std_ref, count, KIND, MEAN), scored, weight,
+                            ELEMENTWISE, WEIGHTED)
     cr = coef_lp * (prev - mu)
     grad_mu = -(cr + cr)
     if TRUST != TRUST_NONE:
         old = _old_mean(old_mean_ptr, prev, std, offs, mask, seeds_ptr, row, first, stream_stride, elem_offset,
                         TRUST, BLOCK, PHILOX_ALIGNED)
-        coef_tr = total_grad(tl.load(grad_tr_ptr + row), std, count, KIND_KL, True)
+        coef_tr = _element_coef(total_grad(tl.load(grad_tr_ptr + row), std_ref, count, KIND_KL, True), scored, weight,
+                                ELEMENTWISE, PER_TOKEN)
         ct = coef_tr * (mu - old)
         grad_mu = grad_mu + (ct + ct)
     grad_v = grad_mu * c
@@ -156,7 +213,8 @@ def grpo_backward_kernel(
             ck = coef_kl * (v - v_ref)
             grad_v = grad_v + (ck + ck)
         else:
-            coef_kl = total_grad(tl.load(grad_kl_ptr + row), std, count, KIND_KL, MEAN)
+            coef_kl = _element_coef(total_grad(tl.load(grad_kl_ptr + row), std_ref, count, KIND_KL, MEAN), scored,
+                                    weight, ELEMENTWISE, PER_TOKEN)
             ck = coef_kl * policy_difference(c, v, v_ref)
             grad_v = grad_v + (ck + ck) * c
     tl.store(grad_v_ptr + offs, round_to(grad_v, grad_v_ptr.dtype.element_ty), mask=mask)

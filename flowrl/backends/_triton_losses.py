@@ -15,7 +15,9 @@ import dataclasses
 import torch
 import triton
 
-from flowrl.backends._triton_ops import LAUNCH_TABLE, _KernelScalars, _finalize, _launch, _LAUNCH, launch_config
+from flowrl.backends._triton_ops import (
+    LAUNCH_TABLE, _KernelScalars, _finalize, _launch, _LAUNCH, element_config, launch_config,
+)
 from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, KLSpace, LogProbKind, Reduction
 from flowrl.kernels.loss import flow_backward_kernel, flow_partials_kernel, grpo_backward_kernel, grpo_partials_kernel
 
@@ -42,6 +44,19 @@ def _kl_args(ref, ref_cond, ref_scale, kl_space, like):
                 KL_SPACE=int(kl_space), REF_GUIDED=guided)
 
 
+def _elementwise_args(ks, backward=False):
+    """The element kernels' per-token table, frozen mask and switches (PER_TOKEN, HAS_FROZEN, WEIGHTED),
+    step_log_prob's (``_KernelScalars``); the backward also reads the scored count."""
+    tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner, frozen_groups, frozen_stride = \
+        ks.elementwise_args
+    out = dict(tok_ptr=tok_ptr, tok_inner=tok_inner, tok_groups=tok_groups, tok_stride=tok_stride,
+               frozen_ptr=frozen_ptr, frozen_inner=frozen_inner, frozen_groups=frozen_groups,
+               frozen_stride=frozen_stride, **ks.switches)
+    if backward:
+        out["count_ptr"] = ks.count if ks.count is not None else ks.sigmas
+    return out
+
+
 def _velocity_kl(spec, kl_p):
     """The velocity KL [B] from its chunk partials: the contract's halving tree over them (as
     flowrl.reference_losses.velocity_kl), over the element count for ``reduction="mean"``."""
@@ -54,7 +69,7 @@ def _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed, kl_space=KLS
     b, n = x.shape[0], x.numel() // x.shape[0]
     n_chunks = triton.cdiv(n, CHUNK_SIZE)
     (seeds, stride, offset), philox, aligned = _grpo_launch_args(spec, ks, trust, seed, x)
-    group, num_warps = launch_config(n, unaligned_philox=philox and not aligned)
+    group, num_warps = element_config(spec, n, unaligned_philox=philox and not aligned)
     n_blocks = triton.cdiv(n_chunks, group)
     lp_p = torch.empty((b, n_chunks), dtype=torch.float32, device=x.device)
     kl_p = torch.empty_like(lp_p) if ref is not None else lp_p
@@ -65,7 +80,7 @@ def _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed, kl_space=KLS
         ks.sigmas, ks.step_index, seeds, stride, offset, n, n_chunks, n_blocks, *ks.args, ks.last_index,
         MODE=int(spec.mode), HAS_REF=ref is not None, TRUST=int(trust), CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE,
         GROUP=group, PHILOX_ALIGNED=aligned, num_warps=num_warps, **_LAUNCH,
-        **_kl_args(ref, ref_cond, ref_scale, kl_space, v),
+        **_kl_args(ref, ref_cond, ref_scale, kl_space, v), **_elementwise_args(ks),
     )
     if spec.shard is not None:  # sequence parallelism: the full samples' partials, one gather for the three
         present = [lp_p] + ([kl_p] if ref is not None else []) + ([tr_p] if trust else [])
@@ -103,7 +118,10 @@ class _GRPOValues(torch.autograd.Function):
         zeros = torch.zeros(b, dtype=torch.float32, device=x.device)
         g_lp, g_kl, g_tr = (zeros if g is None else g.to(torch.float32).contiguous() for g in (g_lp, g_kl, g_tr))
         (seeds, stride, offset), philox, aligned = _grpo_launch_args(spec, ks, trust, ctx.seed, x)
-        group, num_warps = REPLAY_BACKWARD_CONFIG if philox else launch_config(n)
+        if spec.elementwise:  # step_backward_kernel's configuration (no spills with per-element coefficients)
+            group, num_warps = element_config(spec, n)
+        else:
+            group, num_warps = REPLAY_BACKWARD_CONFIG if philox else launch_config(n)
         block = group * CHUNK_SIZE
         n_blocks = triton.cdiv(n, block)
         grad_v = torch.empty_like(v)
@@ -113,7 +131,7 @@ class _GRPOValues(torch.autograd.Function):
             grad_v, ks.sigmas, ks.step_index, seeds, stride, offset, n, n_blocks, float(spec.numel), *ks.args,
             ks.last_index, MODE=int(spec.mode), KIND=int(spec.kind), MEAN=spec.reduction is Reduction.MEAN, HAS_REF=ref is not None,
             TRUST=int(trust), BLOCK=block, PHILOX_ALIGNED=aligned, num_warps=num_warps, **_LAUNCH,
-            **_kl_args(ref, ref_cond, ctx.ref_scale, ctx.kl_space, v),
+            **_kl_args(ref, ref_cond, ctx.ref_scale, ctx.kl_space, v), **_elementwise_args(ks, backward=True),
         )
         return grad_v, None, None, None, None, None, None, None, None, None, None, None
 
