@@ -451,6 +451,137 @@ def test_teacher_kl_is_step_kl_with_the_teacher_and_its_gradient():
     ve = _cpu(v).double().requires_grad_()
     expected = oracle.kl(_cpu(x), ve, _cpu(teacher), sig.cpu(), [0, 4, 8], "sde", 0.7).mean()
     torch.testing.assert_close(_cpu(g).double(), torch.autograd.grad(expected, ve)[0], rtol=1e-4, atol=1e-9)
+# ------------------------------------------------------- per-token sigmas and frozen masks (docs/losses.md)
+
+
+def elementwise(shape=SHAPE, steps=STEPS):
+    """[B, S, 1] per-token sigmas (a third of the tokens one schedule step behind, two held at sigma 0, the
+    rest at their sample's sigma) and a [1, S, 1] frozen mask (the last tokens: conditioning)."""
+    b, s = shape[0], shape[1]
+    sig = schedule()
+    idx = steps.to(DEVICE)
+    tok = sig[idx].reshape(b, 1, 1).expand(b, s, 1).clone()
+    tok[:, : max(1, s // 3)] = sig[torch.clamp(idx + 1, max=T)].reshape(b, 1, 1)
+    tok[1, -2:] = 0.0
+    frozen = torch.zeros(1, s, 1, dtype=torch.bool, device=DEVICE)
+    frozen[:, -1] = True
+    return tok, frozen
+
+
+ELEMENTWISE_SHAPE = (3, 6, 250)  # 1500 elements per sample, tokens of 250 elements
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("given", ["token_sigmas", "frozen", "both"])
+def test_grpo_family_with_token_sigmas_and_frozen_is_step_log_prob_and_step_kl_bit_for_bit(backend, dtype, given):
+    """log_prob is step_log_prob(..., token_sigmas=, frozen=)'s bit for bit (first ratio exactly 1), the KL
+    step_kl's, the teacher KL step_kl's; the gradient of a loss without KL is autograd through step_log_prob
+    (torch) / its fused backward (Triton) bit for bit, the teacher KL's through step_kl."""
+    tok, frozen = elementwise(ELEMENTWISE_SHAPE)
+    ew = dict(token_sigmas=tok if given != "frozen" else None, frozen=frozen if given != "token_sigmas" else None)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(ELEMENTWISE_SHAPE, generator=g).to(DEVICE, dtype)
+    v = torch.randn(ELEMENTWISE_SHAPE, generator=g).to(DEVICE, dtype)
+    sig, steps, adv = schedule(), STEPS.to(DEVICE), advantages()
+    kw = dict(mode="sde", noise_level=0.7, backend=backend, **ew)
+    out = flowrl.sde_step(x, v, sig, steps, noise_seed=5, **kw)
+    v_ref, v_new = perturbed(v, 0.1, seed=5), perturbed(v, 0.2, seed=6)
+    lp = flowrl.step_log_prob(x, v, out.prev_sample, sig, steps, **kw)
+    kl = flowrl.step_kl(x, v, v_ref, sig, steps, **kw)
+    for fn, extra in ((L.grpo_loss, dict(clip_range=0.2, kl_coef=0.1, ref_model_output=v_ref)),
+                      (L.flow_dppo_loss, dict(kl_threshold=1e-3, noise_seed=5, kl_coef=0.1, ref_model_output=v_ref)),
+                      (L.flow_dppo_loss, dict(kl_threshold=1e-3, old_prev_sample_mean=out.prev_sample_mean))):
+        res = fn(x, v, out.prev_sample, sig, steps, out.log_prob, adv, **extra, **kw)
+        assert torch.equal(res.log_prob, lp) and torch.equal(res.log_prob, out.log_prob), fn.__name__
+        assert torch.equal(res.ratio, torch.ones_like(res.ratio)), fn.__name__
+        if "ref_model_output" in extra:
+            assert torch.equal(res.kl, kl), fn.__name__
+        if res.trust_divergence is not None:  # mu_old is this policy's mean: D_s is 0 up to x' - std eps rounding
+            assert res.trust_divergence.abs().max() < 1e-4, fn.__name__
+    if given == "frozen":
+        res = L.grpo_guard_loss(x, v, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=0.2,
+                                old_prev_sample_mean=out.prev_sample_mean, **kw)
+        assert torch.equal(res.log_prob, lp)
+    vv = v_new.clone().requires_grad_()
+    res = L.grpo_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=0.2, **kw)
+    (g_loss,) = torch.autograd.grad(res.loss, vv)
+    vv = v_new.clone().requires_grad_()
+    lp_new = flowrl.step_log_prob(x, vv, out.prev_sample, sig, steps, **kw)
+    assert torch.equal(res.log_prob, lp_new.detach())
+    from flowrl.losses._policy import Variant, policy_loss
+    want = policy_loss(Variant.GRPO, lp_new, None, None, out.log_prob, adv, (0.2, 0.2), 0.0, None, None).loss
+    (g_want,) = torch.autograd.grad(want, vv)
+    assert g_loss.abs().max() > 0 and torch.equal(g_loss, g_want)
+    vv = v_new.clone().requires_grad_()
+    loss, kl_t = L.teacher_kl_loss(x, vv, v_ref, sig, steps, **kw)
+    (g_t,) = torch.autograd.grad(loss, vv)
+    vv = v_new.clone().requires_grad_()
+    kl_want = flowrl.step_kl(x, vv, v_ref, sig, steps, **kw)
+    (g_want,) = torch.autograd.grad(kl_want.mean(), vv)
+    assert torch.equal(kl_t, kl_want.detach()) and torch.equal(g_t, g_want)
+
+
+def test_per_token_trust_divergence_is_the_per_token_kl_to_the_old_policy():
+    """D_s with per-token sigmas and a frozen mask is step_kl's per-element KL (each token's std; the
+    scored elements' mean) to the rollout policy: mu_old given or replayed from x' and the rollout's seed."""
+    tok, frozen = elementwise(ELEMENTWISE_SHAPE)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(ELEMENTWISE_SHAPE, generator=g).to(DEVICE)
+    v_old = torch.randn(ELEMENTWISE_SHAPE, generator=g).to(DEVICE)
+    sig, steps, adv, v = schedule(), STEPS.to(DEVICE), advantages(), perturbed(v_old, 0.1, seed=8)
+    kw = dict(mode="sde", noise_level=0.7, backend="torch", token_sigmas=tok, frozen=frozen)
+    out = flowrl.sde_step(x, v_old, sig, steps, noise_seed=7, **kw)
+    want = flowrl.step_kl(x, v, v_old, sig, steps, reduction="mean", **kw)
+    for trust in (dict(old_prev_sample_mean=out.prev_sample_mean), dict(noise_seed=7)):
+        res = L.flow_dppo_loss(x, v, out.prev_sample, sig, steps, out.log_prob, adv, kl_threshold=1.0, **trust, **kw)
+        torch.testing.assert_close(res.trust_divergence, want, rtol=1e-3, atol=1e-6)
+
+
+def test_per_token_refusals_name_the_argument():
+    """GRPO-Guard's per-step weights (std, 1/D) are one step's: token_sigmas is refused (a frozen mask is
+    not); the velocity KL and joint steps take neither."""
+    tok, frozen = elementwise(ELEMENTWISE_SHAPE)
+    x, v, sig, out = rollout(shape=ELEMENTWISE_SHAPE)
+    steps, adv = STEPS.to(DEVICE), advantages()
+    args = (x, v, out.prev_sample, sig, steps, out.log_prob, adv)
+    with pytest.raises(ValueError, match="token_sigmas.*grpo_guard_loss"):
+        L.grpo_guard_loss(*args, clip_range=0.2, noise_seed=11, token_sigmas=tok, backend="torch")
+    with pytest.raises(ValueError, match="frozen.*kl_space='velocity'"):
+        L.grpo_loss(*args, clip_range=0.2, kl_coef=0.1, ref_model_output=v, kl_space="velocity", frozen=frozen,
+                    backend="torch")
+    with pytest.raises(ValueError, match="token_sigmas: a joint step"):
+        L.grpo_loss((x, x), (v, v), (out.prev_sample,) * 2, sig, steps, out.log_prob, adv, clip_range=0.2,
+                    token_sigmas=tok, backend="torch")
+    with pytest.raises(ValueError, match="token_sigmas"):
+        L.grpo_loss(*args, clip_range=0.2, token_sigmas=tok[:, :2], backend="torch")  # step_log_prob's shape check
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or _dispatch.interpreter_enabled()), reason="needs the Triton backend")
+def test_triton_per_token_losses_and_grads_match_torch():
+    tok, frozen = elementwise(ELEMENTWISE_SHAPE)
+    x, v, sig, out = rollout(shape=ELEMENTWISE_SHAPE)
+    steps, adv, v_ref, v_new = STEPS.to(DEVICE), advantages(), perturbed(v, 0.1, seed=5), perturbed(v, 0.3)
+    kw = dict(token_sigmas=tok, frozen=frozen)
+    cases = {
+        "grpo": lambda vv, be: L.grpo_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=(0.05, 0.3),
+                                           kl_coef=0.3, ref_model_output=v_ref, backend=be, **kw),
+        "dppo_replay": lambda vv, be: L.flow_dppo_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, adv,
+                                                       kl_threshold=1e-3, noise_seed=11, kl_coef=0.1,
+                                                       ref_model_output=v_ref, backend=be, **kw),
+        "guard_frozen": lambda vv, be: L.grpo_guard_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, adv,
+                                                         clip_range=0.2, old_prev_sample_mean=out.prev_sample_mean,
+                                                         backend=be, frozen=frozen),
+    }
+    for name, fn in cases.items():
+        res_t, grad_t = _grad(lambda vv: fn(vv, "torch"), v_new)
+        res_k, grad_k = _grad(lambda vv: fn(vv, "triton"), v_new)
+        torch.testing.assert_close(res_k.loss, res_t.loss, rtol=1e-5, atol=1e-6, msg=name)
+        scale = grad_t.float().abs().max()
+        assert scale > 0, name
+        torch.testing.assert_close(grad_k.float() / scale, grad_t.float() / scale, rtol=1e-5, atol=1e-6, msg=name)
+
+
 # ------------------------------------------------------------------------------------------- docs
 
 
