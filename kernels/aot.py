@@ -136,10 +136,11 @@ def _backward(storage, mode, kind, mean, needs, group, warps, elementwise=(), ha
 
 
 def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind=LogProbKind.GAUSSIAN, mean=True,
-               kl_space=KLSpace.TRANSITION, guided=False):
+               kl_space=KLSpace.TRANSITION, guided=False, elementwise=()):
     """flowrl.losses' GRPO-family element pass (kernels/loss.py) or its backward; trust: 0 none, 1 a
     given float32 mu_old, 2 mu_old replayed from Philox noise; kl_space: the KL's KLSpace; guided: the
-    reference as its two CFG branches (REF_GUIDED)."""
+    reference as its two CFG branches (REF_GUIDED); elementwise: as the step kernels' (per-token sigmas,
+    a frozen mask; the backward reads the scored count)."""
     sig = {"x_ptr": "*" + storage, "v_ptr": "*" + storage, "prev_ptr": "*" + storage, "ref_ptr": "*" + storage,
            "old_mean_ptr": "*" + ("fp32" if trust == 1 else storage)}
     if backward:
@@ -150,9 +151,11 @@ def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind
                 "elem_offset": "i32", "n_per_sample": "i32"})
     sig.update({"n_blocks": "i32", "numel_f": "fp32"} if backward else {"n_chunks": "i32", "n_blocks": "i32"})
     sig.update({"sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32", "last_index": "i32"})
-    sig.update({"ref_cond_ptr": "*" + storage, "ref_scale": "fp32"})
+    sig.update({"ref_cond_ptr": "*" + storage, "ref_scale": "fp32", **_ELEMENTWISE_SIG})
+    if backward:
+        sig["count_ptr"] = "*fp32"
     cx = {"MODE": int(mode), "HAS_REF": has_ref, "TRUST": trust, "PHILOX_ALIGNED": trust == 2,
-          "KL_SPACE": int(kl_space), "REF_GUIDED": guided}
+          "KL_SPACE": int(kl_space), "REF_GUIDED": guided, **_elementwise(elementwise)}
     if backward:
         cx.update({"KIND": int(kind), "MEAN": mean, "BLOCK": group * CHUNK_SIZE})
     else:
@@ -163,6 +166,7 @@ def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind
                                                            else "") + f" g{group}w{warps}"
     if kl_space is not KLSpace.TRANSITION or guided:
         label += f" kl={kl_space.label}" + (" guided" if guided else "")
+    label += _elementwise_label(elementwise)
     return Specialization(name, sig, cx, ptrs + ("n_per_sample",), warps, label, group * CHUNK_SIZE)
 
 
@@ -193,6 +197,7 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
     configs = _launch_configs()
     largest, smallest = configs[-1], configs[0]
     from flowrl.backends._triton_losses import REPLAY_BACKWARD_CONFIG
+    from flowrl.backends._triton_ops import ELEMENTWISE_CONFIG as ew
 
     for backward in (False, True):
         if not backward:  # the replaying backward runs at REPLAY_BACKWARD_CONFIG only
@@ -207,6 +212,10 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
                          guided=True)
         yield _grpo_loss(storage, Mode.SDE, True, 2, *(REPLAY_BACKWARD_CONFIG if backward else largest),
                          backward=backward, guided=True)
+        # per-token sigmas and a frozen mask (the step kernels' ELEMENTWISE_CONFIG): the heaviest switches
+        # (the KL, mu_old replayed) with both, and a given mu_old with a frozen mask alone (GRPO-Guard's)
+        yield _grpo_loss(storage, Mode.SDE, True, 2, *ew, backward=backward, elementwise=("token", "frozen"))
+        yield _grpo_loss(storage, Mode.SDE, False, 1, *ew, backward=backward, elementwise=("frozen",))
         yield _flow_loss(storage, 0, True, *largest, backward=backward)
         yield _flow_loss(storage, 1, False, *largest, backward=backward)
         yield _flow_loss(storage, 2, False, *largest, backward=backward)  # Diffusion-DPO

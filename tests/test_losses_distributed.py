@@ -6,7 +6,9 @@ Each spawned rank builds the same full inputs, computes every loss on one device
 equal the single-device ones, and the gradient of its shard of ``model_output`` equals its slice of the
 single-device gradient. Bit for bit when every shard but the last is a whole number of chunks
 (``ShardLayout.bit_exact``); to float32 rounding when a chunk straddles two ranks (summed as two
-partials). The torch backend on 2 and 4 ranks, the Triton backend (the interpreter on CPU) on 2.
+partials). The torch backend on 2 and 4 ranks, the Triton backend (the interpreter on CPU) on 2. The GRPO
+family and the teacher KL also run with per-token sigmas and a frozen mask (cut on S like the latents; the
+scored count and the per-token log term summed over the ranks).
 """
 import os
 
@@ -83,6 +85,16 @@ def _cases(d, backend):
     roll = flowrl.sde_step(x, d["v_old"], sig, step, noise_seed=seed, return_prev_sample_mean=True, **kw)
     prev, mean_old = roll.prev_sample, roll.prev_sample_mean
     old_lp = roll.log_prob
+    # per-token sigmas (the first third of the tokens a step behind, two of sample 1's held at sigma 0) and a
+    # frozen mask (the last 5 tokens), with a rollout of their own
+    S = x.shape[1]
+    tok = sig[step].reshape(B, 1, 1).expand(B, S, 1).clone()
+    tok[:, : S // 3] = sig[step + 1].reshape(B, 1, 1)
+    tok[1, S // 2: S // 2 + 2] = 0.0
+    fr = torch.zeros(1, S, 1, dtype=torch.bool, device=x.device)
+    fr[:, -5:] = True
+    roll_t = flowrl.sde_step(x, d["v_old"], sig, step, noise_seed=seed, token_sigmas=tok, frozen=fr, **kw)
+    prev_t, mean_t, old_t = roll_t.prev_sample, roll_t.prev_sample_mean, roll_t.log_prob
     cases = [
         ("grpo_loss", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_lp, adv, clip_range=(0.2, 0.28),
                                         kl_coef=0.04, ref_model_output=c(d["v_ref"]), rollout_is_weights=w, **kw)),
@@ -100,6 +112,17 @@ def _cases(d, backend):
         ("flow_dppo_loss replayed", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_lp, adv, kl_threshold=1e-4,
                                                       noise_seed=seed, **kw)),
         ("teacher_kl_loss", lambda f, v, c: f(c(x), v, c(d["v_ref"]), sig, step, **kw)),
+        ("grpo_loss per-token frozen", lambda f, v, c: f(c(x), v, c(prev_t), sig, step, old_t, adv, clip_range=0.2,
+                                                         kl_coef=0.04, ref_model_output=c(d["v_ref"]),
+                                                         token_sigmas=c(tok), frozen=c(fr), **kw)),
+        ("flow_dppo_loss per-token frozen replayed", lambda f, v, c: f(c(x), v, c(prev_t), sig, step, old_t, adv,
+                                                                       kl_threshold=1e-4, noise_seed=seed,
+                                                                       token_sigmas=c(tok), frozen=c(fr), **kw)),
+        ("grpo_guard_loss frozen given mean", lambda f, v, c: f(c(x), v, c(prev_t), sig, step, old_t, adv,
+                                                                clip_range=0.2, old_prev_sample_mean=c(mean_t),
+                                                                frozen=c(fr), **kw)),
+        ("teacher_kl_loss per-token frozen", lambda f, v, c: f(c(x), v, c(d["v_ref"]), sig, step, token_sigmas=c(tok),
+                                                               frozen=c(fr), **kw)),
         ("nft_loss", lambda f, v, c: f(c(x), v, c(d["v_old"]), c(d["x0"]), d["t"], adv, beta=0.1, adv_clip_max=5.0,
                                        kl_coef=0.01, ref_model_output=c(d["v_ref"]), backend=backend)),
         ("awm_log_prob", lambda f, v, c: f(v, c(d["eps"]), c(d["x0"]), d["t"], weighting="ghuber", backend=backend)),
@@ -184,7 +207,8 @@ def _check_rank(rank, world):
 # the interpreter is slow: smaller samples, one split on a chunk boundary (16 rows of 64), every loss,
 # and one off it, the losses that cover both gathers (grpo_values' three partials, flow_sums' K rows)
 TRITON_SPLITS = [(40, [16, 24], True), (40, [21, 19], False)]
-TRITON_OFF_BOUNDARY = ("grpo_loss", "grpo_guard_loss replayed", "nft_loss", "dgpo_loss")
+TRITON_OFF_BOUNDARY = ("grpo_loss", "grpo_guard_loss replayed", "nft_loss", "dgpo_loss",
+                       "flow_dppo_loss per-token frozen replayed")
 
 
 def _check_triton(rank, world):

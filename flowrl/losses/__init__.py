@@ -229,6 +229,12 @@ def grpo_loss(
     ``ref_guidance_scale=w``: the reference's two branches, combined in float32 inside the pass as
     uncond + w (cond - uncond) (the CFG reference of a trainer that trains without CFG); a single tensor
     is the reference's output as it is (guided or not). The same three arguments in every variant.
+
+    ``token_sigmas`` / ``frozen``: per-token schedules and frozen masks, as ``flowrl.step_log_prob`` takes
+    them: the log-prob is ``step_log_prob(..., token_sigmas=, frozen=)``'s and the KL ``step_kl``'s bit
+    for bit on the same backend; refused with ``kl_space="velocity"`` and for joint steps (docs/losses.md,
+    Per-token sigmas and frozen masks). Also ``flow_dppo_loss`` (D_s per element, each token's std, over
+    the scored elements) and ``grpo_guard_loss`` (``frozen`` only: its std and 1/D are one step's).
     """
     return _grpo_family(_Variant.GRPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob,
@@ -273,7 +279,8 @@ def grpo_guard_loss(
     (the rollout's ``prev_sample_mean``), or replayed from ``prev_sample`` and the rollout's
     ``noise_seed`` (docs/losses.md, Replaying mu_old). ``rollout_is_weights``: as ``grpo_loss``'s (on
     the surrogate after its 1/D scale); ``shard``, ``kl_space``, ``ref_model_output``, ``ref_guidance_scale``:
-    as ``grpo_loss``'s."""
+    as ``grpo_loss``'s. ``frozen``: as ``grpo_loss``'s; ``token_sigmas`` is refused (a ValueError): the
+    ratio's std and the loss's 1/D are one step's, and per-token sigmas give each token its own."""
     return _grpo_family(_Variant.GUARD, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
@@ -314,7 +321,8 @@ def flow_dppo_loss(
     mu_old||^2 / (2 std^2) >= ``kl_threshold`` and the ratio moves in the advantage's direction (rho > 1
     with A > 0, or rho < 1 with A < 0); no ratio clipping; batch mean. mu_old as in
     ``grpo_guard_loss``. ``rollout_is_weights``, ``shard``, ``kl_space``, ``ref_model_output``,
-    ``ref_guidance_scale``: as ``grpo_loss``'s."""
+    ``ref_guidance_scale``, ``token_sigmas``, ``frozen``: as ``grpo_loss``'s (D_s then per element with each
+    token's std, over the scored elements)."""
     kl_threshold = _check_scalar("kl_threshold", kl_threshold)
     return _grpo_family(_Variant.DPPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=None, mode=mode, noise_level=noise_level, log_prob=log_prob,
