@@ -115,8 +115,7 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
                                   ref_model_output=ref_model_output, old_prev_sample_mean=old_prev_sample_mean,
                                   noise_seed=noise_seed, kl_threshold=kl_threshold, backend=backend,
                                   rollout_is_weights=rollout_is_weights, stream_weights=stream_weights,
-                                  kl_space=kl_space, ref_guidance_scale=ref_guidance_scale, token_sigmas=token_sigmas,
-                        frozen=frozen)
+                                  kl_space=kl_space, ref_guidance_scale=ref_guidance_scale)
     if stream_weights is not None:
         raise ValueError("stream_weights weights the streams of a joint step: pass sample, model_output and "
                          "prev_sample as tuples (one tensor per stream), or stream_weights=None")
