@@ -29,7 +29,7 @@ _LAZY = {
     "RolloutTrajectory": ("flowrl.data.trajectory", "RolloutTrajectory"),
     "shard_trajectory": ("flowrl.data.trajectory_shard", "shard_trajectory"),
     "serialization": ("flowrl.data.serialization", None),
-    "distributed": ("flowrl.ops.distributed", None),
+    "distributed": ("flowrl.distributed", None),
     "reference": ("flowrl.backends.reference", None),
     "losses": ("flowrl.losses", None),
     "step_weights": ("flowrl.ops.weights", "step_weights"),

@@ -20,7 +20,6 @@ MOVED = {
     "flowrl._triton_ops": "flowrl.backends._triton_ops",
     "flowrl.functional": "flowrl.ops.functional",
     "flowrl.weights": "flowrl.ops.weights",
-    "flowrl.distributed": "flowrl.ops.distributed",
     "flowrl.trajectory": "flowrl.data.trajectory",
     "flowrl.serialization": "flowrl.data.serialization",
     "flowrl.sglang": "flowrl.data.sglang",

@@ -1,11 +1,11 @@
 """The losses of ``flowrl.losses`` on sequence-parallel shards, each taking ``group`` and ``shard_numels``
 instead of ``shard``: built by ``flowrl.ops.distributed._with_group``, the step ops' wrapper (the layout
 from the first tensor argument, one all-gather of the shard sizes unless ``shard_numels`` is given), and
-re-exported as ``flowrl.distributed.grpo_loss`` etc. (docs/wire_and_sp.md, Losses under SP).
+re-exported as ``flowrl.distributed.grpo_loss`` etc. (flowrl/distributed.py) (docs/wire_and_sp.md, Losses under SP).
 """
 from __future__ import annotations
 
-from ..ops.distributed import LOSSES, _with_group
+from ..ops.distributed import _with_group
 from . import awm_log_prob as _awm_log_prob
 from . import awm_loss as _awm_loss
 from . import dgpo_loss as _dgpo_loss
@@ -15,6 +15,9 @@ from . import grpo_guard_loss as _grpo_guard_loss
 from . import grpo_loss as _grpo_loss
 from . import nft_loss as _nft_loss
 from . import teacher_kl_loss as _teacher_kl_loss
+
+LOSSES = ("grpo_loss", "grpo_guard_loss", "flow_dppo_loss", "teacher_kl_loss", "nft_loss", "awm_log_prob",
+          "awm_loss", "dpo_loss", "dgpo_loss")
 
 NOTE = (
     "``flowrl.losses.{name}`` on this rank's shard of every sample (``group``: the process group).\n\n"

@@ -23,7 +23,6 @@ all-gather, one host sync); pass ``shard_numels=`` when they are known to skip i
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -196,14 +195,5 @@ step_kl = _with_group(F.step_kl)
 # The losses' forms (flowrl.distributed.grpo_loss, ...) are built by the same ``_with_group`` in the losses
 # layer (flowrl/losses/distributed.py) and re-exported here on first use, as flowrl/__init__.py's lazy names
 # are: this module imports nothing above the ops layer.
-LOSSES = ("grpo_loss", "grpo_guard_loss", "flow_dppo_loss", "teacher_kl_loss", "nft_loss", "awm_log_prob",
-          "awm_loss", "dpo_loss", "dgpo_loss")
 
-
-def __getattr__(name):
-    if name in LOSSES:
-        return getattr(importlib.import_module("flowrl.losses.distributed"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["CHUNK_SIZE", "ShardLayout", "shard_layout", "sde_step", "step_log_prob", "step_kl", *LOSSES]
+__all__ = ["CHUNK_SIZE", "ShardLayout", "shard_layout", "sde_step", "step_log_prob", "step_kl"]
