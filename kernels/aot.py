@@ -265,10 +265,13 @@ def _ddim(storage, config) -> Iterator[Specialization]:
     """ddim's specializations: per (prediction, clip) pair, the rollout (torch noise with the mean,
     Philox, none at eta = 0), the log-prob, the KL and their backward (gaussian mean, KL); one finalize (ddim's finalize
     reads only the std)."""
+    from flowrl.backends._triton_ops import WIDE_CONFIG
+
+    rollout = WIDE_CONFIG if storage == "fp32" else config  # the launcher's element_config
     for ddim in DDIM_VARIANTS.get(storage, DDIM_DEFAULT_VARIANTS):
-        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.TENSOR, True, False, *config, ddim=ddim)
-        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.PHILOX, False, True, *config, ddim=ddim)
-        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.NONE, True, False, *config, ddim=ddim)  # eta = 0
+        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.TENSOR, True, False, *rollout, ddim=ddim)
+        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.PHILOX, False, True, *rollout, ddim=ddim)
+        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.NONE, True, False, *rollout, ddim=ddim)  # eta = 0
         yield _partials(storage, Mode.DDIM, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *config, ddim=ddim)
         yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False, *config, ddim=ddim)
         yield _backward(storage, Mode.DDIM, LogProbKind.GAUSSIAN, True, (True, True, True), *config, ddim=ddim)

@@ -82,9 +82,13 @@ def finalize_warps(width: int) -> int:
 LAUNCH_TABLE = ((float("inf"), 1, 1),)
 
 
-# Philox from an offset that is not a multiple of 4 (a sequence-parallel shard cut mid-quad) makes one
-# Philox call per element; it runs at the same (1, 1) as every other launch.
-UNALIGNED_PHILOX_CONFIG = LAUNCH_TABLE[0][1:]
+# One chunk on four warps, 8 values per thread, for the launches that spill at 32 values per thread
+# (tests/test_compile.py): Philox from an offset that is not a multiple of 4 (a sequence-parallel shard
+# cut mid-quad: one Philox call per element; at (1, 1) 168 registers and 8 bytes spilled on sm_80 with
+# triton 3.9) and ddim's float32 rollouts (at (1, 1) 32 bytes spilled on sm_80, and on sm_90a with
+# triton 3.6). The chunk's halving tree then crosses warps (shared memory); the bits are the same.
+WIDE_CONFIG = (1, 4)
+UNALIGNED_PHILOX_CONFIG = WIDE_CONFIG
 
 
 # Elementwise steps (per-token sigmas, frozen masks) compute each element's coefficients (IEEE
@@ -94,9 +98,14 @@ UNALIGNED_PHILOX_CONFIG = LAUNCH_TABLE[0][1:]
 ELEMENTWISE_CONFIG = (4, 16)
 
 
-def element_config(spec, n_per_sample: int, unaligned_philox: bool = False):
-    """(chunks per program, num_warps) of the element kernels for ``spec``'s samples of ``n_per_sample``."""
-    return ELEMENTWISE_CONFIG if spec.elementwise else launch_config(n_per_sample, unaligned_philox=unaligned_philox)
+def element_config(spec, n_per_sample: int, unaligned_philox: bool = False, storage=None):
+    """(chunks per program, num_warps) of the element kernels for ``spec``'s samples of ``n_per_sample``
+    stored as ``storage`` (a torch dtype)."""
+    if spec.elementwise:
+        return ELEMENTWISE_CONFIG
+    if spec.mode is Mode.DDIM and spec.op is Op.ROLLOUT and storage == torch.float32:
+        return WIDE_CONFIG
+    return launch_config(n_per_sample, unaligned_philox=unaligned_philox)
 
 
 def launch_config(n_per_sample: int, unaligned_philox: bool = False):
@@ -168,7 +177,7 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
     noise_from = spec.noise_source if spec.op is Op.ROLLOUT else NoiseSource.TENSOR
     philox = noise_from is NoiseSource.PHILOX
     seeds, stream_stride, elem_offset = spec.noise_seed if philox else (ks.step_index, 0, 0)
-    group, num_warps = element_config(spec, n, unaligned_philox=philox and elem_offset % 4 != 0)
+    group, num_warps = element_config(spec, n, unaligned_philox=philox and elem_offset % 4 != 0, storage=x.dtype)
     n_blocks = triton.cdiv(n_chunks, group)
     partials = torch.empty((b, n_chunks), dtype=torch.float32, device=x.device)
     _launch(
