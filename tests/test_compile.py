@@ -132,7 +132,9 @@ def test_the_specializations_cover_every_switch_the_launchers_use():
     assert any(c["NOISE"] == int(NoiseSource.NONE) for c in ddim)
     assert {c["WIDTH"] for c in finalize} >= {2, 64, 1024, _triton_ops.MAX_FINALIZE_WIDTH}
     configs = {(g, w) for _, g, w in _triton_ops.LAUNCH_TABLE} | {_triton_ops.ELEMENTWISE_CONFIG}
-    assert {(s.constexprs["GROUP"], s.num_warps) for s in specs if s.kernel == "step_partials_kernel"} == configs
+    # the forward's WIDE_CONFIG: Philox from an unaligned offset, ddim's float32 rollouts (element_config)
+    forward = configs | {_triton_ops.WIDE_CONFIG, _triton_ops.UNALIGNED_PHILOX_CONFIG}
+    assert {(s.constexprs["GROUP"], s.num_warps) for s in specs if s.kernel == "step_partials_kernel"} == forward
     assert {(s.constexprs["BLOCK"] // 1024, s.num_warps) for s in specs if s.kernel == "step_backward_kernel"} == configs
 
 
