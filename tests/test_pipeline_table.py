@@ -28,6 +28,8 @@ pytest.importorskip("PIL")
 
 import tiny_pipelines as tiny  # noqa: E402
 
+pytestmark = pytest.mark.slow  # runs 19 tiny diffusers pipelines through the swap and the replay (./run test -m 'not slow' skips it)
+
 STEPS = tiny.STEPS  # 3
 BATCH = 2
 

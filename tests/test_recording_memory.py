@@ -21,6 +21,8 @@ import torch
 import flowrl
 from flowrl.data import trajectory_store as TS
 
+pytestmark = pytest.mark.slow  # records every pipeline of the table with both stores (./run test -m 'not slow' skips it)
+
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "performance.md"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

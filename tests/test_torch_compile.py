@@ -16,6 +16,8 @@ from torch._dynamo.utils import counters
 import flowrl
 from flowrl import losses
 
+pytestmark = pytest.mark.slow  # compiles training steps with Inductor (C++ builds) (./run test -m 'not slow' skips it)
+
 SIGMAS = [0.99, 0.75, 0.5, 0.25, 0.0]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu_check.sh runs it)")
 

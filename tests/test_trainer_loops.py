@@ -42,6 +42,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_compat import peer_flow_grpo  # noqa: E402
 from tiny_pipelines import tiny_StableDiffusion3Pipeline, tiny_WanPipeline  # noqa: E402
 
+pytestmark = pytest.mark.slow  # re-creates each trainer's rollout + recompute loop on tiny diffusers transformers (./run test -m 'not slow' skips it)
+
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 DTYPES = {"fp32": F32, "bf16": BF16, "fp16": F16}
 STEPS, BATCH, SCALE, ETA = 6, 2, 4.5, 0.7  # Flow-GRPO's guidance_scale 4.5 and noise_level 0.7

@@ -15,6 +15,8 @@ from flowrl.recorder import rollout
 from flowrl.data.trajectory_shard import ShardedRolloutTrajectory
 from gloo_ranks import run_ranks
 
+pytestmark = pytest.mark.slow  # spawns gloo process groups (./run test -m 'not slow' skips it)
+
 B, S, C, T = 2, 40, 64, 3
 ROWS = [16, 24]  # 16 rows of 64 = one 1024-element chunk: the cut falls on a chunk boundary
 
