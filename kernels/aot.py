@@ -592,11 +592,13 @@ def _run_one(job):
 
 
 def check(archs: Sequence[int] = ARCHS, storages: Sequence[str] = STORAGES, quick: bool = False,
-          jobs: int = 1, sass: bool = False, hot: bool = False) -> List[Dict[str, object]]:
-    """Compile and analyze every specialization (``hot``: the hot ones only, ``hot_specializations``);
-    one result dict per (specialization, storage, arch)."""
+          jobs: int = 1, sass: bool = False, hot: bool = False, match: Sequence[str] = ()) -> List[Dict[str, object]]:
+    """Compile and analyze every specialization (``hot``: the hot ones only, ``hot_specializations``;
+    ``match``: only those whose "kernel: label" contains one of the substrings); one result dict per
+    (specialization, storage, arch)."""
     work = [(spec, storage, arch, sass) for arch in archs for storage in storages
-            for spec in (hot_specializations(storage) if hot else specializations(storage, quick))]
+            for spec in (hot_specializations(storage) if hot else specializations(storage, quick))
+            if not match or any(m in f"{spec.kernel}: {spec.label}" for m in match)]
     if jobs <= 1:
         return [_run_one(job) for job in work]
     with ProcessPoolExecutor(jobs) as pool:
@@ -721,6 +723,8 @@ def main(argv=None) -> int:
     parser.add_argument("--storage", nargs="+", default=list(STORAGES), choices=STORAGES, help="latent dtypes")
     parser.add_argument("--roofline", action="store_true",
                         help="print the hot specializations' roofline table (implies --sass)")
+    parser.add_argument("--match", nargs="+", default=[], metavar="SUBSTRING",
+                        help="only the specializations whose 'kernel: label' contains one of these")
     parser.add_argument("--json", action="store_true", help="print every result as one JSON line")
     parser.add_argument("--markdown", action="store_true", help="print the per-kernel summary table")
     parser.add_argument("--update-docs", metavar="PATH", help="rewrite the table in PATH (both triton versions)")
@@ -729,7 +733,7 @@ def main(argv=None) -> int:
     if args.update_docs:
         return update_docs(args.update_docs, args.arch, args.jobs)
     rows = check(args.arch, args.storage, quick=args.quick, jobs=args.jobs, sass=args.sass or args.roofline,
-                 hot=args.hot)
+                 hot=args.hot, match=args.match)
     if args.json:
         print(json.dumps(rows))
     elif args.roofline:
