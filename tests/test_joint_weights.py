@@ -10,6 +10,7 @@ and ``h3_sigma_schedules`` gives the video and the audio their own time-shifted 
 per-element Gaussian log densities (tests/oracle.py, written from the contract).
 """
 import copy
+import math
 import json
 
 import pytest
@@ -197,6 +198,126 @@ def test_losses_on_tuples_are_the_combination_of_the_streams(backend, weights):
     assert dppo.trust_divergence.abs().max() < 1e-6  # mu_old replayed from the rollout's own noise: D_s ~ 0
 
 
+def peer_h3_guard(streams, old_log_prob, advantages, clip, log_prob_weights):
+    """verl-omni's MiniMax-H3 FlowGRPO adapter (verl-project/verl-omni commit
+    066a6cca4ae41f7e9e005e3359d2d730933a5ee7, verl_omni/pipelines/minimax_h3_flow_grpo/
+    diffusers_training_adapter.py, ``forward_and_sample_previous_step``: the joint log-prob, the flattened
+    joint mean, ``effective_std`` and ``effective_sqrt_dt``) feeding ``GRPOGuardLoss.compute_loss``
+    (tests/test_losses_peers.peer_verl_grpo_guard). ``streams``: per stream (log_prob [B] its mean log
+    density, mean [B, ...], old_mean [B, ...], std_dev_t (their sigma_t, std / sqrt_dt), sqrt_dt)."""
+    from test_losses_peers import _cfg, peer_verl_grpo_guard
+
+    (lp_v, mean_v, old_v, std_v, sdt_v), (lp_a, mean_a, old_a, std_a, sdt_a) = streams
+    batch = mean_v.shape[0]
+    video_weight, audio_weight = mean_v[0].numel(), mean_a[0].numel()
+    total_weight = video_weight + audio_weight
+    log_prob = log_prob_weights[0] * lp_v + log_prob_weights[1] * lp_a  # combine_log_probs
+    mean = torch.cat([mean_v.flatten(1), mean_a.flatten(1)], dim=1).unsqueeze(1)  # flatten_joint_latents
+    old_mean = torch.cat([old_v.flatten(1), old_a.flatten(1)], dim=1).unsqueeze(1)
+    video_std, audio_std = std_v.reshape(-1).mean(), std_a.reshape(-1).mean()
+    effective_std = torch.sqrt((video_weight * video_std.square() + audio_weight * audio_std.square()) / total_weight)
+    effective_std = effective_std.reshape(1, 1, 1).expand(batch, -1, -1)
+    video_dt, audio_dt = sdt_v.reshape(-1).mean().square(), sdt_a.reshape(-1).mean().square()
+    effective_sqrt_dt = torch.sqrt((video_weight * video_dt + audio_weight * audio_dt) / total_weight).expand(batch)
+    return peer_verl_grpo_guard(old_log_prob, log_prob, advantages, _cfg(adv_clip_max=1e9, clip_ratio=clip),
+                                old_mean, mean, effective_std, effective_sqrt_dt)
+
+
+@pytest.mark.parametrize("weights", [None, H3])
+def test_joint_grpo_guard_matches_verl_omni_h3(weights):
+    """grpo_guard_loss on tuples (float64, torch backend) against verl-omni's H3 adapter + GRPOGuardLoss
+    on per-stream float64 oracle values (tests/oracle.py): the video and the audio on their own schedules
+    (shifts 12 and 3), the log-prob weighted by stream_weights (verl-omni: 0.5 / 0.5; None: the element
+    count, verl-omni's earlier commit), std, dt and the mean drift averaged by element count."""
+    (xv, vv, rv), (xa, va, ra) = [[t.double() for t in stream] for stream in _streams(seed=6)]
+    step, eta, clip = 2, 0.7, 0.05
+    sig = (VIDEO_SIGMAS, AUDIO_SIGMAS)
+    g = torch.Generator().manual_seed(11)
+    old_v = oracle.mean(xv, rv, VIDEO_SIGMAS, step, "sde", eta)  # the rollout's policy: the reference's output
+    old_a = oracle.mean(xa, ra, AUDIO_SIGMAS, step, "sde", eta)
+    std_v = oracle.std(VIDEO_SIGMAS, step, "sde", eta, 3).view(-1, 1, 1, 1)
+    std_a = oracle.std(AUDIO_SIGMAS, step, "sde", eta, 3).view(-1, 1, 1)
+    prev = (old_v + std_v * torch.randn(xv.shape, generator=g, dtype=F64),
+            old_a + std_a * torch.randn(xa.shape, generator=g, dtype=F64))
+    adv = torch.tensor([1.0, -0.7, 0.4], dtype=F64)
+
+    def ours(video, audio):
+        return grpo_guard_loss((xv, xa), (video, audio), prev, sig, step, old_lp, adv, clip_range=clip,
+                               old_prev_sample_mean=(old_v, old_a), noise_level=eta, stream_weights=weights,
+                               backend="torch")
+
+    def peer(video, audio):
+        streams = []
+        for x, v, p, s, old, sd in ((xv, video, prev[0], VIDEO_SIGMAS, old_v, std_v),
+                                    (xa, audio, prev[1], AUDIO_SIGMAS, old_a, std_a)):
+            sqrt_dt = torch.full((3,), math.sqrt(float(s[step].double() - s[step + 1].double())), dtype=F64)
+            streams.append((oracle.log_prob(x, v, p, s, step, "sde", eta, reduction="mean"),
+                            oracle.mean(x, v, s, step, "sde", eta), old, sd / sqrt_dt.view(sd.shape), sqrt_dt))
+        if weights is None:  # element-count weights of the two mean log densities
+            n_v, n_a = xv[0].numel(), xa[0].numel()
+            lw = (n_v / (n_v + n_a), n_a / (n_v + n_a))
+        else:
+            lw = weights
+        return peer_h3_guard(streams, old_lp, adv, clip, lw)
+
+    old_lp = torch.zeros(3, dtype=F64)
+    old_lp = ours(rv, ra).log_prob + torch.tensor([0.3, -0.2, 0.0], dtype=F64)  # the rollout's, shifted
+    v1, a1 = (rv + 0.05 * vv).requires_grad_(), (ra - 0.05 * va).requires_grad_()  # a policy update
+    out = ours(v1, a1)
+    out.loss.backward()
+    v2, a2 = (rv + 0.05 * vv).requires_grad_(), (ra - 0.05 * va).requires_grad_()
+    loss, metrics = peer(v2, a2)
+    loss.backward()
+    tol = dict(rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out.trust_divergence, metrics["ratio_mean_bias"].detach(), **tol)
+    torch.testing.assert_close(out.ratio, metrics["ratio"].detach(), **tol)
+    torch.testing.assert_close(out.loss, loss.detach(), **tol)
+    assert torch.equal(out.clip_fraction, metrics["pg_clipfrac"])
+    assert 0 < float(out.clip_fraction) < 1 and float(out.trust_divergence.min()) > 0
+    for got, want in ((v1.grad, v2.grad), (a1.grad, a2.grad)):
+        assert got.abs().sum() > 0
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12 * float(want.abs().max()))
+    # one stream alone is grpo_guard_loss on that stream (scale = std, loss / D)
+    single = grpo_guard_loss((xv,), (vv,), prev[:1], VIDEO_SIGMAS, step, old_lp, adv, clip_range=clip,
+                             old_prev_sample_mean=(old_v,), noise_level=eta, backend="torch")
+    plain = grpo_guard_loss(xv, vv, prev[0], VIDEO_SIGMAS, step, old_lp, adv, clip_range=clip,
+                            old_prev_sample_mean=old_v, noise_level=eta, backend="torch")
+    for field in ("loss", "log_prob", "trust_divergence", "ratio"):
+        torch.testing.assert_close(getattr(single, field), getattr(plain, field), rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("weights", [None, H3])
+def test_joint_grpo_guard_triton_matches_torch_and_replays(weights):
+    """float32: the Triton backend (interpreter) against the torch backend, mu_old given and replayed from
+    the rollout's noise seeds (D_s ~ 0 at the rollout's own policy), with a KL term; gradients too."""
+    (xv, vv, rv), (xa, va, ra) = _streams(seed=8)
+    ov = flowrl.sde_step(xv, vv, VIDEO_SIGMAS, 1, noise_seed=3, reduction="sum", backend="torch")
+    oa = flowrl.sde_step(xa, va, AUDIO_SIGMAS, 1, noise_seed=4, reduction="sum", backend="torch")
+    prev, sig = (ov.prev_sample, oa.prev_sample), (VIDEO_SIGMAS, AUDIO_SIGMAS)
+    old = flowrl.combine_streams([ov.log_prob, oa.log_prob], [ov.count, oa.count], "mean", weights)
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    outs, grads = {}, {}
+    for backend in BACKENDS:
+        for source, kw in (("given", dict(old_prev_sample_mean=(ov.prev_sample_mean, oa.prev_sample_mean))),
+                           ("replay", dict(noise_seed=(3, 4)))):
+            v, a = (vv * 1.01).requires_grad_(), (va * 0.99).requires_grad_()
+            out = grpo_guard_loss((xv, xa), (v, a), prev, sig, 1, old, adv, clip_range=0.2, kl_coef=0.1,
+                                  ref_model_output=(rv, ra), stream_weights=weights, backend=backend, **kw)
+            out.loss.backward()
+            outs[backend, source], grads[backend, source] = out, (v.grad, a.grad)
+        at_old = grpo_guard_loss((xv, xa), (vv, va), prev, sig, 1, old, adv, clip_range=0.2, noise_seed=(3, 4),
+                                 stream_weights=weights, backend=backend)
+        assert at_old.trust_divergence.abs().max() < 1e-9 and torch.allclose(at_old.ratio, torch.ones(3), atol=1e-6)
+    for source in ("given", "replay"):
+        t, r = outs["triton", source], outs["torch", source]
+        for field in ("loss", "log_prob", "kl", "trust_divergence", "ratio"):
+            torch.testing.assert_close(getattr(t, field), getattr(r, field), rtol=2e-5, atol=2e-6)
+        for got, want in zip(grads["triton", source], grads["torch", source]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    torch.testing.assert_close(outs["torch", "replay"].trust_divergence, outs["torch", "given"].trust_divergence,
+                               rtol=1e-3, atol=1e-9)
+
+
 # ----------------------------------------------------------------------------------------- validation
 
 
@@ -241,8 +362,14 @@ def test_bad_joint_arguments_name_themselves():
                   ref_model_output=(vv,))
     with pytest.raises(ValueError, match="sigmas"):
         grpo_loss((xv, xa), (vv, va), (xv, xa), (VIDEO_SIGMAS,), 1, z, z, clip_range=0.2)
-    with pytest.raises(ValueError, match="grpo_guard_loss takes one stream"):
-        grpo_guard_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, z, z, clip_range=0.2, noise_seed=1)
+    with pytest.raises(ValueError, match="old_prev_sample_mean must be a tuple of 2"):
+        grpo_guard_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, z, z, clip_range=0.2, old_prev_sample_mean=(xv,))
+    with pytest.raises(ValueError, match="pass exactly one of old_prev_sample_mean"):
+        grpo_guard_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, z, z, clip_range=0.2)
+    with pytest.raises(ValueError, match="noise_seed must have one entry per stream"):
+        grpo_guard_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, z, z, clip_range=0.2, noise_seed=(1, 2, 3))
+    with pytest.raises(ValueError, match="stream_weights weights the streams of a joint step"):
+        grpo_guard_loss(xv, vv, xv, VIDEO_SIGMAS, 1, z, z, clip_range=0.2, noise_seed=1, stream_weights=H3)
 
 
 def test_bad_wire_weights_are_refused(tmp_path):

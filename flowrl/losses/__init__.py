@@ -219,7 +219,8 @@ def grpo_loss(
     shared value, as ``flowrl.step_log_prob`` takes them; the log-prob and the KL are
     ``flowrl.combine_streams`` of the streams' sums and counts (``stream_weights``: its weights), so
     the first ratio on a joint rollout is exactly 1 (docs/losses.md, Joint steps). Also
-    ``flow_dppo_loss`` (D_s combined the same way); not ``grpo_guard_loss``.
+    ``flow_dppo_loss`` (D_s combined the same way) and ``grpo_guard_loss`` (its std, D and D_s the
+    streams' element-count averages, verl-omni's MiniMax-H3 adapter).
     ``shard``: the sequence-parallel context (``flowrl.distributed.grpo_loss`` builds it; module note).
 
     ``kl_space="velocity"``: the KL term is instead the velocity's (v - v_ref)^2 per element, reduced
@@ -264,6 +265,7 @@ def grpo_guard_loss(
     ref_model_output: RefOutput = None,
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
+    stream_weights: Optional[Sequence[float]] = None,
     shard: Optional[ShardContext] = None,
     kl_space: str = "transition",
     ref_guidance_scale: Optional[float] = None,
@@ -279,12 +281,19 @@ def grpo_guard_loss(
     ``noise_seed`` (docs/losses.md, Replaying mu_old). ``rollout_is_weights``: as ``grpo_loss``'s (on
     the surrogate after its 1/D scale); ``shard``, ``kl_space``, ``ref_model_output``, ``ref_guidance_scale``:
     as ``grpo_loss``'s. ``frozen``: as ``grpo_loss``'s; ``token_sigmas`` is refused (a ValueError): the
-    ratio's std and the loss's 1/D are one step's, and per-token sigmas give each token its own."""
+    ratio's std and the loss's 1/D are one step's, and per-token sigmas give each token its own.
+
+    Joint steps (tuples, as ``grpo_loss`` takes them, ``stream_weights`` weighting the log-prob and the
+    KL): std, D and D_s are the streams' element-count averages of verl-omni's MiniMax-H3 adapter,
+    scale = sqrt(mean_n D_k) sqrt(mean_n std_k^2 / D_k), D_s = mean over every element of (mu -
+    mu_old)^2 / (2 scale^2), ratio exp((dlogp + D_s) scale), loss / mean_n D_k (docs/losses.md, Joint
+    steps)."""
     return _grpo_family(_Variant.GUARD, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
                         advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=None,
-                        backend=backend, rollout_is_weights=rollout_is_weights, shard=shard,
+                        backend=backend, rollout_is_weights=rollout_is_weights, stream_weights=stream_weights,
+                        shard=shard,
                         kl_space=kl_space, ref_guidance_scale=ref_guidance_scale, token_sigmas=token_sigmas,
                         frozen=frozen)
 

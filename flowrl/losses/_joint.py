@@ -7,8 +7,10 @@ one fused pass per stream, forward and backward). The streams' log-probs and KLs
 ``flowrl.combine_streams`` with the streams' counts and ``stream_weights``, the formula
 ``step_log_prob`` / ``step_kl`` on tuples and the recorder use, so the joint log-prob equals
 ``step_log_prob(tuples)`` bit for bit and the first ratio on a joint rollout is exactly 1. Flow-DPPO's
-D_s (a per-stream mean) is combined the same way (as a sum: the mean times the count). The per-sample
-arithmetic after that (``flowrl.losses._policy.policy_loss``) runs once, on the joint values.
+D_s (a per-stream mean) is combined the same way (as a sum: the mean times the count). GRPO-Guard's
+step quantities are verl-omni's MiniMax-H3 adapter's (``joint_guard``): element-count averages over the
+streams. The per-sample arithmetic after that (``flowrl.losses._policy.policy_loss``) runs once, on the
+joint values.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 
 from ..contract import Reduction, TrustSource
 from ..ops.functional import check_stream_weights, combine_streams
+from ..backends.reference import mode_coefficients
 from ..ops.weights import scheme_weights
 from ._policy import GRPOLossOutput, Variant, policy_loss
 
@@ -48,9 +51,6 @@ def grpo_family(family, variant, sample, model_output, prev_sample, sigmas, step
     n = len(sample)
     if n == 0:
         raise ValueError("sample must hold at least one stream when given as a tuple")
-    if variant is Variant.GUARD:
-        raise ValueError("grpo_guard_loss takes one stream: its ratio and loss weights (std, 1/D) are a step's, and "
-                         "the streams of a joint step have their own; use grpo_loss or flow_dppo_loss for tuples")
     if ref_guidance_scale is not None:
         raise ValueError("ref_guidance_scale: a joint step takes each stream's reference output as one tensor (the "
                          "streams' tuple is ref_model_output); combine the guided reference per stream first")
@@ -62,7 +62,7 @@ def grpo_family(family, variant, sample, model_output, prev_sample, sigmas, step
         "noise_seed", noise_seed, n)
     weights = check_stream_weights(stream_weights, n)
     reduction = Reduction.parse("reduction", reduction)
-    lps, kls, trs, counts = [], [], [], []
+    lps, kls, trs, counts, steps_k = [], [], [], [], []
     for k in range(n):
         args = family(variant, sample[k], outputs[k], prevs[k], tables[k], steps[k], old_log_prob, advantages,
                       clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob, reduction="sum",
@@ -80,9 +80,45 @@ def grpo_family(family, variant, sample, model_output, prev_sample, sigmas, step
         kls.append(kl)
         trs.append(tr * count.to(tr.dtype))
         counts.append(count)
+        if variant is Variant.GUARD:  # the stream's std and D, its element count (not zeroed where std is 0)
+            _, _, std_k = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, lp.dtype)
+            table = spec.sigmas.to(lp.dtype)
+            steps_k.append((std_k, table[spec.step_index] - table[spec.step_index + 1], float(spec.numel), tr))
     lp = combine_streams(lps, counts, reduction, weights)
     kl = combine_streams(kls, counts, reduction, weights) if refs[0] is not None else None
-    tr = combine_streams(trs, counts, "mean", weights) if trust is not TrustSource.NONE else None
+    guard_weights = None
+    if variant is Variant.GUARD:
+        tr, guard_weights = joint_guard(steps_k)
+    elif trust is not TrustSource.NONE:
+        tr = combine_streams(trs, counts, "mean", weights)
+    else:
+        tr = None
     dtype = lp.dtype
-    return policy_loss(variant, lp, kl, tr, old_lp.to(dtype), adv.to(dtype), clip, kl_coef, None, kl_threshold,
-                       None if is_weights is None else is_weights.to(dtype))
+    return policy_loss(variant, lp, kl, tr, old_lp.to(dtype), adv.to(dtype), clip, kl_coef, guard_weights,
+                       kl_threshold, None if is_weights is None else is_weights.to(dtype))
+
+
+def joint_guard(streams):
+    """GRPO-Guard's (D_s, (log_ratio weight, loss weight)) [B] of a joint step from each stream's (std_k,
+    D_k, n_k, D_s_k): verl-omni's MiniMax-H3 FlowGRPO adapter (verl-project/verl-omni commit 066a6cca,
+    verl_omni/pipelines/minimax_h3_flow_grpo/diffusers_training_adapter.py) with its ``GRPOGuardLoss``:
+    with n_k the streams' element counts, N their sum,
+
+        D = sum_k n_k D_k / N;  s^2 = sum_k n_k (std_k^2 / D_k) / N  (their ``std_dev_t``^2 = std^2 / D);
+        scale = sqrt(D) sqrt(s^2);  D_s = sum_k n_k mean_k (mu - mu_old)^2 / N / (2 scale^2),
+
+    the ratio exp((lp - lp_old + D_s) scale) and the loss / D. So the step quantities are element-count
+    averages whatever ``stream_weights`` weights the log-prob (theirs: 0.5 / 0.5 log-probs, count-averaged
+    std, dt and mean drift). A stream's mean (mu - mu_old)^2 is its D_s_k x 2 std_k^2 (0 where std_k is
+    0, as its D_s_k is); every sum runs over the streams left to right."""
+    n_total = sum(n for _, _, n, _ in streams)
+    d_bar = s2_bar = drift = None
+    for std, d, n, tr in streams:
+        w = n / n_total
+        var_rate = torch.where(d > 0, std * std / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+        terms = (w * d, w * var_rate, w * (tr * (2 * std * std)))
+        d_bar, s2_bar, drift = terms if d_bar is None else (d_bar + terms[0], s2_bar + terms[1], drift + terms[2])
+    scale = torch.sqrt(d_bar) * torch.sqrt(s2_bar)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    tr = torch.where(scale > 0, drift / (2 * safe * safe), torch.zeros_like(drift))
+    return tr, (scale, 1 / d_bar)
