@@ -387,3 +387,30 @@ def test_bad_wire_weights_are_refused(tmp_path):
     nested = dict(wire, streams=[dict(s, stream_weights=[1.0]) for s in wire["streams"]])
     with pytest.raises(ValueError, match="unexpected keys"):
         flowrl.RolloutTrajectory.from_wire(nested)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("weights", [None, H3])
+def test_teacher_kl_loss_on_tuples_is_step_kl(backend, weights):
+    """teacher_kl_loss on a joint step: the per-sample KL is step_kl on the tuples bit for bit (a float64
+    oracle of the weighted per-stream means checks the value), its gradient autograd through step_kl."""
+    (xv, vv, rv), (xa, va, ra) = _streams(seed=9)
+    sig = (VIDEO_SIGMAS, AUDIO_SIGMAS)
+    v, a = vv.clone().requires_grad_(), va.clone().requires_grad_()
+    loss, kl = flowrl.losses.teacher_kl_loss((xv, xa), (v, a), (rv, ra), sig, 2, stream_weights=weights,
+                                             backend=backend)
+    loss.backward()
+    v2, a2 = vv.clone().requires_grad_(), va.clone().requires_grad_()
+    want = flowrl.step_kl((xv, xa), (v2, a2), (rv, ra), sig, 2, stream_weights=weights, backend=backend)
+    want.mean().backward()
+    assert torch.equal(kl, want.detach()) and torch.equal(loss.detach(), want.mean().detach())
+    assert torch.equal(v.grad, v2.grad) and torch.equal(a.grad, a2.grad) and v.grad.abs().sum() > 0
+    kv = oracle.kl(xv.double(), vv.double(), rv.double(), VIDEO_SIGMAS, 2, "sde", 0.7)
+    ka = oracle.kl(xa.double(), va.double(), ra.double(), AUDIO_SIGMAS, 2, "sde", 0.7)
+    n_v, n_a = xv[0].numel(), xa[0].numel()
+    w = (n_v / (n_v + n_a), n_a / (n_v + n_a)) if weights is None else weights
+    torch.testing.assert_close(kl.double(), w[0] * kv + w[1] * ka, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match=r"teacher_model_output\[1\] requires grad"):
+        flowrl.losses.teacher_kl_loss((xv, xa), (vv, va), (rv, ra.clone().requires_grad_()), sig, 2, backend=backend)
+    with pytest.raises(ValueError, match="stream_weights weights the streams of a joint step"):
+        flowrl.losses.teacher_kl_loss(xv, vv, rv, VIDEO_SIGMAS, 2, stream_weights=H3, backend=backend)

@@ -356,18 +356,26 @@ def teacher_kl_loss(
     shard: Optional[ShardContext] = None,
     token_sigmas: Optional[torch.Tensor] = None,
     frozen: Optional[torch.Tensor] = None,
+    stream_weights: Optional[Sequence[float]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Diffusion-OPD's teacher KL: the batch mean of ||mu_theta - mu_teacher||^2 / (2 std^2) reduced per
     sample (the exact Gaussian KL of docs/contract.md, ``flowrl.step_kl`` with the teacher as the
     reference, whose fused backward writes d / d model_output). Returns (loss, per-sample KL [B]).
     ``shard``, ``token_sigmas``, ``frozen``: step_kl's (sequence parallelism; per-token schedules and frozen
-    masks, docs/contract.md), the KL is step_kl's with them bit for bit."""
-    _check_no_grad(sample=sample, teacher_model_output=teacher_model_output)
+    masks, docs/contract.md), the KL is step_kl's with them bit for bit. Joint steps: ``sample``,
+    ``model_output``, ``teacher_model_output`` as tuples (one tensor per stream) and ``stream_weights``,
+    as ``step_kl`` takes them: the KL is ``step_kl``'s on the tuples bit for bit."""
+    joint = isinstance(sample, tuple)
+    data = {}
+    for name, value in (("sample", sample), ("teacher_model_output", teacher_model_output)):
+        streams = value if joint and isinstance(value, tuple) else (value,)
+        data.update({f"{name}[{k}]" if joint else name: t for k, t in enumerate(streams) if isinstance(t, torch.Tensor)})
+    _check_no_grad(**data)  # the tuples' other checks are step_kl's
     args = (sample, model_output, teacher_model_output, sigmas, step_index, mode, noise_level, reduction, backend)
-    # while torch.compile traces (one device, no per-token inputs): the custom op flowrl::teacher_kl_loss
-    if _traced() and shard is None and token_sigmas is None and frozen is None:
+    # while torch.compile traces (one device, one stream, no per-token inputs): the custom op flowrl::teacher_kl_loss
+    if _traced() and shard is None and token_sigmas is None and frozen is None and not joint:
         return _ops.teacher_kl_loss(*args)
-    return _teacher_kl(*args, shard=shard, token_sigmas=token_sigmas, frozen=frozen)
+    return _teacher_kl(*args, shard=shard, token_sigmas=token_sigmas, frozen=frozen, stream_weights=stream_weights)
 
 
 # ----------------------------------------------------------------------------- forward-process losses

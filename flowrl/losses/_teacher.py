@@ -8,9 +8,11 @@ from ..ops.functional import step_kl
 
 
 def teacher_kl(sample, model_output, teacher_model_output, sigmas, step_index, mode, noise_level, reduction, backend,
-               shard=None, token_sigmas=None, frozen=None):
+               shard=None, token_sigmas=None, frozen=None, stream_weights=None):
     """(loss, per-sample KL [B] detached): the batch mean of ``flowrl.step_kl`` to the teacher (``shard``:
-    step_kl's sequence-parallel context; ``token_sigmas``, ``frozen``: step_kl's)."""
+    step_kl's sequence-parallel context; ``token_sigmas``, ``frozen``, tuples of streams and
+    ``stream_weights``: step_kl's)."""
     kl = step_kl(sample, model_output, teacher_model_output, sigmas, step_index, mode=mode, noise_level=noise_level,
-                 reduction=reduction, backend=backend, shard=shard, token_sigmas=token_sigmas, frozen=frozen)
+                 reduction=reduction, backend=backend, shard=shard, token_sigmas=token_sigmas, frozen=frozen,
+                 stream_weights=stream_weights)
     return kl.mean(), kl.detach()
