@@ -414,3 +414,169 @@ def test_teacher_kl_loss_on_tuples_is_step_kl(backend, weights):
         flowrl.losses.teacher_kl_loss((xv, xa), (vv, va), (rv, ra.clone().requires_grad_()), sig, 2, backend=backend)
     with pytest.raises(ValueError, match="stream_weights weights the streams of a joint step"):
         flowrl.losses.teacher_kl_loss(xv, vv, rv, VIDEO_SIGMAS, 2, stream_weights=H3, backend=backend)
+
+
+# -------------------------------------------------------------------- forward-process losses on tuples
+
+
+def _count_weights(tensors, weights):
+    n = [t[0].numel() for t in tensors]
+    return [k / sum(n) for k in n] if weights is None else list(weights)
+
+
+def _flow_streams(seed, dtype=F64):
+    """Per stream (x_t, v, v_old, x0, v_ref, eps) of a video [3, 4, 5, 6] and an audio [3, 7, 8] latent."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for shape in ((3, 4, 5, 6), (3, 7, 8)):
+        x0, eps = torch.randn(shape, generator=g, dtype=F64), torch.randn(shape, generator=g, dtype=F64)
+        v_old = (eps - x0) + 0.3 * torch.randn(shape, generator=g, dtype=F64)
+        v = v_old + 0.05 * torch.randn(shape, generator=g, dtype=F64)
+        v_ref = v_old + 0.05 * torch.randn(shape, generator=g, dtype=F64)
+        t = torch.tensor([0.3, 0.6, 0.9], dtype=F64).view(-1, *[1] * (len(shape) - 1))
+        out.append([u.to(dtype) for u in ((1 - t) * x0 + t * eps, v, v_old, x0, v_ref, eps)])
+    return out
+
+
+def _nft_oracle(streams, ts, adv, beta, amax, kl_coef, w):
+    """float64 DiffusionNFT (docs/losses.md, nft_loss) with every per-sample mean the streams' weighted
+    means: sum_k w_k mean_k(.) (w_k the element-count share for stream_weights=None)."""
+    def mean(f):
+        return sum(wk * f(k).flatten(1).mean(1) for k, wk in enumerate(w))
+
+    def err(k, sign):
+        xt, v, v_old, x0 = streams[k][:4]
+        t = ts[k].view(-1, *[1] * (xt.ndim - 1))
+        pred = beta * v + (1 - beta) * v_old if sign > 0 else (1 + beta) * v_old - beta * v
+        return (xt - t * pred) - x0
+
+    pos_w = mean(lambda k: err(k, 1).abs()).detach().clamp(min=1e-5)
+    neg_w = mean(lambda k: err(k, -1).abs()).detach().clamp(min=1e-5)
+    r = torch.clamp((adv.clamp(-amax, amax) / amax) / 2 + 0.5, 0, 1)
+    per = r * mean(lambda k: err(k, 1) ** 2) / pos_w / beta + (1 - r) * mean(lambda k: err(k, -1) ** 2) / neg_w / beta
+    kl = mean(lambda k: (streams[k][1] - streams[k][4]) ** 2)
+    return (per * amax).mean() + kl_coef * kl.mean(), per
+
+
+@pytest.mark.parametrize("weights", [None, H3])
+def test_nft_loss_on_tuples_matches_the_weighted_oracle(weights):
+    """nft_loss on a joint step (float64, torch backend): each per-sample mean is the streams' weighted
+    mean (None: element counts), against the float64 oracle, loss, per-sample loss and gradients; a
+    sigma per stream; with None it is nft_loss on the packed streams (verl-omni's MiniMax-H3 NFT packs the
+    video and audio rows into one tensor)."""
+    streams = _flow_streams(5)
+    adv = torch.tensor([1.5, -0.4, 0.2], dtype=F64)
+    ts = (torch.tensor([0.3, 0.6, 0.9], dtype=F64), torch.tensor([0.2, 0.5, 0.8], dtype=F64))
+    w = _count_weights([s[0] for s in streams], weights)
+    v = [s[1].clone().requires_grad_() for s in streams]
+    out = flowrl.losses.nft_loss(tuple(s[0] for s in streams), tuple(v), tuple(s[2] for s in streams),
+                                 tuple(s[3] for s in streams), ts, adv, beta=0.1, adv_clip_max=1.0, kl_coef=0.2,
+                                 ref_model_output=tuple(s[4] for s in streams), stream_weights=weights,
+                                 backend="torch")
+    out.loss.backward()
+    v2 = [s[1].clone().requires_grad_() for s in streams]
+    oracle_streams = [[s[0], v2[k], *s[2:]] for k, s in enumerate(streams)]
+    loss, per = _nft_oracle(oracle_streams, ts, adv, 0.1, 1.0, 0.2, w)
+    loss.backward()
+    torch.testing.assert_close(out.loss, loss.detach(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(out.per_sample_loss, per.detach(), rtol=1e-12, atol=1e-14)
+    for got, want in zip((v[0].grad, v[1].grad), (v2[0].grad, v2[1].grad)):
+        assert got.abs().sum() > 0
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
+    if weights is None:  # one shared sigma: the packed tensors, within float64 rounding
+        packed = [torch.cat([s[j].flatten(1) for s in streams], 1) for j in range(5)]
+        shared = flowrl.losses.nft_loss(tuple(s[0] for s in streams), tuple(s[1] for s in streams),
+                                        tuple(s[2] for s in streams), tuple(s[3] for s in streams), ts[0], adv,
+                                        beta=0.1, adv_clip_max=1.0, backend="torch")
+        one = flowrl.losses.nft_loss(packed[0], packed[1], packed[2], packed[3], ts[0], adv, beta=0.1,
+                                     adv_clip_max=1.0, backend="torch")
+        torch.testing.assert_close(shared.per_sample_loss, one.per_sample_loss, rtol=1e-13, atol=1e-15)
+
+
+def _awm_oracle(v, eps, x0, t, w, weighting):
+    m = sum(wk * ((v[k] - (eps[k] - x0[k])) ** 2).flatten(1).mean(1) for k, wk in enumerate(w))
+    lp = -m
+    return {"uniform": lp, "t": lp * t, "huber": -(torch.sqrt(-lp + 1e-10) - 1e-5) * t}[weighting]
+
+
+@pytest.mark.parametrize("weights", [None, H3])
+@pytest.mark.parametrize("weighting", ["uniform", "t", "huber"])
+def test_awm_on_tuples_matches_the_weighted_oracle(weights, weighting):
+    """awm_log_prob / awm_loss on a joint step (float64, torch backend): l = -(the streams' weighted mean
+    of (v - (eps - x0))^2), then the weighting with the shared t; awm_loss is the clipped surrogate on it."""
+    streams = _flow_streams(7)
+    t = torch.tensor([0.3, 0.6, 0.9], dtype=F64)
+    v = tuple(s[1].clone().requires_grad_() for s in streams)
+    eps, x0 = tuple(s[5] for s in streams), tuple(s[3] for s in streams)
+    w = _count_weights(eps, weights)
+    lp = flowrl.losses.awm_log_prob(v, eps, x0, t, weighting=weighting, stream_weights=weights, backend="torch")
+    want = _awm_oracle([s[1] for s in streams], eps, x0, t, w, weighting)
+    torch.testing.assert_close(lp, want, rtol=1e-12, atol=1e-14)
+    old, adv = want.detach() + torch.tensor([0.1, -0.2, 0.0], dtype=F64), torch.tensor([1.0, -1.0, 0.5], dtype=F64)
+    out = flowrl.losses.awm_loss(v, eps, x0, t, old, adv, clip_range=0.05, weighting=weighting,
+                                 stream_weights=weights, backend="torch")
+    out.loss.backward()
+    v2 = [s[1].clone().requires_grad_() for s in streams]
+    ratio = torch.exp(_awm_oracle(v2, eps, x0, t, w, weighting) - old)
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.95, 1.05)).mean()
+    loss.backward()
+    torch.testing.assert_close(out.loss, loss.detach(), rtol=1e-12, atol=1e-14)
+    for got, want in zip((v[0].grad, v[1].grad), (v2[0].grad, v2[1].grad)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("weights", [None, H3])
+def test_forward_process_losses_on_tuples_triton_matches_torch(weights):
+    """float32: the Triton backend (interpreter) against the torch backend on joint nft / awm steps: the
+    same per-stream sums (bit for bit, kernels/loss.py's contract) combined by one formula."""
+    streams = _flow_streams(9, torch.float32)
+    adv = torch.tensor([1.5, -0.4, 0.2])
+    t = torch.tensor([0.3, 0.6, 0.9])
+    got = {}
+    for backend in BACKENDS:
+        v = tuple(s[1].clone().requires_grad_() for s in streams)
+        nft = flowrl.losses.nft_loss(tuple(s[0] for s in streams), v, tuple(s[2] for s in streams),
+                                     tuple(s[3] for s in streams), t, adv, beta=0.1, adv_clip_max=1.0, kl_coef=0.2,
+                                     ref_model_output=tuple(s[4] for s in streams), stream_weights=weights,
+                                     backend=backend)
+        awm = flowrl.losses.awm_loss(v, tuple(s[5] for s in streams), tuple(s[3] for s in streams), t,
+                                     torch.zeros(3), adv, clip_range=0.2, weighting="t", stream_weights=weights,
+                                     backend=backend)
+        (nft.loss + awm.loss).backward()
+        got[backend] = (nft, awm, [u.grad for u in v])
+    (nt, at, gt), (nr, ar, gr) = got["triton"], got["torch"]
+    assert torch.equal(nt.per_sample_loss, nr.per_sample_loss) and torch.equal(nt.kl, nr.kl)
+    assert torch.equal(at.log_prob, ar.log_prob) and torch.equal(nt.loss, nr.loss)
+    for a, b in zip(gt, gr):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
+
+
+def test_forward_process_losses_on_tuples_name_bad_arguments():
+    (xt, v, vo, x0, vr, eps), (xt2, v2, vo2, x02, vr2, eps2) = _flow_streams(3, torch.float32)
+    adv, t = torch.zeros(3), 0.5
+    nft = flowrl.losses.nft_loss
+    with pytest.raises(ValueError, match="model_output must be a tuple of 2"):
+        nft((xt, xt2), (v,), (vo, vo2), (x0, x02), t, adv, beta=0.1, adv_clip_max=1.0)
+    with pytest.raises(TypeError, match="old_model_output must be a tuple of 2"):
+        nft((xt, xt2), (v, v2), vo, (x0, x02), t, adv, beta=0.1, adv_clip_max=1.0)
+    with pytest.raises(ValueError, match=r"model_output\[1\] must have the shape of noised_sample\[1\]"):
+        nft((xt, xt2), (v, v), (vo, vo2), (x0, x02), t, adv, beta=0.1, adv_clip_max=1.0)
+    with pytest.raises(ValueError, match="ref_model_output: give every stream's"):
+        nft((xt, xt2), (v, v2), (vo, vo2), (x0, x02), t, adv, beta=0.1, adv_clip_max=1.0, ref_model_output=(vr, None))
+    with pytest.raises(ValueError, match="sigma must have one entry per stream"):
+        nft((xt, xt2), (v, v2), (vo, vo2), (x0, x02), (t, t, t), adv, beta=0.1, adv_clip_max=1.0)
+    with pytest.raises(ValueError, match=r"old_model_output\[0\] requires grad"):
+        nft((xt, xt2), (v, v2), (vo.requires_grad_(), vo2), (x0, x02), t, adv, beta=0.1, adv_clip_max=1.0)
+    with pytest.raises(ValueError, match="stream_weights weights the streams of a joint step"):
+        nft(xt, v, vo.detach(), x0, t, adv, beta=0.1, adv_clip_max=1.0, stream_weights=H3)
+    with pytest.raises(ValueError, match="one weight per stream"):
+        nft((xt, xt2), (v, v2), (vo.detach(), vo2), (x0, x02), t, adv, beta=0.1, adv_clip_max=1.0,
+            stream_weights=(1.0,))
+    with pytest.raises(ValueError, match="sigma: a joint step's AWM weighting reads one t"):
+        flowrl.losses.awm_log_prob((v, v2), (eps, eps2), (x0, x02), (t, t))
+    with pytest.raises(ValueError, match="noise must be a tuple of 2"):
+        flowrl.losses.awm_log_prob((v, v2), (eps,), (x0, x02), t)
+    with pytest.raises(ValueError, match="stream_weights weights the streams of a joint step"):
+        flowrl.losses.awm_loss(v, eps, x0, t, adv, adv, clip_range=0.2, stream_weights=H3)
+    with pytest.raises(ValueError, match="shard: a joint step"):
+        flowrl.losses.awm_log_prob((v, v2), (eps, eps2), (x0, x02), t, shard=object())

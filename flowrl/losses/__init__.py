@@ -51,8 +51,9 @@ from . import _custom_ops as _ops
 from . import _joint
 from ._common import _check_no_grad, _check_per_sample, _check_scalar, _flow_backend, check_clip_range
 from ._custom_ops import grpo_family_loss
-from ._flow import AWM_EPS, NFTLossOutput, awm_from_args, awm_log_prob_from_args, nft_from_args
-from ._policy import GRPOLossOutput, grpo_from_spec
+from ._flow import (AWM_EPS, NFTLossOutput, awm_from_args, awm_from_means, awm_log_prob_from_args, awm_sums,
+                    nft_from_args, nft_from_means, nft_sums)
+from ._policy import GRPOLossOutput, grpo_from_spec, policy_loss
 from ._policy import Variant as _Variant
 from ._teacher import teacher_kl as _teacher_kl
 
@@ -401,6 +402,7 @@ def nft_loss(
     ref_model_output: Optional[torch.Tensor] = None,
     backend: str = "auto",
     shard: Optional[ShardContext] = None,
+    stream_weights: Optional[Sequence[float]] = None,
 ) -> NFTLossOutput:
     """DiffusionNFT's loss (NVlabs/DiffusionNFT scripts/train_nft_sd3.py), one element pass.
 
@@ -408,30 +410,55 @@ def nft_loss(
     v- = (1 + beta) v_old - beta v; e+- = (x_t - t v+-) - x0; w+- = stop-grad max(mean |e+-|, 1e-5);
     per sample L = r mse+ / w+ / beta + (1 - r) mse- / w- / beta; loss = mean(L * A_max) + kl_coef *
     mean(mean (v - v_ref)^2). ``sigma`` is t (a float or [B]); x_t = ``noised_sample``. ``shard``: the
-    sequence-parallel context (the means are over the full sample)."""
-    V.check_sample(noised_sample, "noised_sample")
+    sequence-parallel context (the means are over the full sample).
+
+    Joint steps: the five sample-shaped inputs as tuples (one tensor per stream; ``ref_model_output``
+    too when given), ``sigma`` one shared value or a tuple per stream; each per-sample mean (|e+-|,
+    e+-^2, the KL) is ``flowrl.combine_streams`` of the streams' sums and element counts with
+    ``stream_weights`` (None: the element-count mean over every stream's elements, verl-omni's MiniMax-H3
+    DiffusionNFT on its packed video + audio rows) (docs/losses.md, Joint steps)."""
+    if isinstance(noised_sample, tuple):
+        if shard is not None:
+            raise ValueError("shard: a joint step (tuples of streams) is not supported under sequence parallelism; "
+                             "pass one stream's shards, or shard=None")
+        streams = [("noised_sample", noised_sample, "tuple"), ("model_output", model_output, "tuple"),
+                   ("old_model_output", old_model_output, "tuple"), ("clean_sample", clean_sample, "tuple"),
+                   ("sigma", sigma, "shared"), ("ref_model_output", ref_model_output, "optional")]
+        shared = dict(advantages=advantages, beta=beta, adv_clip_max=adv_clip_max, kl_coef=kl_coef, backend=backend)
+        return _joint.flow_loss(_nft_args, nft_sums, nft_from_means, stream_weights, streams, shared)
+    _joint.single_stream(stream_weights, "noised_sample, model_output, old_model_output and clean_sample")
+    args = _nft_args(noised_sample, model_output, old_model_output, clean_sample, sigma, ref_model_output,
+                     advantages=advantages, beta=beta, adv_clip_max=adv_clip_max, kl_coef=kl_coef, backend=backend,
+                     shard=shard)
+    if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::nft_loss
+        return _ops.nft_loss(*args)
+    return nft_from_args(*args, shard=shard)
+
+
+def _nft_args(noised_sample, model_output, old_model_output, clean_sample, sigma, ref_model_output, *, advantages,
+              beta, adv_clip_max, kl_coef, backend, shard=None, stream=""):
+    """``nft_loss``'s arguments validated (``stream``: the joint step's suffix for the names, "[k]")."""
+    V.check_sample(noised_sample, "noised_sample" + stream)
     elements_per_sample(noised_sample, shard)  # checks shard's type
     batch = noised_sample.shape[0]
     for name, u in (("model_output", model_output), ("old_model_output", old_model_output),
                     ("clean_sample", clean_sample)):
-        V.check_batch_tensor(name, u, noised_sample, "noised_sample")
+        V.check_batch_tensor(name + stream, u, noised_sample, "noised_sample" + stream)
     if ref_model_output is not None:
-        V.check_batch_tensor("ref_model_output", ref_model_output, noised_sample, "noised_sample")
-    t = _flow_t("sigma", sigma, batch, noised_sample)
+        V.check_batch_tensor("ref_model_output" + stream, ref_model_output, noised_sample, "noised_sample" + stream)
+    t = _flow_t("sigma" + stream, sigma, batch, noised_sample)
     advantages = _check_per_sample("advantages", advantages, batch, noised_sample.device)
     beta = _check_scalar("beta", beta, strict=True)
     adv_clip_max = _check_scalar("adv_clip_max", adv_clip_max, strict=True)
     kl_coef = _check_scalar("kl_coef", kl_coef)
     if kl_coef != 0 and ref_model_output is None:
         raise ValueError("kl_coef is nonzero but ref_model_output is None: pass the reference policy's model_output")
-    _check_no_grad(noised_sample=noised_sample, old_model_output=old_model_output, clean_sample=clean_sample,
-                   ref_model_output=ref_model_output, advantages=advantages, sigma=t)
+    _check_no_grad(**{name + stream: u for name, u in (
+        ("noised_sample", noised_sample), ("old_model_output", old_model_output), ("clean_sample", clean_sample),
+        ("ref_model_output", ref_model_output), ("advantages", advantages), ("sigma", t))})
     ops = _flow_backend(backend, noised_sample, model_output, old_model_output, clean_sample, ref_model_output)
-    args = (ops, noised_sample, model_output, old_model_output, clean_sample, ref_model_output, t, advantages, beta,
+    return (ops, noised_sample, model_output, old_model_output, clean_sample, ref_model_output, t, advantages, beta,
             adv_clip_max, kl_coef)
-    if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::nft_loss
-        return _ops.nft_loss(*args)
-    return nft_from_args(*args, shard=shard)
 
 
 AWM_WEIGHTINGS = ("uniform", "t", "t**2", "huber", "ghuber")
@@ -447,6 +474,7 @@ def awm_log_prob(
     ghuber_power: float = 0.25,
     backend: str = "auto",
     shard: Optional[ShardContext] = None,
+    stream_weights: Optional[Sequence[float]] = None,
 ) -> torch.Tensor:
     """AWM's per-sample matching "log-prob" [B] (Flow-Factory trainers/awm.py
     ``compute_weighted_log_prob``): l = -mean (v - (eps - x0))^2, then weighted by ``weighting``:
@@ -454,24 +482,51 @@ def awm_log_prob(
     -((-l + 1e-10)^p - 1e-10^p) t / p with p = ``ghuber_power``; t = ``sigma``. The reference reduces in
     float64; this reduces float32 squares by the contract's chunked halving tree, within a few float32
     ulps of the float64 result (tested). ``shard``: the sequence-parallel context (the mean is over the
-    full sample)."""
+    full sample).
+
+    Joint steps: ``model_output``, ``noise``, ``clean_sample`` as tuples (one tensor per stream); the mean
+    of (v - (eps - x0))^2 is ``flowrl.combine_streams`` of the streams' sums and element counts with
+    ``stream_weights``, then weighted as above with the one shared ``sigma`` (a tuple is refused: the
+    weighting reads one t per sample)."""
+    if isinstance(model_output, tuple):
+        return _awm_joint(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend, shard,
+                          stream_weights)
+    _joint.single_stream(stream_weights, "model_output, noise and clean_sample")
     args = _awm_args(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend, shard)
     if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::awm_log_prob
         return _ops.awm_log_prob(*args)
     return awm_log_prob_from_args(*args, shard=shard)
 
 
-def _awm_args(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend, shard=None):
-    """``awm_log_prob``'s arguments validated: (ops, model_output, noise, clean_sample, t [B], weighting, p)."""
-    V.check_sample(model_output, "model_output")
+def _awm_joint(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend, shard, stream_weights):
+    """``awm_log_prob`` of a joint step (tuples): the streams' sums combined, then the weighting."""
+    if shard is not None:
+        raise ValueError("shard: a joint step (tuples of streams) is not supported under sequence parallelism; "
+                         "pass one stream's shards, or shard=None")
+    if isinstance(sigma, tuple):
+        raise ValueError("sigma: a joint step's AWM weighting reads one t per sample; pass one shared sigma (a float "
+                         "or [B]), not a tuple per stream")
+
+    def stream_args(v, eps, x0, *, stream):
+        return _awm_args(v, eps, x0, sigma, weighting, ghuber_power, backend, None, stream)
+
+    streams = [("model_output", model_output, "tuple"), ("noise", noise, "tuple"),
+               ("clean_sample", clean_sample, "tuple")]
+    return _joint.flow_loss(stream_args, awm_sums, awm_from_means, stream_weights, streams, {})
+
+
+def _awm_args(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend, shard=None, stream=""):
+    """``awm_log_prob``'s arguments validated: (ops, model_output, noise, clean_sample, t [B], weighting, p)
+    (``stream``: a joint step's suffix for the names, "[k]")."""
+    V.check_sample(model_output, "model_output" + stream)
     elements_per_sample(model_output, shard)  # checks shard's type
     batch = model_output.shape[0]
-    V.check_batch_tensor("noise", noise, model_output, "model_output")
-    V.check_batch_tensor("clean_sample", clean_sample, model_output, "model_output")
+    V.check_batch_tensor("noise" + stream, noise, model_output, "model_output" + stream)
+    V.check_batch_tensor("clean_sample" + stream, clean_sample, model_output, "model_output" + stream)
     V.check_choice("weighting", weighting, AWM_WEIGHTINGS)
     p = _check_scalar("ghuber_power", ghuber_power, strict=True)
     t = _flow_t("sigma", sigma, batch, model_output)
-    _check_no_grad(noise=noise, clean_sample=clean_sample, sigma=t)
+    _check_no_grad(**{"noise" + stream: noise, "clean_sample" + stream: clean_sample, "sigma": t})
     return _flow_backend(backend, model_output, noise, clean_sample), model_output, noise, clean_sample, t, weighting, p
 
 
@@ -489,17 +544,28 @@ def awm_loss(
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
     shard: Optional[ShardContext] = None,
+    stream_weights: Optional[Sequence[float]] = None,
 ) -> GRPOLossOutput:
     """Advantage Weighted Matching (Flow-Factory trainers/awm.py): ``awm_log_prob`` under the current
     policy, rho = exp(l - old_log_prob), the clipped surrogate of ``grpo_loss``, batch mean.
-    ``rollout_is_weights``: as ``grpo_loss``'s; ``shard``: as ``awm_log_prob``'s."""
-    batch = model_output.shape[0]
-    old_log_prob = _check_per_sample("old_log_prob", old_log_prob, batch, model_output.device)
-    advantages = _check_per_sample("advantages", advantages, batch, model_output.device)
+    ``rollout_is_weights``: as ``grpo_loss``'s; ``shard``, joint steps (tuples) and ``stream_weights``:
+    as ``awm_log_prob``'s."""
+    like = model_output[0] if isinstance(model_output, tuple) and model_output else model_output
+    if not isinstance(like, torch.Tensor):
+        V.check_sample(like, "model_output")
+    batch = like.shape[0]
+    old_log_prob = _check_per_sample("old_log_prob", old_log_prob, batch, like.device)
+    advantages = _check_per_sample("advantages", advantages, batch, like.device)
     if rollout_is_weights is not None:
-        rollout_is_weights = _check_per_sample("rollout_is_weights", rollout_is_weights, batch, model_output.device)
+        rollout_is_weights = _check_per_sample("rollout_is_weights", rollout_is_weights, batch, like.device)
     _check_no_grad(old_log_prob=old_log_prob, advantages=advantages, rollout_is_weights=rollout_is_weights)
     clip = check_clip_range(clip_range)
+    if isinstance(model_output, tuple):  # a joint step: the combined log-prob, then the surrogate
+        lp = _awm_joint(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend, shard,
+                        stream_weights)
+        return policy_loss(_Variant.GRPO, lp, None, None, old_log_prob.to(lp.dtype), advantages.to(lp.dtype), clip,
+                           0.0, None, None, None if rollout_is_weights is None else rollout_is_weights.to(lp.dtype))
+    _joint.single_stream(stream_weights, "model_output, noise and clean_sample")
     args = (*_awm_args(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend, shard),
             old_log_prob, advantages, clip, rollout_is_weights)
     if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::awm_loss

@@ -122,3 +122,46 @@ def joint_guard(streams):
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     tr = torch.where(scale > 0, drift / (2 * safe * safe), torch.zeros_like(drift))
     return tr, (scale, 1 / d_bar)
+
+
+def single_stream(stream_weights, tuples: str) -> None:
+    """``stream_weights`` given to a loss called on one stream: refused, naming the tuple arguments."""
+    if stream_weights is not None:
+        raise ValueError(f"stream_weights weights the streams of a joint step: pass {tuples} as tuples (one tensor "
+                         "per stream), or stream_weights=None")
+
+
+def flow_loss(stream_args, sums_of, tail, stream_weights, streams, shared):
+    """A forward-process loss (nft, awm) of a joint step. ``streams``: the (name, value, kind) of
+    ``stream_args``' positional arguments in order, kind "tuple" (one tensor per stream), "optional" (a
+    tuple, or None for every stream) or "shared" (a tuple, or one value for every stream); ``shared``:
+    its keyword arguments. Each stream is validated by ``stream_args(..., stream="[k]")``, its [K, B]
+    sums and element count come from ``sums_of`` (the backend's fused pass); each row's mean is
+    ``combine_streams`` of the streams' sums and counts with ``stream_weights``; ``tail(args of stream 0,
+    means)`` runs the per-sample arithmetic once on the joint means."""
+    n = len(streams[0][1])
+    if n == 0:
+        raise ValueError(f"{streams[0][0]} must hold at least one stream when given as a tuple")
+    per_stream = []
+    for name, value, kind in streams:
+        if kind == "shared":
+            per_stream.append(_shared(name, value, n))
+        else:
+            per_stream.append(_streams(name, value, n, kind == "optional"))
+    if any(kind == "optional" and isinstance(value, tuple) and any(u is None for u in value)
+           for name, value, kind in streams):
+        raise ValueError("ref_model_output: give every stream's reference output, or ref_model_output=None")
+    weights = check_stream_weights(stream_weights, n)
+    first, sums, counts = None, [], []
+    for k in range(n):
+        args = stream_args(*(column[k] for column in per_stream), stream=f"[{k}]", **shared)
+        if k and args[0] is not first[0]:
+            raise ValueError("the streams of a joint step must run on one backend; got tensors for two backends")
+        s, numel = sums_of(*args)
+        first = args if first is None else first
+        sums.append(s)
+        counts.append(torch.full((s.shape[1],), float(numel), dtype=torch.float32, device=s.device))
+    if any(s.shape[1] != sums[0].shape[1] for s in sums):
+        raise ValueError(f"the streams of a joint step must have one batch size; got {[s.shape[1] for s in sums]}")
+    means = [combine_streams([s[j] for s in sums], counts, "mean", weights) for j in range(sums[0].shape[0])]
+    return tail(first, means)
