@@ -259,14 +259,17 @@ def test_malformed_trees_are_refused():
 # ------------------------------------------------------------------------------------ advantages
 
 
-def _branchgrpo_transcription(batch, split_points, num_steps, leaf_rewards):
+def _branchgrpo_transcription(batch, split_points, num_steps, leaf_rewards, log_probs=None, alpha=1.0):
     """Fredreic1849/BranchGRPO ffc3c902c900284db60dc61bb02f8b475966322f, fastvideo/train_branchgrpo_flux.py:
-    run_tree_sample_step's node per step (2 children at a split point), compute_node_rewards_from_leaves
-    (uniform: the mean of the leaf descendants) and compute_hierarchical_advantages_by_depth, per root
-    tree. Returns, per leaf, the advantage of its node at each depth 1..T (the edge of step depth - 1)."""
+    run_tree_sample_step's node per step (2 children at a split point; a child's ``log_prob`` is its
+    step's), compute_node_rewards_from_leaves (uniform: the mean of the leaf descendants; with
+    ``log_probs`` [leaves, T], its ``use_prob_weighted=True`` reward fusion: bottom up, a node with one
+    child takes its reward, else the softmax(alpha * children's log_prob)-weighted sum of the children's
+    rewards) and compute_hierarchical_advantages_by_depth, per root tree, in float64. Returns, per leaf,
+    the advantage of its node at each depth 1..T (the edge of step depth - 1), and the root rewards."""
     class Node:
         def __init__(self, parent):
-            self.parent, self.children, self.reward = parent, [], None
+            self.parent, self.children, self.reward, self.log_prob = parent, [], None, None
             self.depth = 0 if parent is None else parent.depth + 1
 
         def leaves(self):
@@ -282,8 +285,12 @@ def _branchgrpo_transcription(batch, split_points, num_steps, leaf_rewards):
                 node.children.append(child)
                 new.append(child)
         current = new
-    for leaf, r in zip(current, leaf_rewards):
+    for n, (leaf, r) in enumerate(zip(current, leaf_rewards)):
         leaf.reward = r
+        node = leaf
+        while log_probs is not None and node.parent is not None:
+            node.log_prob = log_probs[n, node.depth - 1]
+            node = node.parent
     out = torch.zeros(len(current), num_steps, dtype=torch.float64)
     for root in roots:
         by_depth = {}
@@ -294,8 +301,13 @@ def _branchgrpo_transcription(batch, split_points, num_steps, leaf_rewards):
             stack.extend(node.children)
         for depth in reversed(range(max(by_depth))):
             for node in by_depth[depth]:
-                if node.children:
+                if node.children and log_probs is None:
                     node.reward = torch.stack([l.reward for l in node.leaves()]).mean()
+                elif len(node.children) == 1:
+                    node.reward = node.children[0].reward
+                elif node.children:
+                    weights = torch.softmax(alpha * torch.stack([c.log_prob for c in node.children]), dim=0)
+                    node.reward = torch.sum(weights * torch.stack([c.reward for c in node.children]))
         adv = {}
         for depth, nodes in by_depth.items():
             if len(nodes) <= 1:
@@ -313,7 +325,7 @@ def _branchgrpo_transcription(batch, split_points, num_steps, leaf_rewards):
                 while node.parent is not None:
                     out[n, node.depth - 1] = adv[node]
                     node = node.parent
-    return out
+    return out, torch.stack([root.reward for root in roots])
 
 
 @pytest.mark.parametrize("splits", [[1, 3], [0, 2, 5], [4]])
@@ -322,7 +334,7 @@ def test_depth_advantages_match_branchgrpo(splits):
     rewards = torch.randn(tree.num_rows, generator=torch.Generator().manual_seed(len(splits)), dtype=torch.float64)
     rewards[:2] = rewards[0]  # a tie
     got = depth_advantages(tree, rewards, T)
-    want = _branchgrpo_transcription(3, splits, T, list(rewards))
+    want, _ = _branchgrpo_transcription(3, splits, T, list(rewards))
     torch.testing.assert_close(got.advantages, want, rtol=0, atol=1e-12)
     assert torch.equal(got.mask, tree.owners(T))
     # equal rewards: every advantage 0 (their std < 1e-6 rule)
@@ -330,6 +342,61 @@ def test_depth_advantages_match_branchgrpo(splits):
     # node rewards are the leaf means
     r = node_rewards(tree, rewards)
     assert torch.allclose(r[:3], rewards.view(3, -1).mean(1), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("splits", [[1, 3], [0, 2, 5], [4]])
+@pytest.mark.parametrize("alpha", [1.0, 0.3])
+def test_reward_fusion_matches_branchgrpo(splits, alpha):
+    """BranchGRPO's probability-weighted reward fusion (use_prob_weighted=True): node_rewards(log_probs=)
+    and depth_advantages(log_probs=) against the transcription, float64, within 1e-12; the log-probs are
+    per (node, step) as a trajectory stores them (rows under one node share a step's value)."""
+    tree = BranchSpec(steps=splits, k=2, seed=0).tree(3)
+    g = torch.Generator().manual_seed(7 + len(splits))
+    rewards = torch.randn(tree.num_rows, generator=g, dtype=torch.float64)
+    table = -1.0 + 0.8 * torch.randn(tree.num_nodes, T, generator=g, dtype=torch.float64)
+    nodes = tree.row_nodes(T)
+    log_probs = table[nodes, torch.arange(T)]  # [N, T]: each row's node's value at each step
+    got = depth_advantages(tree, rewards, T, log_probs=log_probs, alpha=alpha)
+    want, roots = _branchgrpo_transcription(3, splits, T, list(rewards), log_probs, alpha)
+    torch.testing.assert_close(got.advantages, want, rtol=0, atol=1e-12)
+    fused = node_rewards(tree, rewards, log_probs, alpha=alpha)
+    torch.testing.assert_close(fused[:3], roots, rtol=0, atol=1e-12)
+    assert not torch.allclose(fused, node_rewards(tree, rewards))  # not the leaf means
+    # equal log-probs at every fork: the fusion is the leaf mean
+    flat = node_rewards(tree, rewards, torch.zeros(tree.num_rows, T, dtype=torch.float64))
+    torch.testing.assert_close(flat, node_rewards(tree, rewards), rtol=0, atol=1e-12)
+    # a float32 trajectory's log-probs: the rewards' dtype comes back
+    assert node_rewards(tree, rewards.float(), log_probs.float()).dtype == torch.float32
+    bad = log_probs.clone()
+    bad[1, splits[0]] += 1.0  # rows 0 and 1 are under one child of the first fork when more forks follow
+    if len(splits) > 1:
+        assert nodes[0, splits[0]] == nodes[1, splits[0]]
+        with pytest.raises(ValueError, match="differ at its fork step"):
+            node_rewards(tree, rewards, bad)
+    with pytest.raises(ValueError, match=r"log_probs must have shape \[N, T\]"):
+        node_rewards(tree, rewards, log_probs[1:])
+    with pytest.raises(ValueError, match="T = num_steps"):
+        depth_advantages(tree, rewards, T, log_probs=log_probs[:, 1:])
+    with pytest.raises(TypeError, match="log_probs must be a float tensor"):
+        node_rewards(tree, rewards, log_probs.long())
+    with pytest.raises(ValueError, match="finite"):
+        node_rewards(tree, rewards, log_probs * float("nan"))
+    with pytest.raises(TypeError, match="alpha"):
+        node_rewards(tree, rewards, log_probs, alpha=float("inf"))
+
+
+def test_reward_fusion_reads_a_branching_trajectory():
+    """A branch_rollout's own log_probs: rows under one node carry its fork step's value bit for bit, so
+    depth_advantages(log_probs=traj.log_probs) takes them as they are."""
+    _, x0, velocity = _setup()
+    sched = flowrl.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    sched.set_timesteps(T)
+    traj = branch_rollout(velocity, x0, sched.sigmas, BranchSpec(steps=[1, 3], k=2, seed=3), backend="torch")
+    rewards = torch.linspace(0.0, 1.0, traj.tree.num_rows)
+    got = depth_advantages(traj.tree, rewards, T, log_probs=traj.log_probs)
+    assert got.advantages.shape == (traj.tree.num_rows, T) and got.advantages.abs().sum() > 0
+    fused = node_rewards(traj.tree, rewards, traj.log_probs)
+    assert not torch.allclose(fused, node_rewards(traj.tree, rewards))
 
 
 def _tempflow_transcription(prompts, rewards):

@@ -22,11 +22,13 @@ the batch, not the other nodes), so any node can be replayed alone, and the step
 (path ``()``) draw the same noise whatever forks follow.
 
 Advantages (tensors [N, T] over rows and loop steps, with a mask of the edges to train, one row per
-(node, step)): ``depth_advantages`` is BranchGRPO's depth-wise normalization,
+(node, step)): ``depth_advantages`` is BranchGRPO's depth-wise normalization (on the leaf means, or on
+its probability-weighted reward fusion, ``node_rewards(..., log_probs)``),
 ``fork_advantages`` TempFlow-GRPO's per-step credit at the forks.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -336,18 +338,63 @@ def _rewards(tree: BranchTree, rewards) -> torch.Tensor:
     return rewards
 
 
-def node_rewards(tree: BranchTree, rewards: torch.Tensor) -> torch.Tensor:
-    """[M] each node's reward: the mean of its leaf descendants' rewards (BranchGRPO's
-    ``compute_node_rewards_from_leaves``, uniform form), computed in float64 and returned in the
-    rewards' dtype (at least float32). ``rewards``: [N], one per row."""
+def node_rewards(tree: BranchTree, rewards: torch.Tensor, log_probs: Optional[torch.Tensor] = None, *,
+                 alpha: float = 1.0) -> torch.Tensor:
+    """[M] each node's reward, computed in float64 and returned in the rewards' dtype (at least float32).
+    ``rewards``: [N], one per row (its leaf's).
+
+    ``log_probs=None``: the mean of the node's leaf descendants' rewards (BranchGRPO's
+    ``compute_node_rewards_from_leaves``, its uniform form). ``log_probs`` given (float [N, T], the
+    trajectory's ``log_probs``): BranchGRPO's reward fusion (its ``use_prob_weighted=True``), bottom up: a
+    node's reward is ``sum_c softmax_c(alpha * lp_c) R_c`` over its children c, with ``lp_c`` the log-prob
+    of the step child c forked at (the transition that made the siblings differ: ``log_probs[n, s]`` of a
+    row n under c, s = c's fork step) and ``R_c`` the child's fused reward; a single child passes its
+    reward on. ``alpha``: their temperature coefficient (1.0 in their code)."""
     rewards = _rewards(tree, rewards)
-    total = torch.zeros(tree.num_nodes, dtype=torch.float64)
-    count = torch.zeros(tree.num_nodes, dtype=torch.float64)
+    out_dtype = torch.promote_types(rewards.dtype, torch.float32)
+    if log_probs is None:
+        total = torch.zeros(tree.num_nodes, dtype=torch.float64)
+        count = torch.zeros(tree.num_nodes, dtype=torch.float64)
+        for n, leaf in enumerate(tree.leaf.tolist()):
+            for m in tree.ancestors(leaf):
+                total[m] += float(rewards[n])
+                count[m] += 1
+        return (total / count).to(out_dtype)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise TypeError(f"alpha must be a finite real number; got {alpha!r}")
+    if not isinstance(log_probs, torch.Tensor) or not log_probs.dtype.is_floating_point:
+        raise TypeError("log_probs must be a float tensor [N, T] (the trajectory's log_probs), or None")
+    if log_probs.dim() != 2 or log_probs.shape[0] != tree.num_rows:
+        raise ValueError(f"log_probs must have shape [N, T] with N = {tree.num_rows} rows; got {tuple(log_probs.shape)}")
+    num_steps = log_probs.shape[1]
+    if int(tree.fork_step.max()) >= num_steps:
+        raise ValueError(f"log_probs has {num_steps} steps but the tree forks at step {int(tree.fork_step.max())}")
+    lp = log_probs.detach().to("cpu", torch.float64)
+    if not bool(torch.isfinite(lp).all()):
+        raise ValueError("log_probs must be finite")
+    fork, parent = tree.fork_step.tolist(), tree.parent.tolist()
+    edge: Dict[int, float] = {}  # a forked node's log-prob at its fork step, the same on every row under it
+    for n in range(tree.num_rows):
+        for m in tree.ancestors(int(tree.leaf[n])):
+            if parent[m] < 0:
+                continue
+            value = float(lp[n, fork[m]])
+            if edge.setdefault(m, value) != value:
+                raise ValueError(f"log_probs: the rows under node {m} differ at its fork step {fork[m]}; pass the "
+                                 "trajectory's log_probs (rows under one node share that transition)")
+    reward = torch.zeros(tree.num_nodes, dtype=torch.float64)
     for n, leaf in enumerate(tree.leaf.tolist()):
-        for m in tree.ancestors(leaf):
-            total[m] += float(rewards[n])
-            count[m] += 1
-    return (total / count).to(torch.promote_types(rewards.dtype, torch.float32))
+        reward[leaf] = float(rewards[n])
+    children: Dict[int, List[int]] = {}
+    for m, p in enumerate(parent):
+        if p >= 0:
+            children.setdefault(p, []).append(m)
+    for m in reversed(range(tree.num_nodes)):  # children come after their parent: bottom up
+        kids = children.get(m)
+        if kids:
+            w = torch.softmax(alpha * torch.tensor([edge[c] for c in kids], dtype=torch.float64), dim=0)
+            reward[m] = (w * reward[kids]).sum()
+    return reward.to(out_dtype)
 
 
 def _per_step(tree: BranchTree, values: torch.Tensor, num_steps: int, where) -> TreeAdvantages:
@@ -365,14 +412,19 @@ def _per_step(tree: BranchTree, values: torch.Tensor, num_steps: int, where) -> 
 
 
 def depth_advantages(tree: BranchTree, rewards: torch.Tensor, num_steps: int, *, eps: float = 1e-8,
-                     min_std: float = 1e-6) -> TreeAdvantages:
+                     min_std: float = 1e-6, log_probs: Optional[torch.Tensor] = None,
+                     alpha: float = 1.0) -> TreeAdvantages:
     """BranchGRPO's depth-wise normalization (``compute_hierarchical_advantages_by_depth``): in each
     sample's tree, at each loop step j, the distinct nodes that drive step j (BranchGRPO's nodes of
     depth j + 1) with their rewards (``node_rewards``) are normalized, ``(r - mean) / (std + eps)``,
     std the unbiased (n - 1) one; 0 where the step has one node or ``std < min_std``. Every row gets
-    its node's value; ``mask`` marks one row per (node, step)."""
+    its node's value; ``mask`` marks one row per (node, step). ``log_probs`` / ``alpha``: the node
+    rewards are BranchGRPO's reward fusion (``node_rewards``) instead of the leaf means."""
     rewards = _rewards(tree, rewards)
-    r = node_rewards(tree, rewards).to(torch.float64)
+    if log_probs is not None and log_probs.shape[-1:] != (num_steps,):
+        raise ValueError(f"log_probs must have shape [N, T] with T = num_steps = {num_steps}; got "
+                         f"{tuple(log_probs.shape)}")
+    r = node_rewards(tree, rewards, log_probs, alpha=alpha).to(torch.float64)
     nodes = tree.row_nodes(num_steps)
     sample = tree.sample.tolist()
     values = torch.zeros(tree.num_nodes, num_steps, dtype=torch.float64)
