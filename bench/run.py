@@ -57,10 +57,18 @@ import baseline  # noqa: E402  (bench/baseline.py, next to this file)
 
 import flowrl  # noqa: E402
 from flowrl import _dispatch  # noqa: E402
+from flowrl.backends import reference  # noqa: E402
 from flowrl.contract import CHUNK_SIZE  # noqa: E402
+from flowrl.core import _validate as V  # noqa: E402
+from flowrl.data.tree import BranchSpec  # noqa: E402
 
 OPS = ("rollout", "recompute_fwd", "recompute_fwd_bwd", "kl_fwd_bwd")
 COND_OPS = ("rollout_cond", "recompute_fwd_cond", "recompute_fwd_bwd_cond")  # 5-D shapes, first-order flow modes
+# a branching rollout's step (docs/branching.md): the batch's rows are the K = B children of one fork,
+# each drawing its noise in the kernel from its node's Philox key (flowrl.data.tree.node_key); the eager
+# baseline is the ordinary rollout given that noise as a tensor (BranchGRPO draws torch.randn per child;
+# its draw is not timed, as the rollout rows give the eager step its noise)
+TREE_OPS = ("rollout_tree",)
 COND_SUFFIX = "_cond"
 MODES = baseline.MODES
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -100,6 +108,8 @@ MODELLED_IMPLS = ("flowrl-triton",)  # the implementations whose traffic kernel_
 def base_op(op: str) -> str:
     """The op a conditioned op times (its bytes are the base op's: every element is read and written,
     the per-frame table and mask are a few bytes per frame)."""
+    if op in TREE_OPS:
+        return "rollout"
     return op[: -len(COND_SUFFIX)] if op in COND_OPS else op
 
 
@@ -214,6 +224,7 @@ class Case:
     frozen: Optional[torch.Tensor] = None
     prev_cond: Optional[torch.Tensor] = None
     x0_prev: Optional[torch.Tensor] = None  # dpm_sde: the previous step's x0 prediction (second order)
+    tree_keys: Optional[torch.Tensor] = None  # rollout_tree: each row's node key at the fork step (int64 [B])
 
     @property
     def log_prob(self) -> str:
@@ -245,6 +256,8 @@ def make_case(shape, dtype, mode, device, seed: int = 0) -> Case:
             backend="torch", return_prev_sample_mean=False, token_sigmas=token_sigmas, frozen=frozen,
         ).prev_sample
         cond = dict(token_sigmas=token_sigmas, frozen=frozen, prev_cond=prev_cond)
+    tree = BranchSpec(steps=(STEP_INDEX,), k=shape[0], seed=seed).tree(1)  # one root, its B children
+    cond["tree_keys"] = tree.keys(NUM_STEPS)[STEP_INDEX].to(device)
     return Case(
         shape=tuple(shape), dtype=dtype, mode=mode, sigmas=sigmas,
         step_index=torch.full((shape[0],), STEP_INDEX, dtype=torch.int64, device=device),
@@ -290,7 +303,12 @@ def _flowrl_fn(case: Case, op: str, backend: str) -> Callable[[], Tuple[torch.Te
         _check_cond(case, op)
         return _flowrl_cond_fn(case, op, backend)
     common = dict(mode=case.mode, noise_level=noise_level(case.mode), backend=backend, prev_x0_pred=case.x0_prev)
-    if op == "rollout":
+    if op == "rollout_tree":
+        def fn():
+            out = flowrl.sde_step(case.x, case.v, case.sigmas, STEP_INDEX, noise_seed=case.tree_keys,
+                                  log_prob=case.log_prob, return_prev_sample_mean=False, **common)
+            return out.prev_sample, out.log_prob
+    elif op == "rollout":
         def fn():
             out = flowrl.sde_step(
                 case.x, case.v, case.sigmas, STEP_INDEX, noise=case.noise, log_prob=case.log_prob,
@@ -388,7 +406,11 @@ def _baseline_fn(case: Case, op: str, compiled: bool) -> Callable[[], Tuple[torc
                 (grad,) = torch.autograd.grad(lp, case.v_grad, case.grad_out)
                 return lp.detach(), grad
         return fn
-    x, v, v_grad, prev, v_ref, noise = map(flat, (case.x, case.v, case.v_grad, case.prev, case.v_ref, case.noise))
+    noise = case.noise
+    if op == "rollout_tree":  # the rows' node noise, materialized once (not timed)
+        noise = reference.philox_normal(V.check_noise_seed(case.tree_keys, case.x), case.x[0].numel())
+        noise, op = noise.reshape(case.shape), "rollout"
+    x, v, v_grad, prev, v_ref, noise = map(flat, (case.x, case.v, case.v_grad, case.prev, case.v_ref, noise))
     if op == "rollout":
         def fn():
             prev_out, lp = rollout(x, v, noise, *scalars, case.dtype)
@@ -583,6 +605,8 @@ def set_bytes(row: Row, numel: int, batch: int, itemsize: int) -> None:
         minimum, model, extra = loss_min_bytes, loss_kernel_bytes, {}
     else:
         minimum, model, extra = min_bytes, kernel_bytes, {"second_order": second_order}
+        if row.op in TREE_OPS:  # the noise is drawn in the kernel (Philox), no tensor read
+            extra["noise"] = "philox"
     row.min_b_elem = minimum(row.op, numel, batch, itemsize, **extra) / numel
     modelled = row.impl in MODELLED_IMPLS
     row.model_b_elem = model(row.op, numel, batch, itemsize, **extra) / numel if modelled else math.nan
@@ -632,6 +656,8 @@ def _op_kernels(op: str, mode: str) -> List[Tuple[str, str]]:
         mode = "dpm_sde 2nd-order"
     if op == "rollout":
         return [("step_partials_kernel", f"{mode} rollout noise=tensor")]
+    if op in TREE_OPS:
+        return [("step_partials_kernel", f"{mode} rollout noise=philox")]
     if op == "recompute_fwd":
         return [("step_partials_kernel", f"{mode} log_prob")]
     if op == "recompute_fwd_bwd":
@@ -790,17 +816,33 @@ def run_sweep(
 #   in for the old policy's output, upcast to float32 as the DPO peers do (DGPO's own code reduces a bf16
 #   output in bf16, whose rounding times beta flips clip decisions and group weights); flowrl:
 #   losses.dgpo_loss.
+# - grpo_velocity_kl: Flow-Factory's GRPO loss with kl_type="v-based" (trainers/grpo.py: the per-sample
+#   mean of (v - v_ref)^2 times kl_beta) on Flow-GRPO's recompute, the difference upcast to float32 (in
+#   bf16, as their code runs it, its rounding moves the gradient by a few percent); flowrl:
+#   losses.grpo_loss(kl_space="velocity").
+# - grpo_guided_ref: grpo_loss's block with the reference given as its two CFG branches and a scale,
+#   combined by the peers' CFG line (uncond + w (cond - uncond), a [B, N] temporary) before the exact KL;
+#   flowrl: losses.grpo_loss(ref_model_output=(uncond, cond), ref_guidance_scale=w), combined in the pass.
+# - grpo_joint: verl-omni's MiniMax-H3 FlowGRPO on a joint step (the case's latent as the video, a quarter
+#   as many elements per sample as the audio, on its own schedule, shift 1): the streams' recomputed mean
+#   log densities combined 0.5 / 0.5 (combine_log_probs) in FlowGRPOLoss's clipped surrogate; flowrl:
+#   losses.grpo_loss on the tuples with stream_weights=(0.5, 0.5). The gradient is the video's.
 
-LOSS_OPS = ("grpo_loss", "grpo_guard", "nft_loss", "awm_loss", "dpo_loss", "dgpo_loss")
+LOSS_OPS = ("grpo_loss", "grpo_guard", "nft_loss", "awm_loss", "dpo_loss", "dgpo_loss", "grpo_velocity_kl",
+            "grpo_guided_ref", "grpo_joint")
+GUIDANCE_SCALE, JOINT_WEIGHTS, AUDIO_SHIFT = 4.5, (0.5, 0.5), 1.0
 PAIR_OPS = ("dpo_loss",)  # need an even batch
 DPO_BETA, DGPO_BETA = 2000.0, 100.0
 LOSS_IMPLS = ("flowrl-triton", "flowrl-torch", "eager")
 LOSS_SEED, LOSS_CLIP, LOSS_KL_COEF, NFT_BETA, NFT_ADV_MAX = 1234, 0.2, 0.04, 0.1, 5.0
 # element tensors each op reads (the inputs the loss depends on), besides writing grad_v: x, v, x', v_ref |
-# x, v, x' | x_t, v, v_old, x0, v_ref | v, eps, x0 | v, v_ref, eps, x0 | v, v_ref, v_old, eps, x0
-LOSS_INPUTS = {"grpo_loss": 4, "grpo_guard": 3, "nft_loss": 5, "awm_loss": 3, "dpo_loss": 4, "dgpo_loss": 5}
+# x, v, x' | x_t, v, v_old, x0, v_ref | v, eps, x0 | v, v_ref, eps, x0 | v, v_ref, v_old, eps, x0 |
+# x, v, x', v_ref | x, v, x', uncond, cond | the video's x, v, x' (the audio's, a quarter of the elements,
+# are not counted in the per-element bytes)
+LOSS_INPUTS = {"grpo_loss": 4, "grpo_guard": 3, "nft_loss": 5, "awm_loss": 3, "dpo_loss": 4, "dgpo_loss": 5,
+               "grpo_velocity_kl": 4, "grpo_guided_ref": 5, "grpo_joint": 3}
 LOSS_SUMS = {"grpo_loss": 2, "grpo_guard": 2, "nft_loss": 5, "awm_loss": 1, "dpo_loss": 2,
-             "dgpo_loss": 5}  # per-sample sums (partial sets)
+             "dgpo_loss": 5, "grpo_velocity_kl": 2, "grpo_guided_ref": 2, "grpo_joint": 1}  # per-sample sums
 LOSS_BACKWARD_INPUTS = {"dpo_loss": 3}  # the backward's reads where fewer than the forward's (DPO: v, eps, x0)
 
 
@@ -849,6 +891,10 @@ class LossCase:
     eps: torch.Tensor
     xt: torch.Tensor
     t: torch.Tensor
+    v_uncond: torch.Tensor  # the reference's CFG branches (grpo_guided_ref)
+    v_cond: torch.Tensor
+    audio: Tuple[torch.Tensor, ...]  # grpo_joint's second stream: x, v, x' [B, N / 4 per sample], its sigmas
+    joint_old_lp: torch.Tensor  # the joint rollout's log-prob (0.5 / 0.5 of the streams' mean densities)
 
 
 def make_loss_case(shape, dtype, device, seed: int = 0) -> LossCase:
@@ -869,15 +915,28 @@ def make_loss_case(shape, dtype, device, seed: int = 0) -> LossCase:
     adv = torch.linspace(-1.5, 1.5, shape[0], device=device)
     dims = tuple(range(1, len(shape)))
     awm_old_lp = ((-(v_old.double() - (eps - x0).double()) ** 2).mean(dim=dims) * t).float()
+    v_uncond = (v_old.float() + 0.1 * rand()).to(dtype)
+    v_cond = (v_uncond.float() + (v_ref.float() - v_uncond.float()) / GUIDANCE_SCALE).to(dtype)
+    audio_shape = (shape[0], max(x[0].numel() // 4, 1))
+    xa, va = (torch.randn(audio_shape, generator=gen).to(device).to(dtype) for _ in range(2))
+    sigmas_a = make_sigmas(shift=AUDIO_SHIFT).to(device)
+    out_a = flowrl.sde_step(xa, va, sigmas_a, STEP_INDEX, noise_level=NOISE_LEVEL, noise_seed=seeds + 7,
+                            backend="torch", reduction="sum")
+    out_v = flowrl.sde_step(x, v_old, sigmas, STEP_INDEX, noise_level=NOISE_LEVEL, noise_seed=seeds, backend="torch",
+                            reduction="sum")
+    joint_old_lp = flowrl.combine_streams([out_v.log_prob, out_a.log_prob], [out_v.count, out_a.count], "mean",
+                                          JOINT_WEIGHTS)
     return LossCase(tuple(shape), dtype, sigmas, torch.full((shape[0],), STEP_INDEX, device=device),
                     float(sigmas[1]), x, v, v_ref, out.prev_sample, out.prev_sample_mean, out.log_prob,
                     out32.prev_sample, out32.log_prob, out32.prev_sample_mean, awm_old_lp,
-                    adv, x0, eps, xt, t)
+                    adv, x0, eps, xt, t, v_uncond, v_cond, (xa, va, out_a.prev_sample, sigmas_a), joint_old_lp)
 
 
 def _eager_loss(case: LossCase, op: str, v: torch.Tensor) -> torch.Tensor:
     """The peer's loss code, eager (see the block's header)."""
     dims = tuple(range(1, len(case.shape)))
+    if op in ("grpo_velocity_kl", "grpo_guided_ref", "grpo_joint"):
+        return _eager_issue24_loss(case, op, v, dims)
     if op in ("grpo_loss", "grpo_guard"):
         prev = case.prev if op == "grpo_loss" else case.prev32
         _, lp, mean, std_dev_t = baseline.flow_grpo_step(case.x, v, case.sigmas, case.step_index, case.sigma_max,
@@ -942,8 +1001,49 @@ def _eager_loss(case: LossCase, op: str, v: torch.Tensor) -> torch.Tensor:
     return torch.mean(torch.maximum(-case.adv * ratio, -case.adv * torch.clamp(ratio, 1 - LOSS_CLIP, 1 + LOSS_CLIP)))
 
 
+def _grpo_surrogate(lp, old_lp, adv):
+    ratio = torch.exp(lp - old_lp)
+    return torch.mean(torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - LOSS_CLIP, 1 + LOSS_CLIP)))
+
+
+def _eager_issue24_loss(case: LossCase, op: str, v: torch.Tensor, dims) -> torch.Tensor:
+    """The peers' code for the velocity KL, the guided reference and the weighted joint step (the block's
+    header)."""
+    recompute = dict(mode="sde", noise_level=NOISE_LEVEL)
+    _, lp, mean, _ = baseline.flow_grpo_step(case.x, v, case.sigmas, case.step_index, case.sigma_max,
+                                             prev_sample=case.prev, **recompute)
+    if op == "grpo_velocity_kl":  # Flow-Factory kl_type="v-based", upcast (a bf16 difference is off by 1e-2)
+        kl = torch.mean((v.float() - case.v_ref.float()) ** 2, dim=dims, keepdim=True)
+        return _grpo_surrogate(lp, case.old_lp, case.adv) + LOSS_KL_COEF * kl.mean()
+    if op == "grpo_guided_ref":  # the CFG line, then grpo_loss's exact KL
+        with torch.no_grad():
+            v_ref = case.v_uncond + GUIDANCE_SCALE * (case.v_cond - case.v_uncond)
+            mean_ref, _, step_std = baseline.flow_grpo_mean(case.x, v_ref, case.sigmas, case.step_index,
+                                                            case.sigma_max, **recompute)
+        kl = ((mean - mean_ref) ** 2).mean(dim=dims, keepdim=True) / (2 * step_std ** 2)
+        return _grpo_surrogate(lp, case.old_lp, case.adv) + LOSS_KL_COEF * kl.mean()
+    # grpo_joint: verl-omni MiniMax-H3 (combine_log_probs) in FlowGRPOLoss
+    xa, va, prev_a, sigmas_a = case.audio
+    _, lp_a, _, _ = baseline.flow_grpo_step(xa, va, sigmas_a, case.step_index, float(sigmas_a[1]), prev_sample=prev_a,
+                                            **recompute)
+    joint = JOINT_WEIGHTS[0] * lp + JOINT_WEIGHTS[1] * lp_a
+    return _grpo_surrogate(joint, case.joint_old_lp, case.adv)
+
+
 def _flowrl_loss(case: LossCase, op: str, v: torch.Tensor, backend: str) -> torch.Tensor:
     from flowrl import losses
+
+    if op in ("grpo_velocity_kl", "grpo_guided_ref"):
+        ref = dict(ref_model_output=case.v_ref, kl_space="velocity") if op == "grpo_velocity_kl" else dict(
+            ref_model_output=(case.v_uncond, case.v_cond), ref_guidance_scale=GUIDANCE_SCALE)
+        return losses.grpo_loss(case.x, v, case.prev, case.sigmas, STEP_INDEX, case.old_lp, case.adv,
+                                clip_range=LOSS_CLIP, noise_level=NOISE_LEVEL, kl_coef=LOSS_KL_COEF, backend=backend,
+                                **ref).loss
+    if op == "grpo_joint":
+        xa, va, prev_a, sigmas_a = case.audio
+        return losses.grpo_loss((case.x, xa), (v, va), (case.prev, prev_a), (case.sigmas, sigmas_a), STEP_INDEX,
+                                case.joint_old_lp, case.adv, clip_range=LOSS_CLIP, noise_level=NOISE_LEVEL,
+                                stream_weights=JOINT_WEIGHTS, backend=backend).loss
 
     if op == "grpo_loss":
         return losses.grpo_loss(case.x, v, case.prev, case.sigmas, STEP_INDEX, case.old_lp, case.adv,
@@ -1138,9 +1238,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--shapes", type=parse_shapes, help="comma-separated, e.g. 1x4096x64,4x16x21x60x104")
     p.add_argument("--dtypes", type=_choices(list(DTYPES)), default=None, help=f"default {list(DTYPES)}")
     p.add_argument("--modes", type=_choices(MODES), default=None, help=f"default {list(MODES)}")
-    p.add_argument("--ops", type=_choices(OPS + COND_OPS), default=list(OPS + COND_OPS),
+    p.add_argument("--ops", type=_choices(OPS + COND_OPS + TREE_OPS), default=None,
                    help="the conditioned ops (*_cond) run on 5-D video shapes, in the modes that take per-token "
-                        "sigmas (not ddim, dpm_sde)")
+                        "sigmas (not ddim, dpm_sde); default all, and with --quick all but rollout_tree (the torch "
+                        "reference's Philox takes most of a CPU sweep's time)")
     p.add_argument("--impls", type=_choices(IMPLS), default=None, help=f"default {list(IMPLS)}")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU: torch.set_num_threads (1 gives stable timings on a loaded, shared machine)")
@@ -1176,6 +1277,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.dtypes = list(QUICK_DTYPES if args.quick else DTYPES)
     if args.impls is None:
         args.impls = list(QUICK_IMPLS if args.quick else IMPLS)
+    if args.ops is None:
+        args.ops = list(OPS + COND_OPS + (() if args.quick else TREE_OPS))
     impls = [i for i in args.impls if not (args.no_compile and i == "compile")]
     timing_budget = args.timing_budget if args.timing_budget is not None else (0.2 if args.quick else 0.5)
 

@@ -300,3 +300,31 @@ def test_cli_writes_csv_and_table(tmp_path, capsys):
     capsys.readouterr()
     assert bench.main(["--table-from", str(old)]) == 0
     assert "| recompute_fwd | cps | bf16 | 2x8x64 | flowrl-torch |" in capsys.readouterr().out
+
+
+def test_issue24_rows_exist_and_pass_their_checks():
+    """Every piece of issue 24 has a bench row, checked against the peer's code before it is timed: the
+    velocity KL, the guided reference (two branches + scale), Diffusion-DPO, DGPO and the weighted joint
+    streams in the losses suite, a branching rollout's (tree) step in the step suite; the tree step is
+    left out of --quick (its CPU Philox reference is slow) and in the full default."""
+    ops = ("grpo_velocity_kl", "grpo_guided_ref", "dpo_loss", "dgpo_loss", "grpo_joint")
+    assert set(ops) <= set(bench.LOSS_OPS) and "rollout_tree" in bench.TREE_OPS
+    rows, _, notes = bench.run_loss_sweep(torch.device("cpu"), [(2, 8, 64)], ["fp32", "bf16"], ops,
+                                          ["flowrl-torch", "eager"], timing_budget_s=0.01, log=lambda s: None)
+    assert sorted({(r.op, r.impl) for r in rows}) == sorted((op, i) for op in ops for i in ("eager", "flowrl-torch"))
+    assert all(not r.note and r.check_err < bench.CHECK_RTOL and r.time_ms > 0 for r in rows), \
+        [(r.op, r.note) for r in rows if r.note]
+    for op in ops:  # the byte model reads every tensor the op depends on once, at least
+        assert bench.loss_kernel_bytes(op, 4096, 2, 2) >= bench.loss_min_bytes(op, 4096, 2, 2) - 16
+    rows, _, _ = bench.run_sweep(torch.device("cpu"), [(4, 8, 64)], ["bf16"], ["sde", "cps"], ["rollout_tree"],
+                                 ["flowrl-torch", "eager"], timing_budget_s=0.01, log=lambda s: None)
+    assert len(rows) == 4 and all(not r.note and r.check_err < bench.CHECK_RTOL for r in rows), [r.note for r in rows]
+    # the Philox noise is not read: a rollout's minimum bytes without the float32 noise tensor
+    assert rows[0].min_b_elem == bench.min_bytes("rollout", 4 * 8 * 64, 4, 2, noise="philox") / (4 * 8 * 64)
+    # the tree's noise is its nodes': the eager step given the materialized node noise is flowrl's step
+    case = bench.make_case((4, 8, 64), torch.float32, "sde", DEVICE)
+    spec = flowrl.data.tree.BranchSpec(steps=(bench.STEP_INDEX,), k=4, seed=0)
+    assert torch.equal(case.tree_keys, spec.tree(1).keys(bench.NUM_STEPS)[bench.STEP_INDEX])
+    assert len(set(case.tree_keys.tolist())) == 4
+    args = bench._choices(bench.OPS + bench.COND_OPS + bench.TREE_OPS)
+    assert args("rollout_tree") == ["rollout_tree"]
