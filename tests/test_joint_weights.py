@@ -580,3 +580,41 @@ def test_forward_process_losses_on_tuples_name_bad_arguments():
         flowrl.losses.awm_loss(v, eps, x0, t, adv, adv, clip_range=0.2, stream_weights=H3)
     with pytest.raises(ValueError, match="shard: a joint step"):
         flowrl.losses.awm_log_prob((v, v2), (eps, eps2), (x0, x02), t, shard=object())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kl_space", ["transition", "velocity"])
+def test_joint_steps_take_a_guided_reference_per_stream(backend, kl_space):
+    """ref_model_output as one (uncond, cond) pair per stream with ref_guidance_scale: the bits of each
+    stream's CFG line uncond + w (cond - uncond) passed as one tensor (float32), in grpo_loss, grpo_guard_loss
+    and flow_dppo_loss on tuples, KL and gradients included; a stream given as one tensor is refused."""
+    (xv, vv, rv), (xa, va, ra) = _streams(seed=12)
+    g = torch.Generator().manual_seed(2)
+    cv, ca = rv + 0.1 * torch.randn(rv.shape, generator=g), ra + 0.1 * torch.randn(ra.shape, generator=g)
+    w = torch.tensor(4.5, dtype=torch.float32)
+    ov = flowrl.sde_step(xv, vv, VIDEO_SIGMAS, 1, noise_seed=1, reduction="sum", backend=backend)
+    oa = flowrl.sde_step(xa, va, AUDIO_SIGMAS, 1, noise_seed=2, reduction="sum", backend=backend)
+    prev, sig = (ov.prev_sample, oa.prev_sample), (VIDEO_SIGMAS, AUDIO_SIGMAS)
+    old = flowrl.combine_streams([ov.log_prob, oa.log_prob], [ov.count, oa.count], "mean", H3) - 0.02
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    forms = {"pair": dict(ref_model_output=((rv, cv), (ra, ca)), ref_guidance_scale=4.5),
+             "one": dict(ref_model_output=(rv + w * (cv - rv), ra + w * (ca - ra)))}
+    for loss, extra in ((grpo_loss, dict(clip_range=0.2)), (grpo_guard_loss, dict(clip_range=0.2, noise_seed=(1, 2))),
+                        (flow_dppo_loss, dict(kl_threshold=0.01, noise_seed=(1, 2)))):
+        got = {}
+        for name, kw in forms.items():
+            v, a = (vv * 1.01).requires_grad_(), (va * 0.99).requires_grad_()
+            out = loss((xv, xa), (v, a), prev, sig, 1, old, adv, kl_coef=0.3, kl_space=kl_space, stream_weights=H3,
+                       backend=backend, **extra, **kw)
+            out.loss.backward()
+            got[name] = (out, v.grad, a.grad)
+        (p, pv, pa), (o, ov_, oa_) = got["pair"], got["one"]
+        for field in ("loss", "kl", "log_prob", "ratio"):
+            assert torch.equal(getattr(p, field), getattr(o, field)), (loss.__name__, field)
+        assert torch.equal(pv, ov_) and torch.equal(pa, oa_) and float(p.kl.abs().min()) > 0
+    with pytest.raises(ValueError, match="ref_guidance_scale is given but ref_model_output is not a pair"):
+        grpo_loss((xv, xa), (vv, va), prev, sig, 1, old, adv, clip_range=0.2, kl_coef=0.3,
+                  ref_model_output=((rv, cv), ra), ref_guidance_scale=4.5)
+    with pytest.raises(ValueError, match="ref_model_output is a pair"):
+        grpo_loss((xv, xa), (vv, va), prev, sig, 1, old, adv, clip_range=0.2, kl_coef=0.3,
+                  ref_model_output=((rv, cv), (ra, ca)))

@@ -51,9 +51,6 @@ def grpo_family(family, variant, sample, model_output, prev_sample, sigmas, step
     n = len(sample)
     if n == 0:
         raise ValueError("sample must hold at least one stream when given as a tuple")
-    if ref_guidance_scale is not None:
-        raise ValueError("ref_guidance_scale: a joint step takes each stream's reference output as one tensor (the "
-                         "streams' tuple is ref_model_output); combine the guided reference per stream first")
     outputs = _streams("model_output", model_output, n, False)
     prevs = _streams("prev_sample", prev_sample, n, False)
     refs = _streams("ref_model_output", ref_model_output, n, True)
@@ -68,10 +65,11 @@ def grpo_family(family, variant, sample, model_output, prev_sample, sigmas, step
                       clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob, reduction="sum",
                       kl_coef=kl_coef, ref_model_output=refs[k], old_prev_sample_mean=olds[k], noise_seed=seeds[k],
                       kl_threshold=kl_threshold, backend=backend, rollout_is_weights=rollout_is_weights, _stream=True,
-                      kl_space=kl_space)
+                      kl_space=kl_space, ref_guidance_scale=ref_guidance_scale)
         (_, ops, spec, x, v, prev, old_lp, adv, ref, old_mean, trust, seed, clip, kl_coef, kl_threshold,
          is_weights, kl_space_k, ref_cond, ref_scale) = args
-        lp, kl, tr = ops.grpo_values(spec, x, v, prev, ref, old_mean, trust, seed, kl_space=kl_space_k)
+        lp, kl, tr = ops.grpo_values(spec, x, v, prev, ref, old_mean, trust, seed, kl_space=kl_space_k,
+                                     ref_cond=ref_cond, ref_scale=ref_scale)
         # the count step_log_prob returns for a step with nothing frozen: every element, or none where the
         # step is deterministic (std 0)
         std = scheme_weights("grpo_guard", spec.sigmas, spec.step_index, spec.mode, spec.noise_level, lp.dtype)[0]
