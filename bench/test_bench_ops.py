@@ -328,3 +328,4 @@ def test_issue24_rows_exist_and_pass_their_checks():
     assert len(set(case.tree_keys.tolist())) == 4
     args = bench._choices(bench.OPS + bench.COND_OPS + bench.TREE_OPS)
     assert args("rollout_tree") == ["rollout_tree"]
+    assert "rollout_tree" in bench.default_ops(quick=False) and "rollout_tree" not in bench.default_ops(quick=True)

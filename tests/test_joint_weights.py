@@ -362,6 +362,11 @@ def test_bad_joint_arguments_name_themselves():
                   ref_model_output=(vv,))
     with pytest.raises(ValueError, match="sigmas"):
         grpo_loss((xv, xa), (vv, va), (xv, xa), (VIDEO_SIGMAS,), 1, z, z, clip_range=0.2)
+    with pytest.raises(ValueError, match="shard: a joint step"):
+        grpo_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, z, z, clip_range=0.2, shard=object())
+    with pytest.raises(ValueError, match="shard: a joint step"):
+        grpo_guard_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, z, z, clip_range=0.2, noise_seed=1,
+                        shard=object())
     with pytest.raises(ValueError, match="old_prev_sample_mean must be a tuple of 2"):
         grpo_guard_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, z, z, clip_range=0.2, old_prev_sample_mean=(xv,))
     with pytest.raises(ValueError, match="pass exactly one of old_prev_sample_mean"):
@@ -580,6 +585,14 @@ def test_forward_process_losses_on_tuples_name_bad_arguments():
         flowrl.losses.awm_loss(v, eps, x0, t, adv, adv, clip_range=0.2, stream_weights=H3)
     with pytest.raises(ValueError, match="shard: a joint step"):
         flowrl.losses.awm_log_prob((v, v2), (eps, eps2), (x0, x02), t, shard=object())
+    with pytest.raises(ValueError, match="shard: a joint step"):
+        nft((xt, xt2), (v, v2), (vo.detach(), vo2), (x0, x02), t, adv, beta=0.1, adv_clip_max=1.0, shard=object())
+    # the preference losses take one stream
+    with pytest.raises(TypeError, match="model_output must be a torch.Tensor; got tuple"):
+        flowrl.losses.dpo_loss((v, v2), (vr, vr2), (eps, eps2), (x0, x02), beta=1.0)
+    with pytest.raises(TypeError, match="model_output must be a torch.Tensor; got tuple"):
+        flowrl.losses.dgpo_loss((v, v2), (vr, vr2), (eps, eps2), (x0, x02), adv, torch.zeros(3, dtype=torch.long),
+                                beta=1.0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
