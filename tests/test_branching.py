@@ -399,6 +399,33 @@ def test_reward_fusion_reads_a_branching_trajectory():
     assert not torch.allclose(fused, node_rewards(traj.tree, rewards))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_tree_step_trains_through_grpo_loss_on_its_masked_edges(backend):
+    """docs/losses.md, Branching rollouts: the rows a TreeAdvantages mask marks at step j, passed to
+    grpo_loss with the step's advantages, recompute to ratio exactly 1 at the rollout's policy, and the
+    loss is the mean over the trained edges; depth and fork advantages alike."""
+    sched, x0, velocity = _setup()
+    traj = branch_rollout(velocity, x0, sched.sigmas.clone(), BranchSpec(steps=[1, 3], k=2, seed=5), backend=backend)
+    roots = torch.arange(x0.shape[0]).repeat_interleave(4)
+    rewards = torch.linspace(-1.0, 1.0, traj.tree.num_rows)
+    for adv in (depth_advantages(traj.tree, rewards, T, log_probs=traj.log_probs), fork_advantages(traj.tree, rewards, T)):
+        trained = 0
+        for j in range(T):
+            rows = adv.mask[:, j]
+            if not rows.any():
+                continue
+            inputs = traj.step_inputs(j)
+            a = adv.advantages[rows, j]
+            out = flowrl.losses.grpo_loss(inputs["sample"][rows], velocity(inputs["sample"], j, roots)[rows],
+                                          inputs["prev_sample"][rows], inputs["sigmas"], j, traj.log_probs[rows, j],
+                                          a, clip_range=0.2, mode=inputs["mode"], noise_level=inputs["noise_level"],
+                                          backend=backend)
+            assert torch.equal(out.ratio, torch.ones_like(out.ratio)), j
+            torch.testing.assert_close(out.loss, -a.mean())
+            trained += int(rows.sum())
+        assert trained == int(adv.mask.sum()) > 0
+
+
 def _tempflow_transcription(prompts, rewards):
     """yifan123/flow_grpo 94e23ee5405ab7241fc1f75d30cac8147e2b1f53, flow_grpo/stat_tracking.py
     PerPromptStatTracker.update(type='grpo') (imported by Shredded-Pork/TempFlow-GRPO 28a9b9be
