@@ -186,6 +186,59 @@ def test_velocity_kl_sum_reduction_and_deterministic_steps(backend, mode, eta):
         assert torch.isfinite(res.loss)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_velocity_kl_is_the_transition_kl_times_two_std_squared_over_c_squared(backend):
+    """docs/losses.md, KL choices: per sample mean (v - v_ref)^2 = (2 std^2 / c^2) x the exact transition
+    KL (mu - mu_ref = c (v - v_ref)), with std and c the step's (flowrl.reference.mode_coefficients in
+    float64), so the two kl_coef scales differ by that factor per step."""
+    from flowrl.backends.reference import mode_coefficients
+    from flowrl.contract import Mode
+
+    x, v, sig, out = rollout("sde", 0.7)
+    steps, v_ref, adv = STEPS.to(DEVICE), perturbed(v, 0.1, seed=5), advantages()
+    kls = {space: L.grpo_loss(x, v, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=0.2, kl_coef=0.1,
+                              ref_model_output=v_ref, kl_space=space, backend=backend).kl.to(F64)
+           for space in ("transition", "velocity")}
+    _, c, std = mode_coefficients(sig.cpu(), steps.cpu(), Mode.parse("mode", "sde"), 0.7, F64)
+    torch.testing.assert_close(kls["velocity"].cpu(), kls["transition"].cpu() * 2 * std ** 2 / c ** 2,
+                               rtol=2e-5, atol=0)
+    assert float((2 * std ** 2 / c ** 2).max() / (2 * std ** 2 / c ** 2).min()) > 2  # not one factor for all steps
+
+
+@TRITON
+def test_the_triton_backend_combines_the_branches_in_its_pass(monkeypatch):
+    """docs/losses.md, KL choices: on the Triton backend the pair is read by the loss kernels (REF_GUIDED),
+    not combined into a [B, N] v_ref first: with the torch combination disabled the forward and backward
+    still run, and give the bits of the combination passed as one tensor."""
+    from flowrl.backends import reference_losses
+
+    x, v, sig, out = rollout("sde", 0.7)
+    steps, adv = STEPS.to(DEVICE), advantages()
+    uncond, cond = perturbed(v, 0.1, seed=5), perturbed(v, 0.1, seed=6)
+    one = peer_cfg(uncond, cond, torch.tensor(4.5, dtype=torch.float32))
+
+    def call(**kw):
+        vv = v.clone().requires_grad_(True)
+        res = L.grpo_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=0.2, kl_coef=0.3,
+                          backend="triton", **kw)
+        return res, torch.autograd.grad(res.loss, vv)[0]
+
+    want, want_grad = call(ref_model_output=one)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the guided reference was combined in torch")
+
+    monkeypatch.setattr(reference_losses, "guided_reference", refuse)
+    got, grad = call(ref_model_output=(uncond, cond), ref_guidance_scale=4.5)
+    if EXACT:
+        assert torch.equal(got.kl, want.kl) and torch.equal(grad, want_grad)
+    else:
+        torch.testing.assert_close(got.kl, want.kl, rtol=2e-5, atol=2e-6)
+    with pytest.raises(AssertionError, match="combined in torch"):  # the torch backend does combine there
+        L.grpo_loss(x, v, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=0.2, kl_coef=0.3,
+                    ref_model_output=(uncond, cond), ref_guidance_scale=4.5, backend="torch")
+
+
 # ------------------------------------------------------------- Triton vs torch, gradients, batches
 
 
