@@ -21,6 +21,12 @@ the final batch mean depends on the batch. The per-sample [B] arithmetic after t
 _flow.py, _teacher.py), and run by eager mode and by the losses' custom ops under torch.compile
 (flowrl/losses/_custom_ops.py, docs/compile.md).
 
+Joint steps (several streams stepped together: LTX-2's and MiniMax-H3's video and audio): every loss
+but the preference losses takes its sample-shaped inputs as tuples, one tensor per stream, with
+``stream_weights``; each per-sample mean is ``flowrl.combine_streams`` of the streams' fused sums and
+counts (flowrl/losses/_joint.py; GRPO-Guard's step quantities are verl-omni's element-count averages;
+docs/losses.md, Joint steps).
+
 Gradients flow to ``model_output`` only: ``sample``, ``prev_sample``, the reference / old / teacher
 outputs and the stored means are data, and a tensor among them that requires grad is refused.
 
