@@ -408,7 +408,8 @@ def test_a_tree_step_trains_through_grpo_loss_on_its_masked_edges(backend):
     traj = branch_rollout(velocity, x0, sched.sigmas.clone(), BranchSpec(steps=[1, 3], k=2, seed=5), backend=backend)
     roots = torch.arange(x0.shape[0]).repeat_interleave(4)
     rewards = torch.linspace(-1.0, 1.0, traj.tree.num_rows)
-    for adv in (depth_advantages(traj.tree, rewards, T, log_probs=traj.log_probs), fork_advantages(traj.tree, rewards, T)):
+    for adv in (depth_advantages(traj.tree, rewards, T, log_probs=traj.log_probs),
+                fork_advantages(traj.tree, rewards, T)):
         trained = 0
         for j in range(T):
             rows = adv.mask[:, j]

@@ -365,7 +365,8 @@ def node_rewards(tree: BranchTree, rewards: torch.Tensor, log_probs: Optional[to
     if not isinstance(log_probs, torch.Tensor) or not log_probs.dtype.is_floating_point:
         raise TypeError("log_probs must be a float tensor [N, T] (the trajectory's log_probs), or None")
     if log_probs.dim() != 2 or log_probs.shape[0] != tree.num_rows:
-        raise ValueError(f"log_probs must have shape [N, T] with N = {tree.num_rows} rows; got {tuple(log_probs.shape)}")
+        raise ValueError(f"log_probs must have shape [N, T] with N = {tree.num_rows} rows; got "
+                         f"{tuple(log_probs.shape)}")
     num_steps = log_probs.shape[1]
     if int(tree.fork_step.max()) >= num_steps:
         raise ValueError(f"log_probs has {num_steps} steps but the tree forks at step {int(tree.fork_step.max())}")

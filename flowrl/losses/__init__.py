@@ -376,7 +376,8 @@ def teacher_kl_loss(
     data = {}
     for name, value in (("sample", sample), ("teacher_model_output", teacher_model_output)):
         streams = value if joint and isinstance(value, tuple) else (value,)
-        data.update({f"{name}[{k}]" if joint else name: t for k, t in enumerate(streams) if isinstance(t, torch.Tensor)})
+        data.update({f"{name}[{k}]" if joint else name: t
+                     for k, t in enumerate(streams) if isinstance(t, torch.Tensor)})
     _check_no_grad(**data)  # the tuples' other checks are step_kl's
     args = (sample, model_output, teacher_model_output, sigmas, step_index, mode, noise_level, reduction, backend)
     # while torch.compile traces (one device, one stream, no per-token inputs): the custom op flowrl::teacher_kl_loss
