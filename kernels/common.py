@@ -411,8 +411,9 @@ def philox_normal_quads(k0, k1, stream, quad):
 @triton.jit
 def philox_normal_block(k0, k1, stream, first, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     """Normals of elements first + arange(BLOCK) (int64 ``first``; BLOCK a power of two >= 8). ALIGNED
-    (first % 4 == 0): one Philox call per 4 elements, interleaved back to element order; otherwise one call per element,
-    keeping its own lane (the same values: same integers, same float32 operations)."""
+    (first % 4 == 0): one Philox call per 4 elements, interleaved back to element order; otherwise 3
+    calls per 8 elements, each element picking its lane (any first; the same values: same integers,
+    same float32 operations)."""
     if ALIGNED:
         # a thread computes whole octets (quads 2g, 2g + 1: elements 8g .. 8g + 7), as the latents'
         # 16-byte loads hold them, and each join adds an in-register dimension, so the interleave to
@@ -426,11 +427,36 @@ def philox_normal_block(k0, k1, stream, first, BLOCK: tl.constexpr, ALIGNED: tl.
         odds = tl.join(tl.join(a1, b1), tl.join(a3, b3))
         eps = tl.reshape(tl.join(evens, odds), (BLOCK,))
     else:
-        elem = first + tl.arange(0, BLOCK)
-        x0, x1, x2, x3 = philox_quad(k0, k1, stream, elem // 4)
-        low_pair = (elem % 4) < 2
-        cos_part, sin_part = box_muller(tl.where(low_pair, x0, x2), tl.where(low_pair, x1, x3))
-        eps = tl.where(elem % 2 == 0, cos_part, sin_part)
+        # octet g holds elements first + 8g + k (k = 0 .. 7): words j = s + k (s = first % 4) of the
+        # three quads from (first + 8g) // 4, whose Box-Muller pairs P0 .. P0 + 4 (P0 = s // 2) cover
+        # them: 3 Philox calls and 5 pairs per 8 elements, then each element picks its lane (a call
+        # and a pair per element before). Selects on the uniform s, no branch.
+        start = first + 8 * tl.arange(0, BLOCK // 8)
+        quad = start // 4
+        shift = first % 4
+        zero = (quad * 0).to(tl.uint32)
+        x = philox4x32_10_pair(quad.to(tl.uint32), (quad >> 32).to(tl.uint32), zero + stream, zero,
+                               (quad + 1).to(tl.uint32), ((quad + 1) >> 32).to(tl.uint32), zero + stream, zero, k0, k1)
+        y0, y1, y2, y3 = philox_quad(k0, k1, stream, quad + 2)
+        upper = shift >= 2  # P0 = 1: the pairs start one later
+        n0, n1 = box_muller(tl.where(upper, x[2], x[0]), tl.where(upper, x[3], x[1]))
+        n2, n3 = box_muller(tl.where(upper, x[4], x[2]), tl.where(upper, x[5], x[3]))
+        n4, n5 = box_muller(tl.where(upper, x[6], x[4]), tl.where(upper, x[7], x[5]))
+        n6, n7 = box_muller(tl.where(upper, y0, x[6]), tl.where(upper, y1, x[7]))
+        n8, n9 = box_muller(tl.where(upper, y2, y0), tl.where(upper, y3, y1))
+        odd = (shift % 2) == 1  # element k is normal d + k of the five pairs, d = s - 2 P0
+        e0 = tl.where(odd, n1, n0)
+        e1 = tl.where(odd, n2, n1)
+        e2 = tl.where(odd, n3, n2)
+        e3 = tl.where(odd, n4, n3)
+        e4 = tl.where(odd, n5, n4)
+        e5 = tl.where(odd, n6, n5)
+        e6 = tl.where(odd, n7, n6)
+        e7 = tl.where(odd, n8, n7)
+        # [g, h, i, j] = element 8g + 4h + 2i + j, as on the aligned path
+        evens = tl.join(tl.join(e0, e4), tl.join(e2, e6))
+        odds = tl.join(tl.join(e1, e5), tl.join(e3, e7))
+        eps = tl.reshape(tl.join(evens, odds), (BLOCK,))
     return eps
 
 

@@ -82,12 +82,12 @@ def _stream_kernel(seeds_ptr, words_ptr, normals_ptr, stream_stride, first_quad,
     tl.store(normals_ptr + row * BLOCK + tl.arange(0, BLOCK), eps)
 
 
-def _triton_stream(seed: NoiseSeed, first_quad: int, nq: int, block: int):
+def _triton_stream(seed: NoiseSeed, first_quad: int, nq: int, block: int, aligned=None):
     b = seed.seeds.shape[0]
     words = torch.empty((b, 4, nq), dtype=torch.int64, device=seed.seeds.device)
     normals = torch.empty((b, block), dtype=torch.float32, device=seed.seeds.device)
     _stream_kernel[(b,)](seed.seeds, words, normals, seed.stream_stride, first_quad, seed.elem_offset,
-                         NQ=nq, BLOCK=block, ALIGNED=seed.elem_offset % 4 == 0)
+                         NQ=nq, BLOCK=block, ALIGNED=seed.elem_offset % 4 == 0 if aligned is None else aligned)
     return words.unbind(1), normals
 
 
@@ -138,6 +138,10 @@ def test_normals_torch_vs_triton_and_both_kernel_paths(elem_offset):
     shifted = seed._replace(elem_offset=elem_offset + 1)
     _, got_shifted = _triton_stream(shifted, 0, 1, 64)
     assert torch.equal(got_shifted[:, :63], got[:, 1:])
+    # the unaligned path holds for every offset mod 4, aligned ones included
+    for shift in range(4):
+        at = seed._replace(elem_offset=elem_offset + shift)
+        assert torch.equal(_triton_stream(at, 0, 1, 64, aligned=False)[1], R.philox_normal(at, 64)), shift
 
 
 def test_reference_normals_do_not_depend_on_the_window():
