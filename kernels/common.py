@@ -318,8 +318,8 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
 
 @triton.jit
 def philox4x32_10_pair(a0, a1, a2, a3, b0, b1, b2, b3, k0, k1):
-    """``philox4x32_10`` of two counters under one key, round by round: each round key is used by
-    both right where it is made (two calls in sequence keep all ten live in registers)."""
+    """``philox4x32_10`` of two counters under one key, round by round (the unaligned path's first two
+    quads; the same instructions as two calls)."""
     for round_ in tl.static_range(10):
         if round_ > 0:
             k0 = k0 + PHILOX_W0
@@ -338,12 +338,13 @@ def philox_key(seed):
 
 @triton.jit
 def sqrt_rn_normal(x):
-    """The correctly rounded float32 square root of x in [2**-100, 2**126) (normal, finite; sqrt_rn's
-    fast path without its branch to the slow path for zeros, subnormals, infinities and NaN: 8 of
-    its 16 instructions): y ~ 1 / sqrt(x), s = x y, then s + (x - s^2) y / 2 by exact fmas. On the GPU
-    the same MUFU.RSQ and operations as sqrt.rn (IEEE-rounded); in the interpreter y = 1 / sqrt(x)
-    rounded twice, which this step rounds correctly for every float32 in [1, 4) (checked
-    exhaustively; scaling x by 4 scales every step by 2), so for every x in range."""
+    """The correctly rounded float32 square root of a normal finite x >= 2**-100: sqrt_rn's fast path
+    without its range check and branch to the slow path (zeros, subnormals, infinities, NaN), 5
+    instructions of its ~16: y ~ 1 / sqrt(x), s = x y, then s + (x - s^2) y / 2 by exact fmas. On the
+    GPU these are sqrt.rn's own instructions (MUFU.RSQ, two FMUL, two FFMA: IEEE-rounded); in the
+    interpreter y = 1 / sqrt(x) is rounded twice, and the step still rounds every float32 in [1, 4)
+    correctly (checked exhaustively; scaling x by 4 scales every step by 2, so every x in range).
+    Triton 3.6's interpreter does not fuse tl.fma (an ulp off there, now and then)."""
     y = tl.math.rsqrt(x)
     s = x * y
     return tl.fma(tl.fma(-s, s, x), y * 0.5, s)

@@ -458,3 +458,31 @@ def test_branching_trees_record_the_stream_and_refuse_another():
         bad = dict(wire, tree=flowrl.serialization.to_wire(tensors))
         with pytest.raises(ValueError, match=message):
             RolloutTrajectory.from_wire(json.loads(json.dumps(bad)))
+
+
+def test_reference_normals_pass_a_chi_square_test_tails_included():
+    """2**20 normals (4 seeds x 2**18) in 100 equiprobable bins plus the tails beyond |x| = 4 (102
+    bins): the chi-square statistic below dof + 4.5 sqrt(2 dof) + 20 (185 for 101 degrees of freedom,
+    about the p = 1e-6 critical value, 183.5), and the tails reached: max |x| above 4.5, <= 6.76."""
+    eps = R.philox_normal(NoiseSeed(torch.tensor([31, 32, 33, 34]), 0), 1 << 18).double().flatten()
+    normal = torch.distributions.Normal(0.0, 1.0)
+    inner = normal.icdf(torch.linspace(0, 1, 101, dtype=torch.float64)[1:-1])
+    edges = torch.cat([torch.tensor([-4.0], dtype=torch.float64), inner[(inner > -4) & (inner < 4)],
+                       torch.tensor([4.0], dtype=torch.float64)])
+    counts = torch.bucketize(eps, edges).bincount(minlength=edges.numel() + 1).double()
+    cdf = torch.cat([torch.zeros(1, dtype=torch.float64), normal.cdf(edges), torch.ones(1, dtype=torch.float64)])
+    expected = eps.numel() * (cdf[1:] - cdf[:-1])
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    dof = counts.numel() - 1
+    assert chi2 < dof + 4.5 * math.sqrt(2 * dof) + 20, f"chi-square {chi2:.1f} with {dof} degrees of freedom"
+    assert 4.5 < float(eps.abs().max()) <= math.sqrt(-2 * math.log(2.0**-33)) + 1e-6
+
+
+def test_the_chi_square_check_can_fail():
+    eps = R.philox_normal(NoiseSeed(torch.tensor([31]), 0), 1 << 18).double().flatten()
+    normal = torch.distributions.Normal(0.0, 1.0)
+    edges = normal.icdf(torch.linspace(0, 1, 101, dtype=torch.float64)[1:-1])
+    for bad in (eps * 1.01, eps + 0.01):
+        counts = torch.bucketize(bad, edges).bincount(minlength=101).double()
+        expected = torch.full_like(counts, bad.numel() / 100)
+        assert float(((counts - expected) ** 2 / expected).sum()) > 99 + 4.5 * math.sqrt(2 * 99) + 20
