@@ -162,8 +162,9 @@ OVER_128_REGISTERS = {
     "step_partials_kernel: cps rollout noise=philox +mean g1w1",
     "step_partials_kernel: dance rollout noise=philox +mean g1w1",
     "step_partials_kernel: ddim[epsilon clip] kl g1w1",
-    # the ddim Philox rollouts: 128 before the noise stream 2 Box-Muller, 145-167 since (without the
-    # sqrt slow-path calls ptxas overlaps more of it; maxnreg=128 gives 128, no spill, the same SASS)
+    # the ddim Philox rollouts: 128 before the noise stream 2 Box-Muller, 140-167 since (without the
+    # sqrt slow-path calls ptxas overlaps more of it); maxnreg=128 fits them in 128 without a spill on
+    # triton 3.9 but spills 16-160 bytes on triton 3.6
     "step_partials_kernel: ddim[epsilon clip] rollout noise=philox g1w1",
     "step_partials_kernel: ddim[sample clip] rollout noise=philox g1w1",
     "step_partials_kernel: ddim[v_prediction] rollout noise=philox g1w1",
