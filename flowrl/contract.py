@@ -210,26 +210,46 @@ SIGMA_ONE_TOL = SIGMA_ONE_ATOL + SIGMA_ONE_RTOL
 # any |r| < 2.4e7 (docs/contract.md, Deterministic steps and tiny noise).
 STD_FLOOR = 2.0**-40
 
-# Box-Muller's sin(pi u), cos(pi u) (in-kernel Philox noise): Taylor coefficients of sin and cos on
-# |s| <= pi / 4 (truncation error below 1e-11), rounded to float32 once here so that both backends
-# multiply by the same values. A polynomial rather than the platform's sinf / cosf: those are different
-# functions on each backend, and triton 3.6's cosf carries a large-argument path in local memory.
-PI_F32 = 3.1415927410125732
-SINPI_S3 = -0.1666666716337204
-SINPI_S5 = 0.008333333767950535
-SINPI_S7 = -0.00019841270113829523
-SINPI_S9 = 2.7557318844628753e-06
-SINPI_S11 = -2.5052107943679403e-08
-COSPI_C2 = -0.5
-COSPI_C4 = 0.0416666679084301
-COSPI_C6 = -0.0013888889225199819
-COSPI_C8 = 2.4801587642286904e-05
-COSPI_C10 = -2.755731998149713e-07
-COSPI_C12 = 2.0876755879584152e-09
+# The in-kernel Philox noise stream's version (docs/contract.md, Noise): which function of (seed,
+# stream, element) ``noise_seed`` draws. Bumped whenever that function changes, so a record of seeds
+# (a branching trajectory's tree) drawn under another stream is refused, never replayed silently wrong.
+# 1: Box-Muller with the platforms' logf and a Taylor sin(pi u) / cos(pi u) (flowrl <= this change);
+# 2: the polynomial log and octant sin / cos below, the same bits on every backend.
+NOISE_STREAM_VERSION = 2
+
+# Box-Muller (stream 2) in float32 adds and multiplies only (no FMA; no platform log / sin / cos, which
+# differ between backends), so the torch reference draws the kernels' bits. The coefficients are
+# minimax fits (Lawson's iteration) rounded to float32 once here, so both backends multiply by the
+# same values.
+# -2 ln(u) = e * NEG_2_LN2 + f * P(f) for u = 2**e * (1 + f), 1 + f in [sqrt(1/2), sqrt(2)):
+# P(f) ~ -2 ln(1 + f) / f, degree 7, relative error 1.7e-7 (before float32 rounding)
+NEG_2_LN2 = -1.3862943649291992
+# -2 ln u is clamped to at least R2_MIN = 2**-100 (it is 0 at u = 1, 128 words in 2**32): a normal float32,
+# so the square root needs no zero or subnormal case; r is then 2**-50 instead of 0
+R2_MIN = 7.888609052210118e-31
+LOG_SPLIT = 0x3F3504F3  # float32 bits of sqrt(1/2): where the mantissa range [sqrt(1/2), sqrt(2)) starts
+LOG_P0 = -1.9999998807907104
+LOG_P1 = 1.0000072717666626
+LOG_P2 = -0.6667011976242065
+LOG_P3 = 0.4993981420993805
+LOG_P4 = -0.39800316095352173
+LOG_P5 = 0.34501683712005615
+LOG_P6 = -0.3244529366493225
+LOG_P7 = 0.20213879644870758
+# sin(pi t / 4) = t * S(t^2), cos(pi t / 4) = 1 + t^2 * C(t^2) for t in [0, 1] (an octant): S relative
+# error 3.2e-9, C absolute error 3.2e-8 (both below float32's half ulp there)
+SIN_A0 = 0.7853981852531433
+SIN_A1 = -0.08074543625116348
+SIN_A2 = 0.00249000103212893
+SIN_A3 = -3.59504520019982e-05
+COS_B0 = -0.3084245026111603
+COS_B1 = 0.01585039682686329
+COS_B2 = -0.00031916017178446054
 
 __all__ = [
     "Mode", "ModeRules", "MODE_RULES", "Schedule", "Variants", "Prediction", "LogProbKind", "LOG_PROB_KINDS", "Reduction", "Op", "NoiseSource", "TrustSource", "FlowLoss",
     "KLSpace",
     "CHUNK_SIZE",
     "LOG2_CHUNK_SIZE", "HALF_LOG_2PI", "SIGMA_ONE_RTOL", "SIGMA_ONE_ATOL", "SIGMA_ONE_TOL", "STD_FLOOR",
+    "NOISE_STREAM_VERSION",
 ]

@@ -258,47 +258,75 @@ def round_to(x, DTYPE: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------------ Philox noise
-# In-kernel noise (``sde_step(noise_seed=...)``): Philox4x32-10 (Salmon et al., SC'11; Random123),
-# the same integer stream as ``flowrl.reference.philox4x32_10`` bit for bit. Layout, shared with the
-# reference (see ``flowrl.reference.philox_normal``): element e of a flattened sample is lane e % 4 of
-# the call with counter (q low 32 bits, q high 32 bits, stream, 0), q = e // 4; lanes 0, 1 are the
-# Box-Muller pair of outputs (x0, x1), lanes 2, 3 that of (x2, x3); even lanes take r cos(theta), odd
-# lanes r sin(theta). So eps[e] depends only on (key, stream, e), never on the launch or the chunk.
+# In-kernel noise (``sde_step(noise_seed=...)``), stream version ``NOISE_STREAM_VERSION`` 2 (docs/
+# contract.md, Noise): Philox4x32-10 (Salmon et al., SC'11; Random123), the same integer stream as
+# ``flowrl.reference.philox4x32_10`` bit for bit, then Box-Muller in float32 adds and multiplies only,
+# the reference's operations in its order, so the normals are the reference's bits too. Layout, shared
+# with the reference (``flowrl.reference.philox_normal``): element e of a flattened sample is lane
+# e % 4 of the call with counter (q low 32 bits, q high 32 bits, stream, 0), q = e // 4; lanes 0, 1
+# are the Box-Muller pair of the words (x0, x1), lanes 2, 3 that of (x2, x3); even lanes take the
+# cosine, odd lanes the sine. So eps[e] depends only on (key, stream, e), never on the launch.
 PHILOX_M0 = tl.constexpr(0xD2511F53)
 PHILOX_M1 = tl.constexpr(0xCD9E8D57)
 PHILOX_W0 = tl.constexpr(0x9E3779B9)
 PHILOX_W1 = tl.constexpr(0xBB67AE85)
-# exact float32 constants: 2**-32, 2**-31, and pi rounded to float32 (as the reference rounds it)
+# exact float32 constants: 2**-32, 2**-29, 2**-30
 TWO_POW_M32 = tl.constexpr(2.3283064365386963e-10)
-TWO_POW_M31 = tl.constexpr(4.656612873077393e-10)
-PI_F32 = tl.constexpr(_contract.PI_F32)
-SINPI_S3 = tl.constexpr(_contract.SINPI_S3)
-SINPI_S5 = tl.constexpr(_contract.SINPI_S5)
-SINPI_S7 = tl.constexpr(_contract.SINPI_S7)
-SINPI_S9 = tl.constexpr(_contract.SINPI_S9)
-SINPI_S11 = tl.constexpr(_contract.SINPI_S11)
-COSPI_C2 = tl.constexpr(_contract.COSPI_C2)
-COSPI_C4 = tl.constexpr(_contract.COSPI_C4)
-COSPI_C6 = tl.constexpr(_contract.COSPI_C6)
-COSPI_C8 = tl.constexpr(_contract.COSPI_C8)
-COSPI_C10 = tl.constexpr(_contract.COSPI_C10)
-COSPI_C12 = tl.constexpr(_contract.COSPI_C12)
+TWO_POW_M29 = tl.constexpr(1.862645149230957e-09)
+TWO_POW_M30 = tl.constexpr(9.313225746154785e-10)
+NEG_2_LN2 = tl.constexpr(_contract.NEG_2_LN2)
+R2_MIN = tl.constexpr(_contract.R2_MIN)
+LOG_SPLIT = tl.constexpr(_contract.LOG_SPLIT)
+LOG_P0 = tl.constexpr(_contract.LOG_P0)
+LOG_P1 = tl.constexpr(_contract.LOG_P1)
+LOG_P2 = tl.constexpr(_contract.LOG_P2)
+LOG_P3 = tl.constexpr(_contract.LOG_P3)
+LOG_P4 = tl.constexpr(_contract.LOG_P4)
+LOG_P5 = tl.constexpr(_contract.LOG_P5)
+LOG_P6 = tl.constexpr(_contract.LOG_P6)
+LOG_P7 = tl.constexpr(_contract.LOG_P7)
+SIN_A0 = tl.constexpr(_contract.SIN_A0)
+SIN_A1 = tl.constexpr(_contract.SIN_A1)
+SIN_A2 = tl.constexpr(_contract.SIN_A2)
+SIN_A3 = tl.constexpr(_contract.SIN_A3)
+COS_B0 = tl.constexpr(_contract.COS_B0)
+COS_B1 = tl.constexpr(_contract.COS_B1)
+COS_B2 = tl.constexpr(_contract.COS_B2)
+
+
+@triton.jit
+def philox_round(c0, c1, c2, c3, k0, k1):
+    """One Philox4x32 round: two 32x32 -> 64-bit multiplies, each one 64-bit product of zero-extended
+    words (one IMAD.WIDE.U32 where umulhi and a low multiply take two); its high and low words are
+    the same integers."""
+    p0 = c0.to(tl.uint64) * PHILOX_M0
+    p1 = c2.to(tl.uint64) * PHILOX_M1
+    return (p1 >> 32).to(tl.uint32) ^ c1 ^ k0, p1.to(tl.uint32), (p0 >> 32).to(tl.uint32) ^ c3 ^ k1, p0.to(tl.uint32)
 
 
 @triton.jit
 def philox4x32_10(c0, c1, c2, c3, k0, k1):
     """Philox4x32-10 of the uint32 counter (c0, c1, c2, c3) under the uint32 key (k0, k1): ten
-    rounds of two 32x32 -> 64-bit multiplies, the key bumped by the Weyl constants between rounds."""
+    rounds, the key bumped by the Weyl constants between rounds."""
     for round_ in tl.static_range(10):
         if round_ > 0:
             k0 = k0 + PHILOX_W0
             k1 = k1 + PHILOX_W1
-        hi0 = tl.umulhi(c0, PHILOX_M0)
-        lo0 = c0 * PHILOX_M0
-        hi1 = tl.umulhi(c2, PHILOX_M1)
-        lo1 = c2 * PHILOX_M1
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        c0, c1, c2, c3 = philox_round(c0, c1, c2, c3, k0, k1)
     return c0, c1, c2, c3
+
+
+@triton.jit
+def philox4x32_10_pair(a0, a1, a2, a3, b0, b1, b2, b3, k0, k1):
+    """``philox4x32_10`` of two counters under one key, round by round (the unaligned path's first two
+    quads; the same instructions as two calls)."""
+    for round_ in tl.static_range(10):
+        if round_ > 0:
+            k0 = k0 + PHILOX_W0
+            k1 = k1 + PHILOX_W1
+        a0, a1, a2, a3 = philox_round(a0, a1, a2, a3, k0, k1)
+        b0, b1, b2, b3 = philox_round(b0, b1, b2, b3, k0, k1)
+    return a0, a1, a2, a3, b0, b1, b2, b3
 
 
 @triton.jit
@@ -309,30 +337,59 @@ def philox_key(seed):
 
 
 @triton.jit
-def sincospi(u):
-    """(sin(pi u), cos(pi u)) in float32 for u in [-1, 1], as flowrl.reference.sincospi computes it:
-    q = the nearest integer to 2u, r = u - q / 2 in [-1/4, 1/4] (exact), s = pi r; the Taylor
-    polynomials of sin(s) and cos(s) (flowrl.contract's coefficients), then the quadrant q mod 4."""
-    q = tl.floor(u * 2.0 + 0.5)
-    s = (u - q * 0.5) * PI_F32
-    s2 = s * s
-    sin_r = s + s * s2 * (SINPI_S3 + s2 * (SINPI_S5 + s2 * (SINPI_S7 + s2 * (SINPI_S9 + s2 * SINPI_S11))))
-    cos_r = 1.0 + s2 * (COSPI_C2 + s2 * (COSPI_C4 + s2 * (COSPI_C6 + s2 * (COSPI_C8 + s2 * (COSPI_C10 + s2 * COSPI_C12)))))
-    quadrant = q.to(tl.int32) & 3  # sin(s + q pi / 2), cos(s + q pi / 2) by q mod 4
-    sin_u = tl.where(quadrant == 0, sin_r, tl.where(quadrant == 1, cos_r, tl.where(quadrant == 2, -sin_r, -cos_r)))
-    cos_u = tl.where(quadrant == 0, cos_r, tl.where(quadrant == 1, -sin_r, tl.where(quadrant == 2, -cos_r, sin_r)))
-    return sin_u, cos_u
+def sqrt_rn_normal(x):
+    """The correctly rounded float32 square root of a normal finite x >= 2**-100: sqrt_rn's fast path
+    without its range check and branch to the slow path (zeros, subnormals, infinities, NaN), 5
+    instructions of its ~16: y ~ 1 / sqrt(x), s = x y, then s + (x - s^2) y / 2 by exact fmas. On the
+    GPU these are sqrt.rn's own instructions (MUFU.RSQ, two FMUL, two FFMA: IEEE-rounded); in the
+    interpreter y = 1 / sqrt(x) is rounded twice, and the step still rounds every float32 in [1, 4)
+    correctly (checked exhaustively; scaling x by 4 scales every step by 2, so every x in range).
+    Triton 3.6's interpreter does not fuse tl.fma (an ulp off there, now and then)."""
+    y = tl.math.rsqrt(x)
+    s = x * y
+    return tl.fma(tl.fma(-s, s, x), y * 0.5, s)
+
+
+@triton.jit
+def box_muller_radius(x_radius):
+    """sqrt(-2 ln u) in float32 for u = (x_radius + 1/2) / 2**32 in (0, 1] (never 0) of a uint32 word,
+    as flowrl.reference.box_muller_radius computes it: u = 2**e (1 + f) with 1 + f in [sqrt(1/2),
+    sqrt(2)) split from u's bits, -2 ln u = e NEG_2_LN2 + f P(f) (flowrl.contract's polynomial,
+    Horner), at least R2_MIN (it is 0 at u = 1), then the correctly rounded square root."""
+    u = (x_radius.to(tl.float32) + 0.5) * TWO_POW_M32
+    bits = u.to(tl.int32, bitcast=True)
+    e = (bits - LOG_SPLIT) >> 23  # arithmetic: floor((bits - LOG_SPLIT) / 2**23), <= 0
+    f = (bits - (e << 23)).to(tl.float32, bitcast=True) - 1.0
+    p = LOG_P6 + f * LOG_P7
+    p = LOG_P5 + f * p
+    p = LOG_P4 + f * p
+    p = LOG_P3 + f * p
+    p = LOG_P2 + f * p
+    p = LOG_P1 + f * p
+    p = LOG_P0 + f * p
+    return sqrt_rn_normal(tl.maximum(e.to(tl.float32) * NEG_2_LN2 + f * p, R2_MIN))
 
 
 @triton.jit
 def box_muller(x_radius, x_angle):
-    """Two standard normals (r cos(theta), r sin(theta)) in float32 from two uint32 words:
-    u = (x_radius + 1/2) / 2**32 in (0, 1] (never 0: a log follows), r = sqrt(-2 ln u), and
-    theta = pi * int32(x_angle) / 2**31 in [-pi, pi), its sine and cosine by ``sincospi``."""
-    u = (x_radius.to(tl.float32) + 0.5) * TWO_POW_M32
-    r = tl.sqrt_rn(-2.0 * tl.log(u))
-    sin_t, cos_t = sincospi(x_angle.to(tl.int32, bitcast=True).to(tl.float32) * TWO_POW_M31)
-    return r * cos_t, r * sin_t
+    """Two standard normals (r cos(theta), r sin(theta)) in float32 from two uint32 words, as
+    flowrl.reference.box_muller computes them: r = ``box_muller_radius(x_radius)``; the angle by
+    octant from x_angle's bits: t = (low 29 bits + 1/2) / 2**29 in (0, 1), phi = pi t / 4, its sine
+    t S(t^2) and cosine 1 + t^2 C(t^2) (flowrl.contract's polynomials), swapped when bit 29 is set
+    (theta = pi / 2 - phi), the cosine's sign from bit 31 and the sine's from bit 30: theta is uniform
+    over the circle (reflections of a uniform first-quadrant angle)."""
+    r = box_muller_radius(x_radius)
+    t = (x_angle & 0x1FFFFFFF).to(tl.float32) * TWO_POW_M29 + TWO_POW_M30
+    t2 = t * t
+    sin_p = t * (SIN_A0 + t2 * (SIN_A1 + t2 * (SIN_A2 + t2 * SIN_A3)))
+    cos_p = 1.0 + t2 * (COS_B0 + t2 * (COS_B1 + t2 * COS_B2))
+    swap = (x_angle & 0x20000000) != 0
+    n_cos = r * tl.where(swap, sin_p, cos_p)
+    n_sin = r * tl.where(swap, cos_p, sin_p)
+    # the signs: xor into the sign bit (exactly a negation)
+    n_cos = (n_cos.to(tl.uint32, bitcast=True) ^ ((x_angle >> 31) << 31)).to(tl.float32, bitcast=True)
+    n_sin = (n_sin.to(tl.uint32, bitcast=True) ^ (((x_angle >> 30) & 1) << 31)).to(tl.float32, bitcast=True)
+    return n_cos, n_sin
 
 
 @triton.jit
@@ -354,20 +411,53 @@ def philox_normal_quads(k0, k1, stream, quad):
 
 @triton.jit
 def philox_normal_block(k0, k1, stream, first, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
-    """Normals of elements first + arange(BLOCK) (int64 ``first``). ALIGNED (first % 4 == 0): one
-    Philox call per 4 elements, interleaved back to element order; otherwise one call per element,
-    keeping its own lane (the same values: same integers, same float32 operations)."""
+    """Normals of elements first + arange(BLOCK) (int64 ``first``; BLOCK a power of two >= 8). ALIGNED
+    (first % 4 == 0): one Philox call per 4 elements, interleaved back to element order; otherwise 3
+    calls per 8 elements, each element picking its lane (any first; the same values: same integers,
+    same float32 operations)."""
     if ALIGNED:
-        quad = first // 4 + tl.arange(0, BLOCK // 4)
-        n0, n1, n2, n3 = philox_normal_quads(k0, k1, stream, quad)
-        # join(join(n0, n2), join(n1, n3))[q, i, j] = n_{2i + j}: row-major flattening is element 4q + 2i + j
-        eps = tl.reshape(tl.join(tl.join(n0, n2), tl.join(n1, n3)), (BLOCK,))
+        # a thread computes whole octets (quads 2g, 2g + 1: elements 8g .. 8g + 7), as the latents'
+        # 16-byte loads hold them, and each join adds an in-register dimension, so the interleave to
+        # element order moves no data (from a 1-D arange of quads, or a 2-D [g, h] one, Triton's
+        # layouts take warp shuffles to interleave)
+        quad = first // 4 + 2 * tl.arange(0, BLOCK // 8)
+        a0, a1, a2, a3 = philox_normal_quads(k0, k1, stream, quad)
+        b0, b1, b2, b3 = philox_normal_quads(k0, k1, stream, quad + 1)
+        # [g, h, i, j] = lane 2i + j of quad 2g + h: row-major flattening is element 8g + 4h + 2i + j
+        evens = tl.join(tl.join(a0, b0), tl.join(a2, b2))
+        odds = tl.join(tl.join(a1, b1), tl.join(a3, b3))
+        eps = tl.reshape(tl.join(evens, odds), (BLOCK,))
     else:
-        elem = first + tl.arange(0, BLOCK)
-        x0, x1, x2, x3 = philox_quad(k0, k1, stream, elem // 4)
-        low_pair = (elem % 4) < 2
-        cos_part, sin_part = box_muller(tl.where(low_pair, x0, x2), tl.where(low_pair, x1, x3))
-        eps = tl.where(elem % 2 == 0, cos_part, sin_part)
+        # octet g holds elements first + 8g + k (k = 0 .. 7): words j = s + k (s = first % 4) of the
+        # three quads from (first + 8g) // 4, whose Box-Muller pairs P0 .. P0 + 4 (P0 = s // 2) cover
+        # them: 3 Philox calls and 5 pairs per 8 elements, then each element picks its lane (a call
+        # and a pair per element before). Selects on the uniform s, no branch.
+        start = first + 8 * tl.arange(0, BLOCK // 8)
+        quad = start // 4
+        shift = first % 4
+        zero = (quad * 0).to(tl.uint32)
+        x = philox4x32_10_pair(quad.to(tl.uint32), (quad >> 32).to(tl.uint32), zero + stream, zero,
+                               (quad + 1).to(tl.uint32), ((quad + 1) >> 32).to(tl.uint32), zero + stream, zero, k0, k1)
+        y0, y1, y2, y3 = philox_quad(k0, k1, stream, quad + 2)
+        upper = shift >= 2  # P0 = 1: the pairs start one later
+        n0, n1 = box_muller(tl.where(upper, x[2], x[0]), tl.where(upper, x[3], x[1]))
+        n2, n3 = box_muller(tl.where(upper, x[4], x[2]), tl.where(upper, x[5], x[3]))
+        n4, n5 = box_muller(tl.where(upper, x[6], x[4]), tl.where(upper, x[7], x[5]))
+        n6, n7 = box_muller(tl.where(upper, y0, x[6]), tl.where(upper, y1, x[7]))
+        n8, n9 = box_muller(tl.where(upper, y2, y0), tl.where(upper, y3, y1))
+        odd = (shift % 2) == 1  # element k is normal d + k of the five pairs, d = s - 2 P0
+        e0 = tl.where(odd, n1, n0)
+        e1 = tl.where(odd, n2, n1)
+        e2 = tl.where(odd, n3, n2)
+        e3 = tl.where(odd, n4, n3)
+        e4 = tl.where(odd, n5, n4)
+        e5 = tl.where(odd, n6, n5)
+        e6 = tl.where(odd, n7, n6)
+        e7 = tl.where(odd, n8, n7)
+        # [g, h, i, j] = element 8g + 4h + 2i + j, as on the aligned path
+        evens = tl.join(tl.join(e0, e4), tl.join(e2, e6))
+        odds = tl.join(tl.join(e1, e5), tl.join(e3, e7))
+        eps = tl.reshape(tl.join(evens, odds), (BLOCK,))
     return eps
 
 

@@ -15,7 +15,7 @@ import flowrl
 from flowrl import reference as R
 from flowrl._validate import NoiseSeed
 from flowrl.step_spec import ShardContext
-from flowrl.kernels.common import philox4x32_10, philox_key, philox_normal_block, philox_quad, sincospi
+from flowrl.kernels.common import box_muller, philox4x32_10, philox_key, philox_normal_block, philox_quad, sqrt_rn_normal
 
 TRITON_OK = "triton" in flowrl.available_backends() and (
     torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -52,11 +52,18 @@ def _kat_kernel(ctr_ptr, key_ptr, out_ptr, N: tl.constexpr):
 
 
 @triton.jit
-def _sincospi_kernel(u_ptr, sin_ptr, cos_ptr, N: tl.constexpr):
+def _sqrt_kernel(x_ptr, out_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
-    sin_u, cos_u = sincospi(tl.load(u_ptr + i))
-    tl.store(sin_ptr + i, sin_u)
-    tl.store(cos_ptr + i, cos_u)
+    tl.store(out_ptr + i, sqrt_rn_normal(tl.load(x_ptr + i)))
+
+
+@triton.jit
+def _box_muller_kernel(radius_ptr, angle_ptr, cos_ptr, sin_ptr, N: tl.constexpr):
+    """box_muller of N pairs of words given as int64."""
+    i = tl.arange(0, N)
+    n_cos, n_sin = box_muller(tl.load(radius_ptr + i).to(tl.uint32), tl.load(angle_ptr + i).to(tl.uint32))
+    tl.store(cos_ptr + i, n_cos)
+    tl.store(sin_ptr + i, n_sin)
 
 
 @triton.jit
@@ -75,12 +82,12 @@ def _stream_kernel(seeds_ptr, words_ptr, normals_ptr, stream_stride, first_quad,
     tl.store(normals_ptr + row * BLOCK + tl.arange(0, BLOCK), eps)
 
 
-def _triton_stream(seed: NoiseSeed, first_quad: int, nq: int, block: int):
+def _triton_stream(seed: NoiseSeed, first_quad: int, nq: int, block: int, aligned=None):
     b = seed.seeds.shape[0]
     words = torch.empty((b, 4, nq), dtype=torch.int64, device=seed.seeds.device)
     normals = torch.empty((b, block), dtype=torch.float32, device=seed.seeds.device)
     _stream_kernel[(b,)](seed.seeds, words, normals, seed.stream_stride, first_quad, seed.elem_offset,
-                         NQ=nq, BLOCK=block, ALIGNED=seed.elem_offset % 4 == 0)
+                         NQ=nq, BLOCK=block, ALIGNED=seed.elem_offset % 4 == 0 if aligned is None else aligned)
     return words.unbind(1), normals
 
 
@@ -120,17 +127,21 @@ def test_uint32_stream_identical_torch_and_triton(per_sample):
 @needs_triton
 @pytest.mark.parametrize("elem_offset", [0, 4 * 2**32 - 8, 3, 2**32 + 1])
 def test_normals_torch_vs_triton_and_both_kernel_paths(elem_offset):
-    """Same float32 operations on the same words: equal to an ulp or so (log/cos/sin differ between
-    implementations). The kernel's one-call-per-4-elements path (aligned offsets) and its
-    one-call-per-element path give the same bits for the same elements."""
+    """Same IEEE float32 operations on the same words: the same bits on both backends. The kernel's
+    one-call-per-4-elements path (aligned offsets) and its one-call-per-element path give the same
+    bits for the same elements."""
     seed = NoiseSeed(torch.tensor([11, 12], device=DEVICE), 1, elem_offset)
     _, got = _triton_stream(seed, 0, 1, 64)
     want = R.philox_normal(seed, 64)
-    torch.testing.assert_close(got, want, rtol=4e-7, atol=4e-7)
+    assert torch.equal(got, want)
     # the other path on an overlapping window: elements elem_offset + 1 .. + 63
     shifted = seed._replace(elem_offset=elem_offset + 1)
     _, got_shifted = _triton_stream(shifted, 0, 1, 64)
     assert torch.equal(got_shifted[:, :63], got[:, 1:])
+    # the unaligned path holds for every offset mod 4, aligned ones included
+    for shift in range(4):
+        at = seed._replace(elem_offset=elem_offset + shift)
+        assert torch.equal(_triton_stream(at, 0, 1, 64, aligned=False)[1], R.philox_normal(at, 64)), shift
 
 
 def test_reference_normals_do_not_depend_on_the_window():
@@ -323,33 +334,155 @@ def test_noise_seed_argument_errors():
     assert torch.equal(a.prev_sample, b.prev_sample)
 
 
-# ---------------------------------------------------------------------------------- sin / cos (pi u)
+# ------------------------------------------------------------------------------------- Box-Muller
 
 
-def _box_muller_angles(n=1 << 16):
-    """float32 u = int32(word) * 2**-31 over evenly spaced words, both ends and the quadrant edges."""
-    words = torch.linspace(-(2**31), 2**31 - 1, n, dtype=torch.float64).round().to(torch.int64)
-    u = (words.to(torch.float32) * 2.0**-31)
-    edges = torch.tensor([-1.0, -0.75, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0, 2.0**-31, -(2.0**-31)])
-    return torch.cat([u, edges, torch.nextafter(edges, torch.full_like(edges, 2.0))])
+def _words(n=1 << 16):
+    """uint32 words (int64): evenly spaced over [0, 2**32), the ends, and the octant and sign edges of
+    the angle word and the mantissa split of the radius word, each with its neighbours."""
+    words = torch.linspace(0, 2**32 - 1, n, dtype=torch.float64).round().to(torch.int64)
+    edges = torch.tensor([0, 2**29, 2**30, 2**31, 3 * 2**30, 2**32 - 1, 0x1FFFFFFF, 0x3F3504F3, 0xB504F333, 2**32 - 128])
+    edges = torch.cat([edges, (edges + 1) % 2**32, (edges - 1) % 2**32])
+    return torch.cat([words, edges])
 
 
-def test_sincospi_is_accurate_to_a_few_ulps():
-    """The polynomial sin(pi u), cos(pi u) of the Box-Muller step against float64 over [-1, 1]."""
-    u = _box_muller_angles()
-    sin_u, cos_u = R.sincospi(u)
-    exact = u.double() * math.pi
-    assert float((sin_u.double() - torch.sin(exact)).abs().max()) < 3e-7
-    assert float((cos_u.double() - torch.cos(exact)).abs().max()) < 3e-7
-    assert float((sin_u.double() ** 2 + cos_u.double() ** 2 - 1).abs().max()) < 5e-7
+def test_box_muller_is_accurate_to_a_few_ulps():
+    """The polynomial radius and octant sine / cosine against float64 over the words."""
+    x = _words()
+    u = ((x.to(torch.float32) + 0.5) * 2.0**-32).double()  # the float32 uniform both backends form
+    exact_r = torch.sqrt(-2 * torch.log(u))
+    r = R.box_muller_radius(x).double()
+    assert bool((r[exact_r == 0] == 2.0**-50).all()) and float(r.min()) >= 0  # u = 1: -2 ln u clamped to 2**-100
+    assert float(((r - exact_r).abs() / exact_r)[exact_r > 0].max()) < 3e-7
+    assert float(r.max()) <= math.sqrt(-2 * math.log(2.0**-33)) + 1e-6  # u >= 2**-33
+    half = torch.full_like(x, 2**31)  # u = 1/2: r = sqrt(2 ln 2)
+    n_cos, n_sin = R.box_muller(half, x)
+    r_half = R.box_muller_radius(half).double()
+    phi = (math.pi / 4) * ((x & 0x1FFFFFFF).double() + 0.5) / 2**29
+    theta = torch.where((x & 2**29) != 0, math.pi / 2 - phi, phi)
+    cos_t = torch.where((x & 2**31) != 0, -torch.cos(theta), torch.cos(theta))
+    sin_t = torch.where((x & 2**30) != 0, -torch.sin(theta), torch.sin(theta))
+    assert float((n_cos.double() / r_half - cos_t).abs().max()) < 3e-7
+    assert float((n_sin.double() / r_half - sin_t).abs().max()) < 3e-7
+    assert float(((n_sin.double() / r_half - sin_t) / sin_t).abs().max()) < 4e-7  # relative, small angles too
+    assert float(((n_cos.double() / r_half) ** 2 + (n_sin.double() / r_half) ** 2 - 1).abs().max()) < 5e-7
+
+
+def test_box_muller_angle_covers_the_circle_uniformly():
+    """Each of the 8 octants (bits 31, 30, 29) gets its eighth of the angles, in order: the swap maps
+    phi in (0, pi / 4) onto (pi / 4, pi / 2) and the signs reflect into the four quadrants."""
+    x = torch.arange(8, dtype=torch.int64) * 2**29 + 12345
+    n_cos, n_sin = R.box_muller(torch.full_like(x, 2**31), x)
+    theta = torch.atan2(n_sin.double(), n_cos.double()) % (2 * math.pi)
+    octant = (theta / (math.pi / 4)).floor().long().tolist()
+    # bits (31, 30, 29) -> octant: signs pick the quadrant, the swap the half of it
+    assert octant == [0, 1, 7, 6, 3, 2, 4, 5]
 
 
 @needs_triton
-def test_sincospi_same_bits_on_both_backends():
-    """Only IEEE adds, multiplies and floor: the kernels' sincospi equals the reference's bit for bit
-    (unlike the platforms' sinf / cosf)."""
-    u = _box_muller_angles(4096 - 22).to(DEVICE)
-    sin_k, cos_k = torch.empty_like(u), torch.empty_like(u)
-    _sincospi_kernel[(1,)](u, sin_k, cos_k, N=u.numel())
-    sin_r, cos_r = R.sincospi(u)
-    assert torch.equal(sin_k, sin_r) and torch.equal(cos_k, cos_r)
+def test_box_muller_same_bits_on_both_backends():
+    """Only IEEE adds, multiplies and square root: the kernels' box_muller equals the reference's bit
+    for bit (unlike the platforms' logf / sinf / cosf)."""
+    x = _words(4096 - 30)
+    angle = x.flip(0).contiguous()
+    radius, angle = x.to(DEVICE), angle.to(DEVICE)
+    n_cos, n_sin = torch.empty(x.shape, device=DEVICE), torch.empty(x.shape, device=DEVICE)
+    _box_muller_kernel[(1,)](radius, angle, n_cos, n_sin, N=x.numel())
+    want_cos, want_sin = R.box_muller(radius, angle)
+    assert torch.equal(n_cos, want_cos) and torch.equal(n_sin, want_sin)
+
+
+@needs_triton
+def test_branch_free_square_root_is_correctly_rounded():
+    """The radius's square root without sqrt_rn's slow-path branch: the correctly rounded float32
+    square root (float64's, rounded) over the range Box-Muller gives it, [2**-100, 46.2], and every
+    float32 of a stretch of [1, 4) (both exponent parities)."""
+    g = torch.Generator().manual_seed(0)
+    spread = 2.0 ** (torch.rand(1 << 16, generator=g, dtype=torch.float64) * 105.6 - 100)
+    dense = (torch.arange(1 << 16, dtype=torch.int32) * 255 + 0x3F800000).view(torch.float32)
+    ends = torch.tensor([2.0**-100, 46.2, 1.0, 2.0, 4.0 - 2.0**-22], dtype=torch.float64)
+    x = torch.cat([spread, dense.double(), ends]).to(torch.float32).to(DEVICE)
+    x = torch.cat([x, x[: (1 << 18) - x.numel()]])  # a power of two
+    got = torch.empty_like(x)
+    _sqrt_kernel[(1,)](x, got, N=x.numel())
+    assert torch.equal(got, torch.sqrt(x.double()).to(torch.float32))
+
+
+# -------------------------------------------------------------------------- the stream's version
+
+# stream 2's first normals of seed 2024 (stream 0) and seed -7 (stream 1), float32 bits as hex: a
+# change of the noise function fails here, and must bump flowrl.contract.NOISE_STREAM_VERSION
+STREAM_2 = [
+    ["0x1.fee73p-1", "-0x1.dee4bcp-4", "0x1.38312ap-3", "0x1.69dd2p-4", "0x1.1662d2p-1", "-0x1.59dee8p+0",
+     "0x1.f7e28p-3", "-0x1.92f9c6p-2"],
+    ["0x1.6e407p-1", "0x1.e95a7ep-1", "0x1.a81a8cp-4", "0x1.0c359ep+1", "-0x1.923996p-2", "-0x1.280c5ap-2",
+     "0x1.85ae84p+1", "0x1.bcef26p+0"],
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stream_version_2_known_answers(backend):
+    from flowrl.contract import NOISE_STREAM_VERSION
+
+    assert NOISE_STREAM_VERSION == 2
+    want = torch.tensor([[float.fromhex(h) for h in row] for row in STREAM_2])
+    seed = NoiseSeed(torch.tensor([2024, -7], device=DEVICE), 1, 0)
+    got = R.philox_normal(seed, 8) if backend == "torch" else _triton_stream(seed, 0, 1, 8)[1]
+    assert torch.equal(got.cpu(), want)
+
+
+def test_branching_trees_record_the_stream_and_refuse_another():
+    """A branching trajectory's tree records the noise stream its keys drew from; a tree of another
+    stream (or of stream 1, from before the field) is refused, never replayed with other noise."""
+    import json
+
+    from flowrl.contract import NOISE_STREAM_VERSION
+    from flowrl.data.trajectory import RolloutTrajectory
+    from flowrl.data.tree import BranchSpec
+    from flowrl.rollout.branching import branch_rollout
+
+    sched = flowrl.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    sched.set_timesteps(4)
+    x0 = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(0))
+    traj = branch_rollout(lambda x, j, roots: torch.sin(x) * (j + 1) / 4, x0, sched.sigmas.clone(),
+                          BranchSpec(steps=[1], k=2, seed=5))
+    wire = json.loads(json.dumps(traj.to_wire()))
+    assert int(traj.tree.to_tensors()["noise_stream"]) == NOISE_STREAM_VERSION
+    assert RolloutTrajectory.from_wire(wire).tree.seed == 5
+    for change, message in ((NOISE_STREAM_VERSION + 1, "noise stream 3"), (None, "noise stream 1 .no 'noise_stream'.")):
+        tensors = dict(traj.tree.to_tensors())
+        if change is None:
+            del tensors["noise_stream"]
+        else:
+            tensors["noise_stream"] = torch.tensor(change)
+        bad = dict(wire, tree=flowrl.serialization.to_wire(tensors))
+        with pytest.raises(ValueError, match=message):
+            RolloutTrajectory.from_wire(json.loads(json.dumps(bad)))
+
+
+def test_reference_normals_pass_a_chi_square_test_tails_included():
+    """2**20 normals (4 seeds x 2**18) in 100 equiprobable bins plus the tails beyond |x| = 4 (102
+    bins): the chi-square statistic below dof + 4.5 sqrt(2 dof) + 20 (185 for 101 degrees of freedom,
+    about the p = 1e-6 critical value, 183.5), and the tails reached: max |x| above 4.5, <= 6.76."""
+    eps = R.philox_normal(NoiseSeed(torch.tensor([31, 32, 33, 34]), 0), 1 << 18).double().flatten()
+    normal = torch.distributions.Normal(0.0, 1.0)
+    inner = normal.icdf(torch.linspace(0, 1, 101, dtype=torch.float64)[1:-1])
+    edges = torch.cat([torch.tensor([-4.0], dtype=torch.float64), inner[(inner > -4) & (inner < 4)],
+                       torch.tensor([4.0], dtype=torch.float64)])
+    counts = torch.bucketize(eps, edges).bincount(minlength=edges.numel() + 1).double()
+    cdf = torch.cat([torch.zeros(1, dtype=torch.float64), normal.cdf(edges), torch.ones(1, dtype=torch.float64)])
+    expected = eps.numel() * (cdf[1:] - cdf[:-1])
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    dof = counts.numel() - 1
+    assert chi2 < dof + 4.5 * math.sqrt(2 * dof) + 20, f"chi-square {chi2:.1f} with {dof} degrees of freedom"
+    assert 4.5 < float(eps.abs().max()) <= math.sqrt(-2 * math.log(2.0**-33)) + 1e-6
+
+
+def test_the_chi_square_check_can_fail():
+    eps = R.philox_normal(NoiseSeed(torch.tensor([31]), 0), 1 << 18).double().flatten()
+    normal = torch.distributions.Normal(0.0, 1.0)
+    edges = normal.icdf(torch.linspace(0, 1, 101, dtype=torch.float64)[1:-1])
+    for bad in (eps * 1.01, eps + 0.01):
+        counts = torch.bucketize(bad, edges).bincount(minlength=101).double()
+        expected = torch.full_like(counts, bad.numel() / 100)
+        assert float(((counts - expected) ** 2 / expected).sum()) > 99 + 4.5 * math.sqrt(2 * 99) + 20

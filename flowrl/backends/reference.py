@@ -318,8 +318,9 @@ def scored_statistics(spec, sample_shape, dtype: torch.dtype):
 # ------------------------------------------------------------- Philox noise (sde_step(noise_seed=))
 # Philox4x32-10 (Salmon et al., SC'11; Random123) in torch integer ops: int64 tensors holding uint32
 # values, every product split so it stays below 2**63. The same integer stream, bit for bit, as the
-# Triton helpers in flowrl/kernels/common.py; the float32 normals use the same operations in the
-# same order (log, cos and sin may differ by an ulp or so between backends).
+# Triton helpers in flowrl/kernels/common.py; the float32 normals (stream version
+# C.NOISE_STREAM_VERSION) use the same IEEE float32 adds, multiplies and square root in the same order
+# (no platform log / sin / cos), so they are the kernels' bits too.
 PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57  # round multipliers
 PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85  # key bumps (Weyl sequence)
 _MASK32 = 0xFFFFFFFF
@@ -359,31 +360,42 @@ def philox_quads(seed: NoiseSeed, first_quad: int, n_quads: int):
     return philox4x32_10(quad & _MASK32, quad >> 32, stream, torch.zeros_like(quad), k0, k1)
 
 
-def sincospi(u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(sin(pi u), cos(pi u)) of float32 ``u`` in [-1, 1], the same float32 operations as the kernels'
-    ``sincospi``: q = the nearest integer to 2u, s = pi (u - q / 2) with |s| <= pi / 4, the Taylor
-    polynomials of sin(s) and cos(s) (flowrl.contract's float32 coefficients), then the quadrant."""
-    q = torch.floor(u * 2.0 + 0.5)
-    s = (u - q * 0.5) * C.PI_F32
-    s2 = s * s
-    sin_r = s + s * s2 * (C.SINPI_S3 + s2 * (C.SINPI_S5 + s2 * (C.SINPI_S7 + s2 * (C.SINPI_S9 + s2 * C.SINPI_S11))))
-    cos_r = 1.0 + s2 * (C.COSPI_C2 + s2 * (C.COSPI_C4 + s2 * (C.COSPI_C6 + s2 * (C.COSPI_C8 + s2 * (
-        C.COSPI_C10 + s2 * C.COSPI_C12)))))
-    quadrant = q.to(torch.int32) & 3  # sin(s + q pi / 2), cos(s + q pi / 2) by q mod 4
-    sin_u = torch.where(quadrant == 0, sin_r, torch.where(quadrant == 1, cos_r, torch.where(quadrant == 2, -sin_r, -cos_r)))
-    cos_u = torch.where(quadrant == 0, cos_r, torch.where(quadrant == 1, -sin_r, torch.where(quadrant == 2, -cos_r, sin_r)))
-    return sin_u, cos_u
+def box_muller_radius(x_radius: torch.Tensor) -> torch.Tensor:
+    """float32 sqrt(-2 ln u) for u = (x_radius + 1/2) / 2**32 in (0, 1] of uint32 words (int64 tensor),
+    the same float32 operations as the kernels' ``box_muller_radius``: u = 2**e (1 + f) with 1 + f in
+    [sqrt(1/2), sqrt(2)) split from u's bits, -2 ln u = e NEG_2_LN2 + f P(f) (flowrl.contract's
+    degree-7 polynomial by Horner), at least R2_MIN, then the correctly rounded square root."""
+    u = (x_radius.to(torch.float32) + 0.5) * 2.0**-32
+    bits = u.view(torch.int32)
+    e = (bits - C.LOG_SPLIT) >> 23  # arithmetic shift: floor division by 2**23
+    f = (bits - e * (1 << 23)).view(torch.float32) - 1.0
+    p = C.LOG_P6 + f * C.LOG_P7
+    for coefficient in (C.LOG_P5, C.LOG_P4, C.LOG_P3, C.LOG_P2, C.LOG_P1, C.LOG_P0):
+        p = coefficient + f * p
+    r2 = torch.clamp_min(e.to(torch.float32) * C.NEG_2_LN2 + f * p, C.R2_MIN)
+    # the correctly rounded float32 square root (the kernels'): float64's, rounded once more (exact
+    # for sqrt: 53 >= 2 * 24 + 2 bits); torch's float32 sqrt on the CPU is not always rounded so
+    return torch.sqrt(r2.double()).to(torch.float32)
 
 
 def box_muller(x_radius: torch.Tensor, x_angle: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Two float32 standard normals (r cos(theta), r sin(theta)) from uint32 words: u = (x_radius +
-    1/2) / 2**32 in (0, 1] (never 0: a log follows), r = sqrt(-2 ln u), theta = pi * int32(x_angle) /
-    2**31 in [-pi, pi), its sine and cosine by ``sincospi``."""
-    u = (x_radius.to(torch.float32) + 0.5) * 2.0**-32
-    r = torch.sqrt(-2.0 * torch.log(u))
-    signed = torch.where(x_angle >= 2**31, x_angle - 2**32, x_angle)  # the word as an int32
-    sin_t, cos_t = sincospi(signed.to(torch.float32) * 2.0**-31)
-    return r * cos_t, r * sin_t
+    """Two float32 standard normals (r cos(theta), r sin(theta)) from uint32 words (int64 tensors), the
+    same float32 operations as the kernels' ``box_muller``: r = ``box_muller_radius(x_radius)``; t =
+    (x_angle's low 29 bits + 1/2) / 2**29, phi = pi t / 4 with sine t S(t^2) and cosine 1 + t^2 C(t^2)
+    (flowrl.contract's polynomials), swapped when bit 29 is set (theta = pi / 2 - phi), the cosine
+    negated when bit 31 is set and the sine when bit 30 is: theta uniform over the circle."""
+    r = box_muller_radius(x_radius)
+    t = (x_angle & 0x1FFFFFFF).to(torch.float32) * 2.0**-29 + 2.0**-30
+    t2 = t * t
+    sin_p = t * (C.SIN_A0 + t2 * (C.SIN_A1 + t2 * (C.SIN_A2 + t2 * C.SIN_A3)))
+    cos_p = 1.0 + t2 * (C.COS_B0 + t2 * (C.COS_B1 + t2 * C.COS_B2))
+    swap = (x_angle & 0x20000000) != 0
+    n_cos = r * torch.where(swap, sin_p, cos_p)
+    n_sin = r * torch.where(swap, cos_p, sin_p)
+    # negation flips the sign bit only, as the kernels' xor does (zeros included: -0.0)
+    n_cos = torch.where(((x_angle >> 31) & 1) == 1, -n_cos, n_cos)
+    n_sin = torch.where(((x_angle >> 30) & 1) == 1, -n_sin, n_sin)
+    return n_cos, n_sin
 
 
 def philox_normal(seed: NoiseSeed, numel: int) -> torch.Tensor:

@@ -35,6 +35,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..contract import NOISE_STREAM_VERSION
+
 MASK64 = (1 << 64) - 1
 _FIELDS = ("parent", "fork_step", "child", "sample", "leaf")
 
@@ -246,22 +248,34 @@ class BranchTree:
 
     # ------------------------------------------------------------------ checks, wire
     def to_tensors(self) -> Dict[str, torch.Tensor]:
-        """The tensors the wire format and files carry: the fields and the seed (0-d int64)."""
+        """The tensors the wire format and files carry: the fields, the seed and the Philox noise
+        stream version the keys drew from (``flowrl.contract.NOISE_STREAM_VERSION``; 0-d int64 each)."""
         out = {name: getattr(self, name) for name in _FIELDS}
         out["seed"] = torch.tensor(self.seed, dtype=torch.int64)
+        out["noise_stream"] = torch.tensor(NOISE_STREAM_VERSION, dtype=torch.int64)
         return out
 
     @classmethod
     def from_tensors(cls, tensors: Dict[str, torch.Tensor], num_rows: int, num_steps: int,
                      where: str = "tree") -> "BranchTree":
         """Rebuild and check a tree from ``to_tensors``' dict (untrusted: every rule of ``check``)."""
-        expected = set(_FIELDS) | {"seed"}
+        expected = set(_FIELDS) | {"seed", "noise_stream"}
+        if isinstance(tensors, dict) and set(tensors) == expected - {"noise_stream"}:
+            # recorded before the stream was versioned: stream 1, whose noise these keys no longer draw
+            raise ValueError(f"{where}: recorded with Philox noise stream 1 (no 'noise_stream'); flowrl now draws "
+                             f"stream {NOISE_STREAM_VERSION}, so its node keys would replay different noise")
         if not isinstance(tensors, dict) or set(tensors) != expected:
             got = sorted(tensors) if isinstance(tensors, dict) else type(tensors).__name__
             raise ValueError(f"{where}: must hold exactly {sorted(expected)}; got {got}")
         seed = tensors["seed"]
         if not isinstance(seed, torch.Tensor) or seed.dtype != torch.int64 or seed.dim() != 0 or int(seed) < 0:
             raise ValueError(f"{where}: seed must be a 0-d int64 tensor in [0, 2**63)")
+        stream = tensors["noise_stream"]
+        if not isinstance(stream, torch.Tensor) or stream.dtype != torch.int64 or stream.dim() != 0:
+            raise ValueError(f"{where}: noise_stream must be a 0-d int64 tensor")
+        if int(stream) != NOISE_STREAM_VERSION:
+            raise ValueError(f"{where}: recorded with Philox noise stream {int(stream)}; flowrl draws stream "
+                             f"{NOISE_STREAM_VERSION}, so its node keys would replay different noise")
         tree = cls(**{name: tensors[name] for name in _FIELDS}, seed=int(seed))
         tree.check(num_rows, num_steps, where)
         return tree
