@@ -43,11 +43,11 @@ import triton.language as tl
 
 from .common import (
     MODE_DDIM, NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, compact_index, ddim_coefficients,
-    ddim_mean, ddim_mean_grads, density_std, dpm_sde_coefficients, halving_tree_rows, mode_coefficients, ordinary_count,
+    ddim_mean, ddim_mean_grads, dpm_sde_coefficients, halving_tree_rows, mode_coefficients, ordinary_count,
     philox_key, philox_normal_block, policy_difference, round_to, run_heads, run_spread, step_mean, total_grad,
     value_from_total,
 )
-from .token import RECORD, TABLE_HEADER
+from .token import FROZEN_MAGIC, RECORD, TABLE_HEADER
 
 
 @triton.jit
@@ -78,8 +78,9 @@ def _element_terms(a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups,
     records. Every RUN consecutive elements (RUN divides both tables' ``inner``, so a run never
     straddles two tokens) share one lookup: the index math and the loads run once per run
     (``run_heads``) and the values are repeated over its elements (``run_spread``). The in-sample
-    offset goes to uint32: the launcher keeps samples below 2**31 elements. The sigmas and mode
-    arguments are the pre-pass's, unused here."""
+    offset goes to uint32: the launcher keeps samples below 2**31 elements. ``tok_inner`` and
+    ``frozen_inner`` arrive as the header's multipliers; they and the sigmas and mode arguments are
+    the pre-pass's, unused here."""
     heads = run_heads(in_row, RUN).to(tl.uint32)
     head_mask = run_heads(mask, RUN)
     keep = heads < 0  # all False
@@ -99,7 +100,7 @@ def _element_terms(a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups,
     else:
         scored = tl.where(std > 0.0, head_mask, False)
     if HAS_FROZEN:
-        fidx = compact_index(heads, tok_ptr + 4, frozen_groups).to(tl.int64)
+        fidx = compact_index(heads, tok_ptr + FROZEN_MAGIC, frozen_groups).to(tl.int64)
         frozen = tl.load(frozen_ptr + row * frozen_stride + fidx, mask=head_mask, other=1) != 0
         keep = keep | frozen
         scored = scored & ~frozen

@@ -23,6 +23,7 @@ import triton.language as tl
 from .common import density_std, mode_coefficients, token_coefficients
 
 TABLE_HEADER = tl.constexpr(8)  # words before the records: 4 for the table's index math, 4 for the mask's
+FROZEN_MAGIC = tl.constexpr(4)  # where the mask's multipliers start in the header
 RECORD = tl.constexpr(4)  # words per (sample, token) record: a, c, std, w
 
 

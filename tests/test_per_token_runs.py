@@ -154,3 +154,13 @@ def test_token_runs_give_the_per_element_lookups_bits(dtype, mode, eta, monkeypa
             assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) \
                 if a.dtype != torch.bool else torch.equal(a, b), (shape, k)
     assert runs == ({8, 4, 2, 1} if dtype == torch.bfloat16 else {4, 2, 1})
+
+
+def test_samples_of_2_pow_31_elements_are_refused_with_a_mask():
+    """The element kernels' index math runs in 32 bits: an elementwise step on a sample of 2**31
+    elements is refused (a ValueError naming the limit), not computed with wrapped indices."""
+    x = torch.zeros(1, 4)
+    spec = _spec(x, None, torch.zeros(1, 1, dtype=torch.bool), 0, "sde", 0.7)
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        _triton_ops._KernelScalars(spec, (1, 1 << 31), storage=torch.bfloat16)
+    _triton_ops._KernelScalars(spec, (1, (1 << 31) - 1), storage=torch.bfloat16)  # the largest allowed

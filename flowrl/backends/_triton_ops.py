@@ -31,15 +31,15 @@ from triton.compiler.errors import CompilationError
 from triton.runtime import errors as runtime_errors
 
 from flowrl.kernels.step import finalize_kernel, step_backward_kernel, step_partials_kernel
-from flowrl.kernels.token import token_table_kernel
+from flowrl.kernels.token import RECORD, TABLE_HEADER, token_table_kernel
 
 from . import reference
 from ..contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, SIGMA_ONE_TOL, LogProbKind, Mode, NoiseSource, Op, Reduction
 from ..core.step_spec import flat_layout
 
 # the pre-pass table's layout (kernels/token.py): header words, words per (sample, token) record
-TOKEN_TABLE_HEADER = 8
-TOKEN_RECORD = 4
+TOKEN_TABLE_HEADER = int(TABLE_HEADER.value)
+TOKEN_RECORD = int(RECORD.value)
 
 # Largest partial count combined by the finalize kernel in one program (16M elements per sample at
 # CHUNK_SIZE 1024; 16 warps, 32 values per thread: at 65536 triton 3.6 spilled 40 bytes on sm_90a);
