@@ -529,7 +529,8 @@ def is_hot(spec: Specialization) -> bool:
     """The specializations the roofline targets apply to: every element kernel's specialization at
     the launch configuration large latents use (the largest of the launch table; Philox from an
     unaligned offset and the replaying loss backward at their own), with the JIT's alignment
-    attributes (every contiguous latent has them)."""
+    attributes (every contiguous latent has them); elementwise steps with a token run of a 16-byte
+    vector (RUN 1, an odd per-token ``inner``, is reported only)."""
     from flowrl.backends._triton_losses import REPLAY_BACKWARD_CONFIG
 
     if spec.kernel in ("finalize_kernel", "token_table_kernel") or not spec.aligned:
