@@ -67,10 +67,15 @@ _ELEMENTWISE_SIG = {"tok_ptr": "*fp32", "tok_inner": "i32", "tok_groups": "i32",
                     "frozen_ptr": "*u8", "frozen_inner": "i32", "frozen_groups": "i32", "frozen_stride": "i32"}
 
 
-def _elementwise(elementwise):
-    """The switches of an elementwise step: () for none, or a subset of ("token", "frozen")."""
+def _elementwise(elementwise, storage):
+    """The switches of an elementwise step: () for none, or a subset of ("token", "frozen"), and "run1"
+    for one lookup per element (RUN 1: a table's inner is odd); otherwise RUN is a thread's 16-byte
+    vector of ``storage`` (the launcher's ``token_run`` when every inner is a multiple of it)."""
+    if not elementwise:  # RUN unused
+        return {"PER_TOKEN": False, "HAS_FROZEN": False, "WEIGHTED": False, "RUN": 1}
     per_token = "token" in elementwise
-    return {"PER_TOKEN": per_token, "HAS_FROZEN": "frozen" in elementwise, "WEIGHTED": per_token}
+    run = 1 if "run1" in elementwise else 16 // _WIDTH["*" + storage]
+    return {"PER_TOKEN": per_token, "HAS_FROZEN": "frozen" in elementwise, "WEIGHTED": per_token, "RUN": run}
 
 
 def _elementwise_label(elementwise):
@@ -88,7 +93,7 @@ def _partials(storage, mode, op, noise, write_mean, philox_aligned, group, warps
         "prev_x0_ptr": "*" + storage, "last_index": "i32", "clip_range": "fp32",
     }
     cx = {"MODE": int(mode), "OP": int(op), "WRITE_MEAN": write_mean, "CHUNK": CHUNK_SIZE, "LOG2_CHUNK": LOG2_CHUNK_SIZE,
-          "GROUP": group, "NOISE": int(noise), "PHILOX_ALIGNED": philox_aligned, **_elementwise(elementwise),
+          "GROUP": group, "NOISE": int(noise), "PHILOX_ALIGNED": philox_aligned, **_elementwise(elementwise, storage),
           "HAS_PREV": has_prev, **_ddim_cx(mode, ddim)}
     ptrs = tuple(k for k in sig if k.endswith("_ptr"))
     label = f"{op.label}" + (f" noise={noise.label}" + (" unaligned" if noise is NoiseSource.PHILOX and not philox_aligned
@@ -97,6 +102,19 @@ def _partials(storage, mode, op, noise, write_mean, philox_aligned, group, warps
     return Specialization("step_partials_kernel", sig, cx, (ptrs + ("n_per_sample",)) if aligned else (), warps,
                           f"{_mode_label(mode, ddim, has_prev)} {label} g{group}w{warps}" + ("" if aligned else " unaligned-tensors"),
                           group * CHUNK_SIZE)
+
+
+def _token_table(mode, per_token):
+    """The elementwise steps' pre-pass (kernels/token.py): the header alone (a frozen mask without
+    per-token sigmas) or with each (sample, token)'s records in ``mode``."""
+    from flowrl.backends._triton_ops import TOKEN_TABLE_BLOCK
+
+    sig = {"pairs_ptr": "*fp32", "table_ptr": "*fp32", "sigmas_ptr": "*fp32", "step_ptr": "*i64", "n_tokens": "i32",
+           "pairs_stride": "i32", "n_blocks": "i32", "sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32",
+           "last_index": "i32", "tok_inner": "i32", "tok_groups": "i32", "frozen_inner": "i32", "frozen_groups": "i32"}
+    cx = {"MODE": int(mode), "PER_TOKEN": per_token, "BLOCK": TOKEN_TABLE_BLOCK}
+    return Specialization("token_table_kernel", sig, cx, ("pairs_ptr", "table_ptr", "sigmas_ptr", "step_ptr"), 4,
+                          f"{mode.label}" + (" records" if per_token else " header"), TOKEN_TABLE_BLOCK)
 
 
 def _finalize(mode, kind, mean, width, count_given=False, has_log=False):
@@ -126,7 +144,7 @@ def _backward(storage, mode, kind, mean, needs, group, warps, elementwise=(), ha
     }
     need_x, need_v, need_third = needs
     cx = {"MODE": int(mode), "KIND": int(kind), "MEAN": mean, "IS_KL": kind is LogProbKind.KL, "NEED_X": need_x,
-          "NEED_V": need_v, "NEED_THIRD": need_third, "BLOCK": group * CHUNK_SIZE, **_elementwise(elementwise),
+          "NEED_V": need_v, "NEED_THIRD": need_third, "BLOCK": group * CHUNK_SIZE, **_elementwise(elementwise, storage),
           "HAS_PREV": has_prev, "NEED_PREV": has_prev and kind is not LogProbKind.KL, **_ddim_cx(mode, ddim)}
     ptrs = tuple(k for k in sig if k.endswith("_ptr"))
     grads = "+".join(n for n, on in zip(("x", "v", "third"), needs) if on)
@@ -155,7 +173,7 @@ def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind
     if backward:
         sig["count_ptr"] = "*fp32"
     cx = {"MODE": int(mode), "HAS_REF": has_ref, "TRUST": trust, "PHILOX_ALIGNED": trust == 2,
-          "KL_SPACE": int(kl_space), "REF_GUIDED": guided, **_elementwise(elementwise)}
+          "KL_SPACE": int(kl_space), "REF_GUIDED": guided, **_elementwise(elementwise, storage)}
     if backward:
         cx.update({"KIND": int(kind), "MEAN": mean, "BLOCK": group * CHUNK_SIZE})
     else:
@@ -198,6 +216,7 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
     largest, smallest = configs[-1], configs[0]
     from flowrl.backends._triton_losses import REPLAY_BACKWARD_CONFIG
     from flowrl.backends._triton_ops import ELEMENTWISE_CONFIG as ew
+    from flowrl.backends._triton_ops import WIDE_CONFIG as wide
 
     for backward in (False, True):
         if not backward:  # the replaying backward runs at REPLAY_BACKWARD_CONFIG only
@@ -212,10 +231,13 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
                          guided=True)
         yield _grpo_loss(storage, Mode.SDE, True, 2, *(REPLAY_BACKWARD_CONFIG if backward else largest),
                          backward=backward, guided=True)
-        # per-token sigmas and a frozen mask (the step kernels' ELEMENTWISE_CONFIG): the heaviest switches
-        # (the KL, mu_old replayed) with both, and a given mu_old with a frozen mask alone (GRPO-Guard's)
-        yield _grpo_loss(storage, Mode.SDE, True, 2, *ew, backward=backward, elementwise=("token", "frozen"))
-        yield _grpo_loss(storage, Mode.SDE, False, 1, *ew, backward=backward, elementwise=("frozen",))
+        # per-token sigmas and a frozen mask (flowrl._triton_ops.element_config: ELEMENTWISE_CONFIG, or
+        # WIDE_CONFIG for float32 latents and one lookup per element): the heaviest switches (the KL,
+        # mu_old replayed) with both, and a given mu_old with a frozen mask alone (GRPO-Guard's)
+        config = wide if storage == "fp32" else ew
+        yield _grpo_loss(storage, Mode.SDE, True, 2, *config, backward=backward, elementwise=("token", "frozen"))
+        yield _grpo_loss(storage, Mode.SDE, False, 1, *config, backward=backward, elementwise=("frozen",))
+        yield _grpo_loss(storage, Mode.SDE, True, 2, *wide, backward=backward, elementwise=("token", "frozen", "run1"))
         yield _flow_loss(storage, 0, True, *largest, backward=backward)
         yield _flow_loss(storage, 1, False, *largest, backward=backward)
         yield _flow_loss(storage, 2, False, *largest, backward=backward)  # Diffusion-DPO
@@ -321,14 +343,27 @@ def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Spec
     yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False), *largest)  # training's usual
     yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *largest, aligned=False)
     # elementwise steps (per-token schedules, frozen masks): the heaviest rollout (Philox, the mean,
-    # per-token coefficients and a mask), the recompute with both and with a mask alone, its backward
-    both = ("token", "frozen")
+    # per-token coefficients and a mask), the recompute with both and with a mask alone, its backward,
+    # at the launchers' configurations (flowrl._triton_ops.element_config: float32 latents' forward
+    # and one lookup per element, RUN 1, at WIDE_CONFIG), and Philox from an unaligned offset
+    both, slow = ("token", "frozen"), ("token", "frozen", "run1")
     from flowrl.backends._triton_ops import ELEMENTWISE_CONFIG as ew
+    from flowrl.backends._triton_ops import WIDE_CONFIG as wide
 
-    yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *ew, elementwise=both)
-    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *ew, elementwise=both)
-    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *ew, elementwise=("frozen",))
+    forward = wide if storage == "fp32" else ew
+    yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *forward, elementwise=both)
+    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *forward, elementwise=both)
+    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *forward, elementwise=("frozen",))
     yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False), *ew, elementwise=both)
+    yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *wide, elementwise=slow)
+    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *wide, elementwise=slow)
+    yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False), *ew, elementwise=slow)
+    yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, False, *_unaligned_philox_config(),
+                    elementwise=both)
+    if storage == STORAGES[0]:  # the pre-pass reads float32 tables whatever the latents' dtype
+        yield _token_table(Mode.SDE, False)
+        for mode in (m for m in Mode if m.rules.per_token):
+            yield _token_table(mode, True)
     if storage == STORAGES[0]:  # the finalize reads float32 partials whatever the latents' dtype
         yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, True, 64, count_given=True, has_log=True)
         yield _finalize(Mode.SDE, LogProbKind.GAUSSIAN, False, 64, count_given=True)
@@ -353,10 +388,10 @@ def compile_specialization(spec: Specialization, arch: int = 90, kernel=None):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from flowrl.kernels import loss, step
+    from flowrl.kernels import loss, step, token
 
     if kernel is None:  # the step kernels, then flowrl.losses' (kernels/loss.py)
-        kernel = getattr(step, spec.kernel, None) or getattr(loss, spec.kernel)
+        kernel = getattr(step, spec.kernel, None) or getattr(loss, spec.kernel, None) or getattr(token, spec.kernel)
     signature = dict(spec.signature)
     for name in spec.constexprs:
         signature[name] = "constexpr"
@@ -436,6 +471,10 @@ ELEMENT_TRAFFIC = {
         ("grad_v_ptr", lambda c: True),
     ),
     "finalize_kernel": (("partials_ptr", lambda c: True),),  # its elements are the partials
+    # its elements are tokens: a (sigma, sigma') pair read, a record written
+    "token_table_kernel": (("pairs_ptr", lambda c: c["PER_TOKEN"]), ("pairs_ptr", lambda c: c["PER_TOKEN"]),
+                           ("table_ptr", lambda c: c["PER_TOKEN"]), ("table_ptr", lambda c: c["PER_TOKEN"]),
+                           ("table_ptr", lambda c: c["PER_TOKEN"]), ("table_ptr", lambda c: c["PER_TOKEN"])),
 }
 _WIDTH = {"*bf16": 2, "*fp16": 2, "*fp32": 4, "*u8": 1, "*i64": 8}
 
@@ -490,12 +529,15 @@ def is_hot(spec: Specialization) -> bool:
     """The specializations the roofline targets apply to: every element kernel's specialization at
     the launch configuration large latents use (the largest of the launch table; Philox from an
     unaligned offset and the replaying loss backward at their own), with the JIT's alignment
-    attributes (every contiguous latent has them)."""
+    attributes (every contiguous latent has them); elementwise steps with a token run of a 16-byte
+    vector (RUN 1, an odd per-token ``inner``, is reported only)."""
     from flowrl.backends._triton_losses import REPLAY_BACKWARD_CONFIG
 
-    if spec.kernel == "finalize_kernel" or not spec.aligned:
+    if spec.kernel in ("finalize_kernel", "token_table_kernel") or not spec.aligned:
         return False
     cx = spec.constexprs
+    if (cx.get("PER_TOKEN") or cx.get("HAS_FROZEN")) and cx["RUN"] == 1:  # one lookup per element: a per-token layout with an odd inner, reported only
+        return False
     config = _group_warps(spec)
     if cx.get("PER_TOKEN") or cx.get("HAS_FROZEN"):
         from flowrl.backends._triton_ops import ELEMENTWISE_CONFIG
@@ -565,7 +607,8 @@ def analyze(compiled, spec: Specialization, sass: bool = False) -> Dict[str, obj
         "stores": len(widths["st"]), "stores_128": wide["st"],
         "barriers": len(re.findall(r"\b(?:bar|barrier)\.sync\b", compiled.asm["ptx"])),
         "loops": loops, "sass_per_element": per_element, "bytes_per_element": nbytes,
-        "bound": None if per_element is None or loops else round(roofline_bound(per_element, nbytes), 3),
+        "bound": (None if per_element is None or loops or not nbytes  # the pre-pass's header alone moves none
+                  else round(roofline_bound(per_element, nbytes), 3)),
         "target": roofline_target(spec),
     }
 

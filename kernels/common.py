@@ -95,10 +95,38 @@ def mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MOD
 
 
 @triton.jit
-def compact_index(row, in_row, inner, groups, batch_stride):
-    """Index into a compact per-token table (flowrl.step_spec.flat_layout) of in-sample element
-    ``in_row`` (int64) of sample ``row``: row * batch_stride + (in_row // inner) % groups."""
-    return row * batch_stride + (in_row // inner) % groups
+def compact_index(e, magic_ptr, groups):
+    """``(e // inner) % groups``, the column of in-sample element ``e`` (uint32, e < 2**31) in a compact
+    per-token table (flowrl.step_spec.flat_layout), by multiply-highs instead of divisions: ``magic_ptr``
+    holds the pre-pass's ``(m, l)`` of ``inner`` then of ``groups`` (kernels/token.py,
+    ``division_magic``) as uint32 bit patterns in float32 words, uniform loads for every element."""
+    m_inner = tl.load(magic_ptr).to(tl.uint32, bitcast=True)
+    l_inner = tl.load(magic_ptr + 1).to(tl.uint32, bitcast=True)
+    m_groups = tl.load(magic_ptr + 2).to(tl.uint32, bitcast=True)
+    l_groups = tl.load(magic_ptr + 3).to(tl.uint32, bitcast=True)
+    q = tl.umulhi(e + e, m_inner) >> l_inner  # e // inner
+    return q - (tl.umulhi(q + q, m_groups) >> l_groups) * groups
+
+
+@triton.jit
+def run_heads(t, RUN: tl.constexpr):
+    """The first of each run of RUN (a power of two) consecutive values of the 1-D block ``t``
+    ([BLOCK // RUN]): repeated even halves of ``tl.split``, no arithmetic. A run that lies in one
+    thread's registers (RUN at most the loads' vector width) costs no instruction."""
+    for level in tl.static_range(10):
+        if RUN > (1 << level):
+            t, _odd = tl.split(tl.reshape(t, (t.shape[0] // 2, 2)))
+    return t
+
+
+@triton.jit
+def run_spread(t, RUN: tl.constexpr):
+    """``run_heads``' inverse for values constant over each run: each of the [n] values repeated RUN
+    times ([n * RUN], element order), by ``tl.join``, no arithmetic."""
+    for level in tl.static_range(10):
+        if RUN > (1 << level):
+            t = tl.reshape(tl.join(t, t), (t.shape[0] * 2,))
+    return t
 
 
 @triton.jit

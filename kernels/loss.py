@@ -111,7 +111,7 @@ def grpo_partials_kernel(
     ref_cond_ptr=None, ref_scale=0.0, KL_SPACE: tl.constexpr = 0, REF_GUIDED: tl.constexpr = False,
     tok_ptr=None, tok_inner=1, tok_groups=1, tok_stride=0, frozen_ptr=None, frozen_inner=1, frozen_groups=1,
     frozen_stride=0, PER_TOKEN: tl.constexpr = False, HAS_FROZEN: tl.constexpr = False,
-    WEIGHTED: tl.constexpr = False,
+    WEIGHTED: tl.constexpr = False, RUN: tl.constexpr = 1,
 ):
     """Chunk partials [B, n_chunks] of (x' - mu)^2, (c v - c v_ref)^2 (HAS_REF; KL_VELOCITY: (v - v_ref)^2)
     and (mu - mu_old)^2 (TRUST != TRUST_NONE), from one read of each input. REF_GUIDED: ref_ptr holds the
@@ -128,7 +128,7 @@ def grpo_partials_kernel(
         a, c, std, _, scored, weight = _element_terms(
             a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
             frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index,
-            PER_TOKEN, HAS_FROZEN, PER_TOKEN)
+            PER_TOKEN, HAS_FROZEN, PER_TOKEN, RUN)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     prev = tl.load(prev_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -164,7 +164,7 @@ def grpo_backward_kernel(
     ref_cond_ptr=None, ref_scale=0.0, KL_SPACE: tl.constexpr = 0, REF_GUIDED: tl.constexpr = False,
     tok_ptr=None, tok_inner=1, tok_groups=1, tok_stride=0, frozen_ptr=None, frozen_inner=1, frozen_groups=1,
     frozen_stride=0, PER_TOKEN: tl.constexpr = False, HAS_FROZEN: tl.constexpr = False,
-    WEIGHTED: tl.constexpr = False, count_ptr=None,
+    WEIGHTED: tl.constexpr = False, count_ptr=None, RUN: tl.constexpr = 1,
 ):
     """d loss / d v from the per-sample grads of the log-prob, the KL and the trust-region divergence
     (always a mean): per element d value / d r = 2 coef r (common.total_grad), dmu/dv = c. KL_VELOCITY:
@@ -183,7 +183,7 @@ def grpo_backward_kernel(
         a, c, std, _, scored, weight = _element_terms(
             a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
             frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index,
-            PER_TOKEN, HAS_FROZEN, PER_TOKEN)
+            PER_TOKEN, HAS_FROZEN, PER_TOKEN, RUN)
     else:
         count = ordinary_count(std, numel_f)  # 0 on a deterministic step: no gradient
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)

@@ -25,12 +25,13 @@ Backward: same grid as forward; from the per-sample incoming grad it writes the 
 directly (autograd of the reference, reproduced operation for operation).
 
 Elementwise steps (docs/contract.md, Per-token schedules; Frozen elements and counts): PER_TOKEN reads
-each element's (sigma, sigma') from a compact [Bt, G, 2] table by index math on the element's
-in-sample offset (common.compact_index; flowrl.step_spec.flat_layout builds the table), computes its
-coefficients (common.token_coefficients) and, when WEIGHTED (every kind but sq_err), weights its
-squared residual by var_sample / var_token, so the partials stay sums of squares divided by the
-sample's variance in finalize (bit for bit the per-sample step's when every token is at its
-sample's sigma). HAS_FROZEN reads a compact uint8 mask the same way. Frozen and held elements (and
+each element's (a, c, std, weight) from the pre-pass's per-(sample, token) records (kernels/token.py:
+common.token_coefficients on the compact [Bt, G, 2] (sigma, sigma') table, computed once per token)
+by index math on the element's in-sample offset (common.compact_index; flowrl.step_spec.flat_layout
+builds the compact tables), once per run of RUN elements that share a token; when WEIGHTED (every kind
+but sq_err) the squared residual is weighted by var_sample / var_token, so the partials stay sums of
+squares divided by the sample's variance in finalize (bit for bit the per-sample step's when every
+token is at its sample's sigma). HAS_FROZEN reads a compact uint8 mask the same way. Frozen and held elements (and
 elements of std 0) add 0 to the partials; frozen and held ones emit x' = x. The scored-element count
 and the per-token log term are computed on the host (flowrl.reference.scored_statistics) and read
 by finalize (COUNT_GIVEN, HAS_LOG) and backward.
@@ -42,10 +43,11 @@ import triton.language as tl
 
 from .common import (
     MODE_DDIM, NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, compact_index, ddim_coefficients,
-    ddim_mean, ddim_mean_grads, density_std, dpm_sde_coefficients, halving_tree_rows, mode_coefficients, ordinary_count,
-    philox_key, philox_normal_block, policy_difference, round_to, step_mean, token_coefficients, total_grad,
+    ddim_mean, ddim_mean_grads, dpm_sde_coefficients, halving_tree_rows, mode_coefficients, ordinary_count,
+    philox_key, philox_normal_block, policy_difference, round_to, run_heads, run_spread, step_mean, total_grad,
     value_from_total,
 )
+from .token import FROZEN_MAGIC, RECORD, TABLE_HEADER
 
 
 @triton.jit
@@ -66,29 +68,43 @@ def _block_offsets(n_per_sample, n_blocks, BLOCK: tl.constexpr):
 def _element_terms(a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride,
                    frozen_ptr, frozen_inner, frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta,
                    sin_half_pi_eta, MODE: tl.constexpr, last_index, PER_TOKEN: tl.constexpr, HAS_FROZEN: tl.constexpr,
-                   WEIGHTED: tl.constexpr):
+                   WEIGHTED: tl.constexpr, RUN: tl.constexpr):
     """Per-element (a, c, std, keep, scored, weight) of an elementwise step from the sample's own
     (a, c, std): per-token coefficients (PER_TOKEN), the frozen mask (HAS_FROZEN). keep: x' = x
-    (frozen or held); scored: std > 0 and not frozen; weight var_sample_d / var_token_d (WEIGHTED)."""
-    keep = in_row < 0  # all False
+    (frozen or held); scored: std > 0 and not frozen; weight var_sample_d / var_token_d (WEIGHTED).
+
+    ``tok_ptr`` is the pre-pass's table (kernels/token.py: the index math's multipliers, then each
+    (sample, token)'s (a, c, std, w) with w < 0 for a held token), row ``row`` at ``tok_stride``
+    records. Every RUN consecutive elements (RUN divides both tables' ``inner``, so a run never
+    straddles two tokens) share one lookup: the index math and the loads run once per run
+    (``run_heads``) and the values are repeated over its elements (``run_spread``). The in-sample
+    offset goes to uint32: the launcher keeps samples below 2**31 elements. ``tok_inner`` and
+    ``frozen_inner`` arrive as the header's multipliers; they and the sigmas and mode arguments are
+    the pre-pass's, unused here."""
+    heads = run_heads(in_row, RUN).to(tl.uint32)
+    head_mask = run_heads(mask, RUN)
+    keep = heads < 0  # all False
     weight = 1.0
     if PER_TOKEN:
-        tok = compact_index(row, in_row, tok_inner, tok_groups, tok_stride)
-        std_ref = std
-        a, c, std, held = token_coefficients(tok_ptr, tok, mask, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE,
-                                             last_index)
-        keep = keep | held
+        tok = compact_index(heads, tok_ptr, tok_groups).to(tl.int64)
+        record = tok_ptr + TABLE_HEADER + RECORD * (row * tok_stride + tok)
+        a = run_spread(tl.load(record, mask=head_mask, other=1.0), RUN)
+        c = run_spread(tl.load(record + 1, mask=head_mask, other=0.0), RUN)
+        std = tl.load(record + 2, mask=head_mask, other=0.0)
+        w = tl.load(record + 3, mask=head_mask, other=-1.0)
+        keep = keep | (w < 0.0)  # held
+        scored = std > 0.0
+        std = run_spread(std, RUN)
         if WEIGHTED:
-            _, ref_d = density_std(std_ref)
-            _, tok_d = density_std(std)
-            weight = tl.div_rn(ref_d * ref_d, tok_d * tok_d)
-    scored = std > 0.0
+            weight = run_spread(w, RUN)
+    else:
+        scored = tl.where(std > 0.0, head_mask, False)
     if HAS_FROZEN:
-        fidx = compact_index(row, in_row, frozen_inner, frozen_groups, frozen_stride)
-        frozen = tl.load(frozen_ptr + fidx, mask=mask, other=1) != 0
+        fidx = compact_index(heads, tok_ptr + FROZEN_MAGIC, frozen_groups).to(tl.int64)
+        frozen = tl.load(frozen_ptr + row * frozen_stride + fidx, mask=head_mask, other=1) != 0
         keep = keep | frozen
-        scored = tl.where(frozen, False, scored)
-    return a, c, std, keep, tl.where(mask, scored, False), weight
+        scored = scored & ~frozen
+    return a, c, std, run_spread(keep, RUN), run_spread(scored, RUN) & mask, weight
 
 
 @triton.jit
@@ -110,7 +126,7 @@ def step_partials_kernel(
     GROUP: tl.constexpr, NOISE: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
     PER_TOKEN: tl.constexpr, HAS_FROZEN: tl.constexpr, WEIGHTED: tl.constexpr,
     clip_range, PRED: tl.constexpr, CLIP: tl.constexpr,
-    prev_x0_ptr, last_index, HAS_PREV: tl.constexpr,
+    prev_x0_ptr, last_index, HAS_PREV: tl.constexpr, RUN: tl.constexpr = 1,
 ):
     """Chunk partials [B, n_chunks] of r * r (weighted per token when WEIGHTED); each program covers
     GROUP consecutive chunks. ddim (MODE_DDIM) reads its alpha-bar table from sigmas_ptr and its
@@ -129,7 +145,7 @@ def step_partials_kernel(
             a, c, std, keep, scored, weight = _element_terms(
                 a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
                 frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index,
-                PER_TOKEN, HAS_FROZEN, WEIGHTED)
+                PER_TOKEN, HAS_FROZEN, WEIGHTED, RUN)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if NOISE == NOISE_PHILOX:  # rollout only: the noise never touches memory
         third = _philox_eps(seeds_ptr, row, first, stream_stride, elem_offset, GROUP * CHUNK, PHILOX_ALIGNED)
@@ -218,6 +234,7 @@ def step_backward_kernel(
     PER_TOKEN: tl.constexpr, HAS_FROZEN: tl.constexpr, WEIGHTED: tl.constexpr,
     clip_range, PRED: tl.constexpr, CLIP: tl.constexpr,
     prev_x0_ptr, grad_prev_ptr, last_index, HAS_PREV: tl.constexpr, NEED_PREV: tl.constexpr,
+    RUN: tl.constexpr = 1,
 ):
     """Input grads of step_log_prob (third = x') or step_kl (third = v_ref) from grad [B].
 
@@ -239,7 +256,7 @@ def step_backward_kernel(
         a, c, std, keep, scored, weight = _element_terms(
             a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
             frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index,
-            PER_TOKEN, HAS_FROZEN, WEIGHTED)
+            PER_TOKEN, HAS_FROZEN, WEIGHTED, RUN)
         if WEIGHTED:
             coef = coef * weight
         coef = tl.where(scored, coef, 0.0)

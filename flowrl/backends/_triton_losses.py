@@ -69,7 +69,8 @@ def _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed, kl_space=KLS
     b, n = x.shape[0], x.numel() // x.shape[0]
     n_chunks = triton.cdiv(n, CHUNK_SIZE)
     (seeds, stride, offset), philox, aligned = _grpo_launch_args(spec, ks, trust, seed, x)
-    group, num_warps = element_config(spec, n, unaligned_philox=philox and not aligned)
+    group, num_warps = element_config(spec, n, unaligned_philox=philox and not aligned, storage=x.dtype,
+                                      run=ks.switches.get("RUN"))
     n_blocks = triton.cdiv(n_chunks, group)
     lp_p = torch.empty((b, n_chunks), dtype=torch.float32, device=x.device)
     kl_p = torch.empty_like(lp_p) if ref is not None else lp_p
@@ -119,7 +120,7 @@ class _GRPOValues(torch.autograd.Function):
         g_lp, g_kl, g_tr = (zeros if g is None else g.to(torch.float32).contiguous() for g in (g_lp, g_kl, g_tr))
         (seeds, stride, offset), philox, aligned = _grpo_launch_args(spec, ks, trust, ctx.seed, x)
         if spec.elementwise:  # step_backward_kernel's configuration (no spills with per-element coefficients)
-            group, num_warps = element_config(spec, n)
+            group, num_warps = element_config(spec, n, storage=x.dtype, run=ks.switches.get("RUN"))
         else:
             group, num_warps = REPLAY_BACKWARD_CONFIG if philox else launch_config(n)
         block = group * CHUNK_SIZE
@@ -141,7 +142,7 @@ def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed, kl_space=KLSpace.T
     """(log_prob, kl, trust_divergence) [B] float32; kl / trust_divergence are zeros when absent.
     ``kl_space``: KLSpace; ``ref_cond``: the reference's conditional branch (``ref`` its unconditional
     one), guided in the kernel at ``ref_scale``."""
-    ks = _KernelScalars(spec, x.shape)
+    ks = _KernelScalars(spec, x.shape, storage=x.dtype)
     x, v, prev = x.contiguous(), v.contiguous(), prev.contiguous()
     ref = ref.contiguous() if ref is not None else None
     old_mean = old_mean.contiguous() if old_mean is not None else None

@@ -31,10 +31,15 @@ from triton.compiler.errors import CompilationError
 from triton.runtime import errors as runtime_errors
 
 from flowrl.kernels.step import finalize_kernel, step_backward_kernel, step_partials_kernel
+from flowrl.kernels.token import RECORD, TABLE_HEADER, token_table_kernel
 
 from . import reference
 from ..contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, SIGMA_ONE_TOL, LogProbKind, Mode, NoiseSource, Op, Reduction
 from ..core.step_spec import flat_layout
+
+# the pre-pass table's layout (kernels/token.py): header words, words per (sample, token) record
+TOKEN_TABLE_HEADER = int(TABLE_HEADER.value)
+TOKEN_RECORD = int(RECORD.value)
 
 # Largest partial count combined by the finalize kernel in one program (16M elements per sample at
 # CHUNK_SIZE 1024; 16 warps, 32 values per thread: at 65536 triton 3.6 spilled 40 bytes on sm_90a);
@@ -91,17 +96,27 @@ WIDE_CONFIG = (1, 4)
 UNALIGNED_PHILOX_CONFIG = WIDE_CONFIG
 
 
-# Elementwise steps (per-token sigmas, frozen masks) compute each element's coefficients (IEEE
-# divisions and square roots per element): at (1, 1) they need 255 registers and spill (168-472 bytes,
-# sm_90a); at 8 values per thread (4 chunks, 16 warps) they do not (up to 114 registers). Their roofline
-# waits for the per-token pre-pass (docs/kernels.md, The roofline).
-ELEMENTWISE_CONFIG = (4, 16)
+# Elementwise steps (per-token sigmas, frozen masks) run the ordinary step's configuration since their
+# per-token coefficients come from a pre-pass (kernels/token.py) and are loaded once per run of
+# elements (``token_run``): at (1, 1) they fit in 128 registers on sm_90a without a spill
+# (kernels/aot.py). Three launches spill there and take WIDE_CONFIG instead (``element_config``):
+# one lookup per element (RUN 1) beside Philox noise (the rollout, the loss backward replaying mu_old:
+# 8-400 bytes), float32 latents in the loss pass (16 bytes, triton 3.9 sm_90a, a given mu_old and a
+# mask), and Philox from an unaligned offset (as without the elementwise switches). The backward step
+# kernel does not spill at (1, 1) with any of them.
+ELEMENTWISE_CONFIG = LAUNCH_TABLE[0][1:]
+
+# Tokens per pre-pass program (the pre-pass reads and writes a few words per token).
+TOKEN_TABLE_BLOCK = 256
 
 
-def element_config(spec, n_per_sample: int, unaligned_philox: bool = False, storage=None):
+def element_config(spec, n_per_sample: int, unaligned_philox: bool = False, storage=None, run=None):
     """(chunks per program, num_warps) of the element kernels for ``spec``'s samples of ``n_per_sample``
-    stored as ``storage`` (a torch dtype)."""
+    stored as ``storage`` (a torch dtype); ``run``: an elementwise step's RUN (``token_run``), given by
+    the forward element passes (the step's, the losses') and the losses' backward."""
     if spec.elementwise:
+        if unaligned_philox or run == 1 or (run is not None and storage == torch.float32):
+            return WIDE_CONFIG
         return ELEMENTWISE_CONFIG
     if spec.mode is Mode.DDIM and spec.op is Op.ROLLOUT and storage == torch.float32:
         return WIDE_CONFIG
@@ -123,37 +138,81 @@ def launch_config(n_per_sample: int, unaligned_philox: bool = False):
 _LAUNCH = dict(enable_fp_fusion=False)
 
 
+def token_run(inners, storage=None) -> int:
+    """Consecutive elements that share one per-token lookup in the element kernels (their RUN): the
+    largest power of two dividing every ``inner`` (of the per-token table, of the frozen mask), at most
+    a thread's 16-byte vector of ``storage`` (8 16-bit values; 4 float32 ones, the default), so a run's
+    values sit in one thread's registers."""
+    run = 8 if storage is not None and storage.itemsize == 2 else 4
+    for inner in inners:
+        while inner % run:
+            run //= 2
+    return run
+
+
 class _KernelScalars:
     """The spec's per-call scalars in the form the kernels take them, and an elementwise step's
-    compact tables (per-token (sigma, sigma') pairs, the frozen mask) with their index math
-    (``flat_layout``), the scored count and the per-token log term (``reference.scored_statistics``)."""
+    compact tables with their index math (``flat_layout``): the pre-pass's table (kernels/token.py:
+    the division multipliers and, with per-token sigmas, each (sample, token)'s coefficients), the
+    frozen mask, and the scored count and the per-token log term (``reference.scored_statistics``).
+    ``storage``: the latents' dtype (how many elements share a lookup, ``token_run``)."""
 
-    def __init__(self, spec, sample_shape, prev_x0_pred=None):
+    def __init__(self, spec, sample_shape, prev_x0_pred=None, storage=None):
         # the contract's float32 table (a float64 schedule is read as float32, as the reference does)
         self.sigmas = spec.sigmas.to(torch.float32).contiguous()
         self.step_index = spec.step_index.contiguous()
         # cps' sin(eta * pi / 2): the reference's float32 value, computed once on the host
         self.args = (SIGMA_ONE_TOL, spec.noise_level, reference.sin_half_pi(spec.noise_level, torch.float32))
+        # flash_sde reads sigmas[T] (sigma_min); dpm_sde's second order reads the previous data prediction
+        self.last_index = spec.sigmas.numel() - 1
         dummy = self.sigmas
-        tok_args, frozen_args = (dummy, 1, 1, 0), (dummy, 1, 1, 0)
-        if spec.per_token:  # one [Bt, G, 2] table of (sigma, sigma') pairs
-            table, inner, groups, stride = flat_layout(spec.token_sigmas.to(torch.float32), sample_shape)
-            table_next = flat_layout(spec.token_sigmas_next.to(torch.float32), sample_shape)[0]
-            tok_args = (torch.stack((table, table_next), dim=-1).contiguous(), inner, groups, stride)
-        if spec.frozen is not None:
-            table, inner, groups, stride = flat_layout(spec.frozen, sample_shape)
-            frozen_args = (table.view(torch.uint8), inner, groups, stride)
-        self.elementwise_args = (*tok_args, *frozen_args)
+        self.elementwise_args = (dummy, 1, 1, 0, dummy, 1, 1, 0)
         self.switches = dict(PER_TOKEN=spec.per_token, HAS_FROZEN=spec.frozen is not None,
                              WEIGHTED=spec.per_token and spec.kind is not LogProbKind.SQ_ERR)
+        if spec.elementwise:
+            self.elementwise_args = self._pre_pass(spec, sample_shape)
+            inners = (self.elementwise_args[1],) if spec.per_token else ()
+            inners += (self.elementwise_args[5],) if spec.frozen is not None else ()
+            self.switches["RUN"] = token_run(inners, storage)
         self.count, self.log_term = (reference.scored_statistics(spec, sample_shape, torch.float32)
                                      if spec.elementwise else (None, None))
         # ddim's mean switches (every kernel takes them; other modes ignore them)
         clip = spec.clip_sample_range
         self.ddim = dict(clip_range=1.0 if clip is None else clip, PRED=int(spec.prediction), CLIP=clip is not None)
-        # flash_sde reads sigmas[T] (sigma_min); dpm_sde's second order reads the previous data prediction
-        self.last_index = spec.sigmas.numel() - 1
         self.prev_x0 = None if prev_x0_pred is None else prev_x0_pred.contiguous()
+
+    def _pre_pass(self, spec, sample_shape):
+        """The element kernels' (tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
+        frozen_groups, frozen_stride), launching the pre-pass (one program without per-token sigmas:
+        the header only)."""
+        n = 1
+        for d in sample_shape[1:]:
+            n *= d
+        if n >= 1 << 31:  # the element kernels' index math runs in 32 bits (common.compact_index)
+            raise ValueError(f"per-token sigmas and frozen masks take samples below 2**31 elements; got {n}")
+        b = self.step_index.numel()
+        device = self.sigmas.device
+        pairs, tok_layout = self.sigmas, (1, 1, 0)
+        frozen, frozen_layout = self.sigmas, (1, 1, 0)
+        if spec.per_token:  # one [Bt, G, 2] table of (sigma, sigma') pairs
+            table, inner, groups, stride = flat_layout(spec.token_sigmas.to(torch.float32), sample_shape)
+            table_next = flat_layout(spec.token_sigmas_next.to(torch.float32), sample_shape)[0]
+            pairs, tok_layout = torch.stack((table, table_next), dim=-1).contiguous(), (inner, groups, stride)
+        if spec.frozen is not None:
+            table, inner, groups, stride = flat_layout(spec.frozen, sample_shape)
+            frozen, frozen_layout = table.view(torch.uint8), (inner, groups, stride)
+        inner, groups, pairs_stride = tok_layout
+        n_blocks = triton.cdiv(groups, TOKEN_TABLE_BLOCK)
+        words = TOKEN_TABLE_HEADER + (TOKEN_RECORD * b * groups if spec.per_token else 0)
+        table = torch.empty(words, dtype=torch.float32, device=device)
+        _launch(
+            token_table_kernel, (b * n_blocks if spec.per_token else 1,),
+            pairs, table, self.sigmas, self.step_index, groups, pairs_stride, n_blocks, *self.args, self.last_index,
+            inner, groups, *frozen_layout[:2], MODE=int(spec.mode), PER_TOKEN=spec.per_token,
+            BLOCK=TOKEN_TABLE_BLOCK, **_LAUNCH,
+        )
+        # the records are per sample (the weight reads the sample's step): row stride G
+        return (table, inner, groups, groups, frozen, *frozen_layout)
 
 
 def _rows_shape(t: torch.Tensor):
@@ -177,7 +236,8 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
     noise_from = spec.noise_source if spec.op is Op.ROLLOUT else NoiseSource.TENSOR
     philox = noise_from is NoiseSource.PHILOX
     seeds, stream_stride, elem_offset = spec.noise_seed if philox else (ks.step_index, 0, 0)
-    group, num_warps = element_config(spec, n, unaligned_philox=philox and elem_offset % 4 != 0, storage=x.dtype)
+    group, num_warps = element_config(spec, n, unaligned_philox=philox and elem_offset % 4 != 0, storage=x.dtype,
+                                      run=ks.switches.get("RUN"))
     n_blocks = triton.cdiv(n_chunks, group)
     partials = torch.empty((b, n_chunks), dtype=torch.float32, device=x.device)
     _launch(
@@ -352,7 +412,7 @@ class _SDEStep(torch.autograd.Function):
 def sde_step(spec, sample: torch.Tensor, model_output: torch.Tensor, noise: Optional[torch.Tensor],
              prev_x0_pred: Optional[torch.Tensor] = None):
     """The rollout step of ``spec``: ``(prev_sample, log_prob [B], mean or None, std [B], count [B])``."""
-    ks = _KernelScalars(spec, sample.shape, prev_x0_pred)
+    ks = _KernelScalars(spec, sample.shape, prev_x0_pred, storage=sample.dtype)
     x, v = sample.contiguous(), model_output.contiguous()
     eps = noise.contiguous() if noise is not None else None  # None: Philox noise, or a deterministic step
     if _needs_grad(x, v, eps, ks.prev_x0):
@@ -388,7 +448,7 @@ class _StepValue(torch.autograd.Function):
 
 
 def _value(spec, x, v, third, prev_x0_pred=None):
-    ks = _KernelScalars(spec, x.shape, prev_x0_pred)
+    ks = _KernelScalars(spec, x.shape, prev_x0_pred, storage=x.dtype)
     x, v, third = x.contiguous(), v.contiguous(), third.contiguous()
     if _needs_grad(x, v, third, ks.prev_x0):
         return _StepValue.apply(x, v, third, ks.prev_x0, spec, ks)
