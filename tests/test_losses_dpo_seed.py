@@ -150,13 +150,20 @@ def test_triton_seeded_is_batch_invariant():
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", SHAPES + [(2, 32, 32), (1, 2050)])
+@pytest.mark.parametrize("shape", SHAPES + [(2, 32, 32), (1, 2050), (3, 5, 7), "misaligned"])
 def test_flow_sums_whole_blocks_and_tail_match_torch_bit_for_bit(dtype, shape):
-    """Every forward-process kind's sums on the Triton backend (EVEN when the sample is whole chunks)
-    equal the torch backend's, and its backward the torch backend's autograd."""
+    """Every forward-process kind's sums on the Triton backend equal the torch backend's, and its
+    backward the torch backend's autograd: whole chunks (EVEN), a tail (PAIRED for bfloat16: an even
+    count), an odd count and rows 2 bytes off a 4-byte boundary (neither)."""
     from flowrl.backends import _triton_losses
 
+    misaligned = shape == "misaligned"
+    shape = (4, 16, 32) if misaligned else shape
     v, a, b, x0 = _inputs(3, shape, seed=4, dtype=dtype)
+    if misaligned:  # contiguous views one element into their storage
+        a = torch.cat([a.new_zeros(1), a.flatten()])[1:].view(a.shape)
+        x0 = torch.cat([x0.new_zeros(1), x0.flatten()])[1:].view(x0.shape)
+        assert a.is_contiguous() and a.data_ptr() % 4 == (2 if dtype != torch.float32 else 0)
     c = _inputs(3, shape, seed=5, dtype=dtype)[0]
     t = torch.tensor([0.3, 0.7, 0.9], device=DEVICE)
     coefs = (0.8, 0.2, 1.8)

@@ -16,7 +16,7 @@ import torch
 import triton
 
 from flowrl.backends._triton_ops import (
-    LAUNCH_TABLE, _KernelScalars, _finalize, _launch, _LAUNCH, element_config, launch_config,
+    LAUNCH_TABLE, WIDE_CONFIG, _KernelScalars, _finalize, _launch, _LAUNCH, element_config, launch_config,
 )
 from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, KLSpace, LogProbKind, Reduction
 from flowrl.kernels.loss import flow_backward_kernel, flow_partials_kernel, grpo_backward_kernel, grpo_partials_kernel
@@ -155,22 +155,26 @@ def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed, kl_space=KLSpace.T
 
 
 def _flow_noise_args(noise_seed, n, tensors):
-    """The flow kernels' launch configuration and noise switches: ((group, num_warps), keyword arguments).
+    """The flow kernels' launch configuration and switches: ((group, num_warps), keyword arguments).
     ``noise_seed``: None (eps read from ``other``) or (seeds, stream_stride, elem_offset, noise_div,
-    noise_mod) (flow_sums). EVEN (kernels/loss.py): whole blocks and bfloat16 rows 4-byte aligned (they
-    are read as uint32 pairs), not with Philox from an unaligned offset (its own configuration)."""
+    noise_mod) (flow_sums). PAIRED (kernels/loss.py: bfloat16 read as uint32 pairs): an even element
+    count and 4-byte aligned rows; EVEN: PAIRED and whole blocks. Philox from an unaligned offset is
+    neither (kernels/aot.py lists each launch)."""
     philox = noise_seed is not None
     aligned = philox and noise_seed[2] % 4 == 0
-    group, num_warps = launch_config(n, unaligned_philox=philox and not aligned)
-    even = n % (group * CHUNK_SIZE) == 0 and not (philox and not aligned) and all(
+    paired = n % 2 == 0 and not (philox and not aligned) and all(
         u.dtype != torch.bfloat16 or u.data_ptr() % 4 == 0 for u in tensors if u is not None)
+    # unpaired (an odd count, misaligned rows: element loads) at one warp per chunk DGPO's two references
+    # spill (136 bytes, sm_90a); at WIDE_CONFIG's 8 values per thread none does
+    group, num_warps = launch_config(n) if paired else WIDE_CONFIG
+    even = paired and n % (group * CHUNK_SIZE) == 0
     if philox:
         seeds, stride, offset, div, mod = noise_seed
         kw = dict(seeds_ptr=seeds, stream_stride=int(stride), elem_offset=int(offset), noise_div=int(div),
                   noise_mod=int(mod))
     else:
         kw = {}
-    return (group, num_warps), dict(kw, EVEN=even, PHILOX=philox, PHILOX_ALIGNED=aligned)
+    return (group, num_warps), dict(kw, EVEN=even, PHILOX=philox, PHILOX_ALIGNED=aligned, PAIRED=paired)
 
 
 def _flow_forward(kind, count, xt, v, other, x0, ref, t, coefs, shard=None, noise_seed=None):
