@@ -280,8 +280,7 @@ def _flow_noise(other_ptr, base, in_row, offs, mask, row, first, seeds_ptr, stre
     (flowrl.losses.dpo: the noise seed's layout)."""
     if PHILOX:
         noise_row = (row // noise_div) % noise_mod
-        # float32 already; the cast keeps Triton's interpreter from carrying it wider (as loads are upcast)
-        eps = _philox_eps(seeds_ptr, noise_row, first, stream_stride, elem_offset, BLOCK, PHILOX_ALIGNED).to(tl.float32)
+        eps = _philox_eps(seeds_ptr, noise_row, first, stream_stride, elem_offset, BLOCK, PHILOX_ALIGNED)
         if not EVEN:  # a tail's masked-off elements: 0, as a loaded eps (the rows need no select)
             eps = tl.where(mask, eps, 0.0)
     else:
