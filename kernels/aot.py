@@ -188,22 +188,31 @@ def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind
     return Specialization(name, sig, cx, ptrs + ("n_per_sample",), warps, label, group * CHUNK_SIZE)
 
 
-def _flow_loss(storage, loss, has_ref, group, warps, backward=False):
+def _flow_loss(storage, loss, has_ref, group, warps, backward=False, even=False, philox=False, aligned=True,
+               paired=True):
     """flowrl.losses' forward-process element pass (loss 0 DiffusionNFT, 1 AWM, 2 Diffusion-DPO, 3 DGPO)
-    or its backward."""
+    or its backward; even: whole blocks (EVEN, no masks); philox: DPO / DGPO's eps drawn in the kernel
+    (aligned: from an element offset that is a multiple of 4); paired: bfloat16 read as uint32 pairs
+    (PAIRED: an even element count, 4-byte aligned rows); unpaired: an odd count or misaligned rows,
+    compiled without the JIT's alignment attributes (as the launch sees them)."""
     sig = {k: "*" + storage for k in ("xt_ptr", "v_ptr", "other_ptr", "x0_ptr", "ref_ptr")}
     sig["t_ptr"] = "*fp32"
     sig.update({"grad_ptr": "*fp32", "grad_v_ptr": "*" + storage} if backward else {"partials_ptr": "*fp32"})
     sig["n_per_sample"] = "i32"
     sig.update({"n_blocks": "i32"} if backward else {"n_chunks": "i32", "n_blocks": "i32"})
     sig.update({"n_rows": "i32", "beta": "fp32", "one_minus_beta": "fp32", "one_plus_beta": "fp32"})
-    cx = {"LOSS": loss, "HAS_REF": has_ref}
+    sig.update({"seeds_ptr": "*i64", "stream_stride": "i32", "elem_offset": "i32", "noise_div": "i32",
+                "noise_mod": "i32"})
+    cx = {"LOSS": loss, "HAS_REF": has_ref, "EVEN": even, "PHILOX": philox, "PHILOX_ALIGNED": philox and aligned,
+          "PAIRED": paired}
     cx.update({"BLOCK": group * CHUNK_SIZE} if backward else {"CHUNK": CHUNK_SIZE, "LOG2_CHUNK": LOG2_CHUNK_SIZE,
                                                               "GROUP": group})
     ptrs = tuple(k for k in sig if k.endswith("_ptr"))
     name = "flow_backward_kernel" if backward else "flow_partials_kernel"
-    return Specialization(name, sig, cx, ptrs + ("n_per_sample",), warps,
-                          f"{('nft', 'awm', 'dpo', 'dgpo')[loss]} ref={has_ref} g{group}w{warps}", group * CHUNK_SIZE)
+    label = f"{('nft', 'awm', 'dpo', 'dgpo')[loss]} ref={has_ref}" + (" noise=philox" if philox else "") + (
+        " unaligned" if philox and not aligned else "") + (" even" if even else "") + f" g{group}w{warps}" + (
+        "" if paired else " unaligned-tensors")
+    return Specialization(name, sig, cx, ptrs + ("n_per_sample",) if paired else (), warps, label, group * CHUNK_SIZE)
 
 
 def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
@@ -238,11 +247,24 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
         yield _grpo_loss(storage, Mode.SDE, True, 2, *config, backward=backward, elementwise=("token", "frozen"))
         yield _grpo_loss(storage, Mode.SDE, False, 1, *config, backward=backward, elementwise=("frozen",))
         yield _grpo_loss(storage, Mode.SDE, True, 2, *wide, backward=backward, elementwise=("token", "frozen", "run1"))
-        yield _flow_loss(storage, 0, True, *largest, backward=backward)
-        yield _flow_loss(storage, 1, False, *largest, backward=backward)
-        yield _flow_loss(storage, 2, False, *largest, backward=backward)  # Diffusion-DPO
-        yield _flow_loss(storage, 3, False, *largest, backward=backward)  # DGPO, one reference
-        yield _flow_loss(storage, 3, True, *largest, backward=backward)  # DGPO, both references
+        # the forward-process losses with a tail block (masked) and on whole blocks (EVEN: latents of a
+        # multiple of CHUNK_SIZE elements, the usual case), and unpaired (an odd element count or
+        # misaligned rows: no uint32 pairs, no alignment); DPO / DGPO's eps also drawn in the kernel
+        for even, paired in ((False, True), (True, True), (False, False)):
+            kw = dict(backward=backward, even=even, paired=paired)
+            config = largest if paired else _unaligned_philox_config()  # unpaired: WIDE_CONFIG (no spill)
+            yield _flow_loss(storage, 0, True, *config, **kw)
+            yield _flow_loss(storage, 1, False, *config, **kw)
+            yield _flow_loss(storage, 2, False, *config, **kw)  # Diffusion-DPO
+            yield _flow_loss(storage, 3, False, *config, **kw)  # DGPO, one reference
+            yield _flow_loss(storage, 3, True, *config, **kw)  # DGPO, both references
+            yield _flow_loss(storage, 2, False, *config, philox=True, **kw)
+            yield _flow_loss(storage, 3, True, *config, philox=True, **kw)
+        # Philox from an unaligned offset (a sequence-parallel shard cut mid-quad): WIDE_CONFIG, unpaired
+        # and never EVEN (flowrl/backends/_triton_losses.py)
+        for loss, has_ref in ((2, False), (3, True)):
+            yield _flow_loss(storage, loss, has_ref, *_unaligned_philox_config(), backward=backward, philox=True,
+                             aligned=False, paired=False)
 
 
 # Modes whose kernels differ from compiled ones in per-sample coefficients only (flash_sde is sde's path
@@ -461,14 +483,16 @@ ELEMENT_TRAFFIC = {
         ("ref_cond_ptr", lambda c: c["HAS_REF"] and c["REF_GUIDED"]),
         ("grad_v_ptr", lambda c: True),
     ),
+    # the xt slot: NFT's x_t, DPO / DGPO's v_ref (the DPO backward does not read it); the ref slot: NFT's
+    # v_ref, DGPO's second reference; other: v_old or eps (not read when PHILOX draws eps)
     "flow_partials_kernel": (
-        ("xt_ptr", lambda c: c["LOSS"] == 0), ("v_ptr", lambda c: True), ("other_ptr", lambda c: True),
-        ("x0_ptr", lambda c: True), ("ref_ptr", lambda c: c["LOSS"] == 0 and c["HAS_REF"]),
+        ("xt_ptr", lambda c: c["LOSS"] != 1), ("v_ptr", lambda c: True), ("other_ptr", lambda c: not c["PHILOX"]),
+        ("x0_ptr", lambda c: True), ("ref_ptr", lambda c: c["LOSS"] in (0, 3) and c["HAS_REF"]),
     ),
     "flow_backward_kernel": (
-        ("xt_ptr", lambda c: c["LOSS"] == 0), ("v_ptr", lambda c: True), ("other_ptr", lambda c: True),
-        ("x0_ptr", lambda c: True), ("ref_ptr", lambda c: c["LOSS"] == 0 and c["HAS_REF"]),
-        ("grad_v_ptr", lambda c: True),
+        ("xt_ptr", lambda c: c["LOSS"] in (0, 3)), ("v_ptr", lambda c: True),
+        ("other_ptr", lambda c: not c["PHILOX"]), ("x0_ptr", lambda c: True),
+        ("ref_ptr", lambda c: c["LOSS"] in (0, 3) and c["HAS_REF"]), ("grad_v_ptr", lambda c: True),
     ),
     "finalize_kernel": (("partials_ptr", lambda c: True),),  # its elements are the partials
     # its elements are tokens: a (sigma, sigma') pair read, a record written

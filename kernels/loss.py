@@ -18,7 +18,9 @@ batch-invariant:
   of e^2. ``flow_backward_kernel``: d loss / d v from the per-sample grads of the squared sums.
   LOSS_DPO / LOSS_DGPO (Diffusion-DPO, DGPO; flowrl/losses/dpo.py): AWM's e = v - (eps - x0), then per
   reference R (v_ref in the xt slot; DGPO's second one, HAS_REF, in the ref slot) (R - (eps - x0))^2 and,
-  for DGPO, (v - R)^2.
+  for DGPO, (v - R)^2; their eps read, or (PHILOX, ``noise_seed``) drawn in registers by step.py's
+  ``_philox_eps`` from a Philox row a DPO pair's two samples share. EVEN (samples of whole blocks):
+  no masks, no selects before the trees, bfloat16 read as uint32 pairs (same bits).
 
 Every mode's formula is common.mode_coefficients / step_mean; nothing here re-derives it.
 """
@@ -229,51 +231,124 @@ def _nft_errors(xt, v, v_old, x0, t, beta, one_minus_beta, one_plus_beta):
 
 
 @triton.jit
+def _flow_load(ptr, base, first, in_row, offs, mask, EVEN: tl.constexpr, PAIRED: tl.constexpr = False,
+               n_per_sample=0):
+    """A block of one sample's row as float32: the tensor at ``ptr``, the row starting at ``base``.
+    EVEN: a whole block, unmasked (no predicates, no zero fill), addressed from the row's start (int64,
+    once per program) plus int32 in-row offsets; otherwise at the int64 ``offs`` under ``mask``.
+    bfloat16 with EVEN or PAIRED (an even ``n_per_sample``, 4-byte aligned rows: the launcher checks):
+    uint32 pairs from the row's start, a tail's words masked whole."""
+    if (EVEN or PAIRED) and ptr.dtype.element_ty == tl.bfloat16:
+        # bfloat16 pairs as uint32 words (the launcher checks the row starts are 4-byte aligned): each half
+        # is one integer op (low << 16, high & 0xffff0000), where the conversion takes 1.5 per element
+        BLOCK: tl.constexpr = in_row.shape[0]
+        word = first // 2 + tl.arange(0, BLOCK // 2)
+        wptr = (ptr + base).to(tl.pointer_type(tl.uint32)) + word
+        if EVEN:
+            words = tl.load(wptr)
+        else:  # n_per_sample even: a word is whole or out
+            words = tl.load(wptr, mask=word < n_per_sample // 2, other=0)
+        low = (words << 16).to(tl.float32, bitcast=True)
+        high = (words & 0xFFFF0000).to(tl.float32, bitcast=True)
+        u = tl.interleave(low, high)  # little-endian: element 2i is word i's low half
+    elif EVEN:
+        u = tl.load(ptr + base + in_row).to(tl.float32)
+    else:
+        u = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return u
+
+
+@triton.jit
+def _flow_partials(t, mask, partials_ptr, row, first, n_chunks, GROUP: tl.constexpr, CHUNK: tl.constexpr,
+                   LOG2_CHUNK: tl.constexpr, BARE: tl.constexpr):
+    """``_store_partials``; BARE: no select, ``t`` is 0 off the mask already (or there is no tail)."""
+    if BARE:
+        partial = halving_tree_rows(t, GROUP, CHUNK, LOG2_CHUNK)
+        chunk = first // CHUNK + tl.arange(0, GROUP)
+        tl.store(partials_ptr + row * n_chunks + chunk, partial, mask=chunk < n_chunks)
+    else:
+        _store_partials(t, mask, partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
+
+
+@triton.jit
+def _flow_noise(other_ptr, base, in_row, offs, mask, row, first, seeds_ptr, stream_stride, elem_offset, noise_div,
+                noise_mod, BLOCK: tl.constexpr, EVEN: tl.constexpr, PHILOX: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
+                PAIRED: tl.constexpr, n_per_sample):
+    """The block's eps: loaded from ``other_ptr`` (``_flow_load``), or (PHILOX) drawn in the kernel from
+    Philox row (row // noise_div) % noise_mod of ``seeds_ptr`` (its seed; its stream that row times
+    stream_stride): a Diffusion-DPO pair's two samples, a row each, draw their pair's row
+    (flowrl.losses.dpo: the noise seed's layout)."""
+    if PHILOX:
+        noise_row = (row // noise_div) % noise_mod
+        eps = _philox_eps(seeds_ptr, noise_row, first, stream_stride, elem_offset, BLOCK, PHILOX_ALIGNED)
+        if not EVEN:  # a tail's masked-off elements: 0, as a loaded eps (the rows need no select)
+            eps = tl.where(mask, eps, 0.0)
+    else:
+        eps = _flow_load(other_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
+    return eps
+
+
+@triton.jit
 def flow_partials_kernel(
     xt_ptr, v_ptr, other_ptr, x0_ptr, ref_ptr, t_ptr, partials_ptr,
     n_per_sample, n_chunks, n_blocks, n_rows, beta, one_minus_beta, one_plus_beta,
     LOSS: tl.constexpr, HAS_REF: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, GROUP: tl.constexpr,
+    seeds_ptr=None, stream_stride=0, elem_offset=0, noise_div=1, noise_mod=1, EVEN: tl.constexpr = False,
+    PHILOX: tl.constexpr = False, PHILOX_ALIGNED: tl.constexpr = False, PAIRED: tl.constexpr = False,
 ):
     """Chunk partials [K, B, n_chunks] (K stacked sums, each [B, n_chunks]). LOSS_NFT (other = v_old):
-    |e+|, e+^2, |e-|, e-^2 and, with HAS_REF, (v - v_ref)^2. LOSS_AWM (other = eps; xt unused): e^2."""
-    row, first, _, offs, mask = _block_offsets(n_per_sample, n_blocks, GROUP * CHUNK)
+    |e+|, e+^2, |e-|, e-^2 and, with HAS_REF, (v - v_ref)^2. LOSS_AWM (other = eps; xt unused): e^2.
+    LOSS_DPO / LOSS_DGPO: eps from other, or (PHILOX) drawn here (``_flow_noise``). EVEN: n_per_sample
+    is a multiple of the block (every block whole: no masks); PAIRED (implied by EVEN): bfloat16 read
+    as uint32 pairs (``_flow_load``)."""
+    BLOCK: tl.constexpr = GROUP * CHUNK
+    # a tail's masked-off elements load as 0 and give exact zeros in every row but NFT's (t * 0 is NaN for
+    # an infinite t): only NFT's rows select before the trees (Philox eps is zeroed there, _flow_noise)
+    BARE: tl.constexpr = EVEN or LOSS != LOSS_NFT
+    row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
+    base = row * n_per_sample
     stride = n_rows * n_chunks
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    other = tl.load(other_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x0 = tl.load(x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = _flow_load(v_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
+    x0 = _flow_load(x0_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
     if LOSS == LOSS_NFT:
-        xt = tl.load(xt_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_REF:  # first: v_ref is dead before the errors' four trees (registers)
+            d = v - _flow_load(ref_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
+            _flow_partials(d * d, mask, partials_ptr + 4 * stride, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK,
+                           BARE)
+        other = _flow_load(other_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
+        xt = _flow_load(xt_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
         t = tl.load(t_ptr + row)
         e_pos, e_neg = _nft_errors(xt, v, other, x0, t, beta, one_minus_beta, one_plus_beta)
-        _store_partials(tl.abs(e_pos), mask, partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
-        _store_partials(e_pos * e_pos, mask, partials_ptr + stride, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
-        _store_partials(tl.abs(e_neg), mask, partials_ptr + 2 * stride, row, first, n_chunks, GROUP, CHUNK,
-                        LOG2_CHUNK)
-        _store_partials(e_neg * e_neg, mask, partials_ptr + 3 * stride, row, first, n_chunks, GROUP, CHUNK,
-                        LOG2_CHUNK)
-        if HAS_REF:
-            d = v - tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            _store_partials(d * d, mask, partials_ptr + 4 * stride, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
+        _flow_partials(tl.abs(e_pos), mask, partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK, BARE)
+        _flow_partials(e_pos * e_pos, mask, partials_ptr + stride, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK,
+                       BARE)
+        _flow_partials(tl.abs(e_neg), mask, partials_ptr + 2 * stride, row, first, n_chunks, GROUP, CHUNK,
+                       LOG2_CHUNK, BARE)
+        _flow_partials(e_neg * e_neg, mask, partials_ptr + 3 * stride, row, first, n_chunks, GROUP, CHUNK,
+                       LOG2_CHUNK, BARE)
     else:  # LOSS_AWM: v - (eps - x0), the target formed first as AWM does
-        e = v - (other - x0)
-        _store_partials(e * e, mask, partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
+        eps = _flow_noise(other_ptr, base, in_row, offs, mask, row, first, seeds_ptr, stream_stride, elem_offset,
+                          noise_div, noise_mod, BLOCK, EVEN, PHILOX, PHILOX_ALIGNED, PAIRED, n_per_sample)
+        u = eps - x0
+        e = v - u
+        _flow_partials(e * e, mask, partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK, BARE)
         if LOSS != LOSS_AWM:  # LOSS_DPO / LOSS_DGPO: v_ref (xt slot), rows 1 (and 2: (v - v_ref)^2)
-            v_ref = tl.load(xt_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            e_ref = v_ref - (other - x0)
-            _store_partials(e_ref * e_ref, mask, partials_ptr + stride, row, first, n_chunks, GROUP, CHUNK,
-                            LOG2_CHUNK)
+            v_ref = _flow_load(xt_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
+            e_ref = v_ref - u
+            _flow_partials(e_ref * e_ref, mask, partials_ptr + stride, row, first, n_chunks, GROUP, CHUNK,
+                           LOG2_CHUNK, BARE)
             if LOSS == LOSS_DGPO:
                 d = v - v_ref
-                _store_partials(d * d, mask, partials_ptr + 2 * stride, row, first, n_chunks, GROUP, CHUNK,
-                                LOG2_CHUNK)
+                _flow_partials(d * d, mask, partials_ptr + 2 * stride, row, first, n_chunks, GROUP, CHUNK,
+                               LOG2_CHUNK, BARE)
                 if HAS_REF:  # DGPO's second reference (ref slot): rows 3, 4
-                    v_two = tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                    e_two = v_two - (other - x0)
-                    _store_partials(e_two * e_two, mask, partials_ptr + 3 * stride, row, first, n_chunks, GROUP,
-                                    CHUNK, LOG2_CHUNK)
+                    v_two = _flow_load(ref_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
+                    e_two = v_two - u
+                    _flow_partials(e_two * e_two, mask, partials_ptr + 3 * stride, row, first, n_chunks, GROUP,
+                                   CHUNK, LOG2_CHUNK, BARE)
                     d_two = v - v_two
-                    _store_partials(d_two * d_two, mask, partials_ptr + 4 * stride, row, first, n_chunks, GROUP,
-                                    CHUNK, LOG2_CHUNK)
+                    _flow_partials(d_two * d_two, mask, partials_ptr + 4 * stride, row, first, n_chunks, GROUP,
+                                   CHUNK, LOG2_CHUNK, BARE)
 
 
 @triton.jit
@@ -281,16 +356,19 @@ def flow_backward_kernel(
     xt_ptr, v_ptr, other_ptr, x0_ptr, ref_ptr, t_ptr, grad_ptr, grad_v_ptr,
     n_per_sample, n_blocks, n_rows, beta, one_minus_beta, one_plus_beta,
     LOSS: tl.constexpr, HAS_REF: tl.constexpr, BLOCK: tl.constexpr,
+    seeds_ptr=None, stream_stride=0, elem_offset=0, noise_div=1, noise_mod=1, EVEN: tl.constexpr = False,
+    PHILOX: tl.constexpr = False, PHILOX_ALIGNED: tl.constexpr = False, PAIRED: tl.constexpr = False,
 ):
     """d loss / d v from grad [K, B], the per-sample grads of the squared sums (NFT: rows 1 and 3 for
     e+^2 and e-^2, row 4 for (v - v_ref)^2; AWM: row 0). d(e^2) = 2 e de; de+/dv = -t beta,
-    de-/dv = t beta, de/dv = 1 (AWM)."""
-    row, first, _, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    other = tl.load(other_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x0 = tl.load(x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    de-/dv = t beta, de/dv = 1 (AWM). EVEN, PAIRED, PHILOX: flow_partials_kernel's."""
+    row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
+    base = row * n_per_sample
+    v = _flow_load(v_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
+    x0 = _flow_load(x0_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
     if LOSS == LOSS_NFT:
-        xt = tl.load(xt_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        other = _flow_load(other_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
+        xt = _flow_load(xt_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
         t = tl.load(t_ptr + row)
         e_pos, e_neg = _nft_errors(xt, v, other, x0, t, beta, one_minus_beta, one_plus_beta)
         g_pos = tl.load(grad_ptr + n_rows + row)
@@ -298,16 +376,22 @@ def flow_backward_kernel(
         tb = t * beta
         grad_v = (g_pos * (e_pos + e_pos)) * (-tb) + (g_neg * (e_neg + e_neg)) * tb
         if HAS_REF:
-            d = v - tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            d = v - _flow_load(ref_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
             g_ref = tl.load(grad_ptr + 4 * n_rows + row)
             grad_v = grad_v + g_ref * (d + d)
     else:  # AWM, DPO: row 0 alone; DGPO adds rows 2 (and 4): (v - R)^2
-        e = v - (other - x0)
+        eps = _flow_noise(other_ptr, base, in_row, offs, mask, row, first, seeds_ptr, stream_stride, elem_offset,
+                          noise_div, noise_mod, BLOCK, EVEN, PHILOX, PHILOX_ALIGNED, PAIRED, n_per_sample)
+        e = v - (eps - x0)
         grad_v = tl.load(grad_ptr + row) * (e + e)
         if LOSS == LOSS_DGPO:
-            d = v - tl.load(xt_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            d = v - _flow_load(xt_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
             grad_v = grad_v + tl.load(grad_ptr + 2 * n_rows + row) * (d + d)
             if HAS_REF:
-                d_two = v - tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                d_two = v - _flow_load(ref_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
                 grad_v = grad_v + tl.load(grad_ptr + 4 * n_rows + row) * (d_two + d_two)
-    tl.store(grad_v_ptr + offs, round_to(grad_v, grad_v_ptr.dtype.element_ty), mask=mask)
+    out = round_to(grad_v, grad_v_ptr.dtype.element_ty)
+    if EVEN:
+        tl.store(grad_v_ptr + base + in_row, out)
+    else:
+        tl.store(grad_v_ptr + offs, out, mask=mask)

@@ -16,7 +16,7 @@ import torch
 import triton
 
 from flowrl.backends._triton_ops import (
-    LAUNCH_TABLE, _KernelScalars, _finalize, _launch, _LAUNCH, element_config, launch_config,
+    LAUNCH_TABLE, WIDE_CONFIG, _KernelScalars, _finalize, _launch, _LAUNCH, element_config, launch_config,
 )
 from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, KLSpace, LogProbKind, Reduction
 from flowrl.kernels.loss import flow_backward_kernel, flow_partials_kernel, grpo_backward_kernel, grpo_partials_kernel
@@ -155,18 +155,41 @@ def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed, kl_space=KLSpace.T
 # ------------------------------------------------------------------------- forward-process losses
 
 
-def _flow_forward(kind, count, xt, v, other, x0, ref, t, coefs, shard=None):
+def _flow_noise_args(noise_seed, n, tensors):
+    """The flow kernels' launch configuration and switches: ((group, num_warps), keyword arguments).
+    ``noise_seed``: None (eps read from ``other``) or (seeds, stream_stride, elem_offset, noise_div,
+    noise_mod) (flow_sums). PAIRED (kernels/loss.py: bfloat16 read as uint32 pairs): an even element
+    count and 4-byte aligned rows; EVEN: PAIRED and whole blocks. Philox from an unaligned offset is
+    neither (kernels/aot.py lists each launch)."""
+    philox = noise_seed is not None
+    aligned = philox and noise_seed[2] % 4 == 0
+    paired = n % 2 == 0 and not (philox and not aligned) and all(
+        u.dtype != torch.bfloat16 or u.data_ptr() % 4 == 0 for u in tensors if u is not None)
+    # unpaired (an odd count, misaligned rows: element loads) at one warp per chunk DGPO's two references
+    # spill (136 bytes, sm_90a); at WIDE_CONFIG's 8 values per thread none does
+    group, num_warps = launch_config(n) if paired else WIDE_CONFIG
+    even = paired and n % (group * CHUNK_SIZE) == 0
+    if philox:
+        seeds, stride, offset, div, mod = noise_seed
+        kw = dict(seeds_ptr=seeds, stream_stride=int(stride), elem_offset=int(offset), noise_div=int(div),
+                  noise_mod=int(mod))
+    else:
+        kw = {}
+    return (group, num_warps), dict(kw, EVEN=even, PHILOX=philox, PHILOX_ALIGNED=aligned, PAIRED=paired)
+
+
+def _flow_forward(kind, count, xt, v, other, x0, ref, t, coefs, shard=None, noise_seed=None):
     b, n = v.shape[0], v.numel() // v.shape[0]
     n_chunks = triton.cdiv(n, CHUNK_SIZE)
-    group, num_warps = launch_config(n)
+    (group, num_warps), noise_kw = _flow_noise_args(noise_seed, n, (xt, v, other, x0, ref))
     n_blocks = triton.cdiv(n_chunks, group)
     partials = torch.empty((count, b, n_chunks), dtype=torch.float32, device=v.device)
     _launch(
         flow_partials_kernel, (b * n_blocks,),
-        xt if xt is not None else v, v, other, x0, ref if ref is not None else v, t, partials,
-        n, n_chunks, n_blocks, b, *coefs,
+        xt if xt is not None else v, v, other if other is not None else v, x0, ref if ref is not None else v, t,
+        partials, n, n_chunks, n_blocks, b, *coefs,
         LOSS=int(kind), HAS_REF=ref is not None, CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE, GROUP=group,
-        num_warps=num_warps, **_LAUNCH,
+        num_warps=num_warps, **noise_kw, **_LAUNCH,
     )
     partials = partials.reshape(count * b, n_chunks)
     if shard is not None:  # sequence parallelism: the full samples' partials (forward only, as the step ops)
@@ -180,39 +203,47 @@ class _FlowSums(torch.autograd.Function):
     pass writing d / d model_output from the grads of the squared sums."""
 
     @staticmethod
-    def forward(ctx, v, kind, count, xt, other, x0, ref, t, coefs, shard):
-        ctx.save_for_backward(xt, v, other, x0, ref, t)
-        ctx.kind, ctx.coefs = kind, coefs
-        return _flow_forward(kind, count, xt, v, other, x0, ref, t, coefs, shard)
+    def forward(ctx, v, kind, count, xt, other, x0, ref, t, coefs, shard, noise_seed):
+        seeds = noise_seed[0] if noise_seed is not None else None
+        ctx.save_for_backward(xt, v, other, x0, ref, t, seeds)
+        ctx.kind, ctx.coefs, ctx.noise_seed = kind, coefs, None if noise_seed is None else noise_seed[1:]
+        return _flow_forward(kind, count, xt, v, other, x0, ref, t, coefs, shard, noise_seed)
 
     @staticmethod
     def backward(ctx, grad):
-        xt, v, other, x0, ref, t = ctx.saved_tensors
+        xt, v, other, x0, ref, t, seeds = ctx.saved_tensors
         b, n = v.shape[0], v.numel() // v.shape[0]
-        group, num_warps = launch_config(n)
+        grad_v = torch.empty_like(v)
+        noise_seed = None if ctx.noise_seed is None else (seeds, *ctx.noise_seed)
+        (group, num_warps), noise_kw = _flow_noise_args(noise_seed, n, (xt, v, other, x0, ref, grad_v))
         block = group * CHUNK_SIZE
         n_blocks = triton.cdiv(n, block)
-        grad_v = torch.empty_like(v)
         _launch(
             flow_backward_kernel, (b * n_blocks,),
-            xt if xt is not None else v, v, other, x0, ref if ref is not None else v, t,
+            xt if xt is not None else v, v, other if other is not None else v, x0, ref if ref is not None else v, t,
             grad.to(torch.float32).contiguous(), grad_v, n, n_blocks, b, *ctx.coefs,
-            LOSS=int(ctx.kind), HAS_REF=ref is not None, BLOCK=block, num_warps=num_warps, **_LAUNCH,
+            LOSS=int(ctx.kind), HAS_REF=ref is not None, BLOCK=block, num_warps=num_warps, **noise_kw, **_LAUNCH,
         )
-        return grad_v, None, None, None, None, None, None, None, None, None
+        return grad_v, None, None, None, None, None, None, None, None, None, None
 
 
-def flow_sums(kind, count, xt, v, other, x0, ref, t, coefs, shard=None):
+def flow_sums(kind, count, xt, v, other, x0, ref, t, coefs, shard=None, noise_seed=None):
     """[count, B] float32 per-sample sums of the forward-process loss ``kind`` (see the kernel);
     ``shard``: the sequence-parallel context (partials gathered in forward; the backward needs none:
-    d sum / d element does not depend on the other ranks' elements)."""
+    d sum / d element does not depend on the other ranks' elements). ``noise_seed`` (DPO / DGPO, with
+    ``other`` None): (seeds int64 [R], stream_stride, elem_offset, noise_div, noise_mod), eps of sample b
+    drawn in the kernels from Philox row (b // noise_div) % noise_mod (flowrl.reference.philox_normal's
+    stream of that row's seed, its stream the row times stream_stride)."""
     xt = xt.contiguous() if xt is not None else None
-    v, other, x0 = v.contiguous(), other.contiguous(), x0.contiguous()
+    v, x0 = v.contiguous(), x0.contiguous()
+    other = other.contiguous() if other is not None else None
     ref = ref.contiguous() if ref is not None else None
     t = t.to(torch.float32).contiguous()
+    if noise_seed is not None:
+        noise_seed = (noise_seed[0].to(torch.int64).contiguous(), *noise_seed[1:])
     if torch.is_grad_enabled() and v.requires_grad:
-        return _FlowSums.apply(v, int(kind), count, xt, other, x0, ref, t, coefs, shard)
-    return _flow_forward(int(kind), count, xt, v, other, x0, ref, t, coefs, shard)
+        return _FlowSums.apply(v, int(kind), count, xt, other, x0, ref, t, coefs, shard, noise_seed)
+    return _flow_forward(int(kind), count, xt, v, other, x0, ref, t, coefs, shard, noise_seed)
 
 
 __all__ = ["grpo_values", "flow_sums", "REPLAY_BACKWARD_CONFIG"]

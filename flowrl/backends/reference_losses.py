@@ -11,6 +11,7 @@ import torch
 
 from . import reference
 from ..contract import FlowLoss, KLSpace, LogProbKind, Op, Reduction, TrustSource
+from ..core._validate import NoiseSeed
 from ..core.step_spec import StepSpec
 
 
@@ -82,11 +83,24 @@ def _trust_elementwise(spec, x, v, prev, old_mean, trust, seed):
     return t.reduce(tr_spec, mu - old)[0]
 
 
-def flow_sums(kind, count, xt, v, other, x0, ref, t, coefs, shard=None):
+def flow_noise(noise_seed, batch, numel):
+    """float32 [B, numel] eps of a seeded forward-process loss (flow_sums' ``noise_seed``: (seeds [R],
+    stream_stride, elem_offset, noise_div, noise_mod)): Philox row r is ``reference.philox_normal`` of
+    seeds[r] on stream r * stream_stride; sample b takes row (b // noise_div) % noise_mod (a DPO pair's
+    two samples one row). The kernels draw the same values in registers."""
+    seeds, stride, offset, div, mod = noise_seed
+    rows = reference.philox_normal(NoiseSeed(seeds.to(torch.int64), int(stride), int(offset)), numel)
+    return rows[(torch.arange(batch, device=seeds.device) // div) % mod]
+
+
+def flow_sums(kind, count, xt, v, other, x0, ref, t, coefs, shard=None, noise_seed=None):
     """The torch backend's [K, B] sums (kernels/loss.py's flow_partials_kernel, same operations);
     ``count`` (K) is implied by ``kind`` and ``ref`` here. ``shard`` (a ``ShardContext``, sequence
     parallelism): the [K * B, P_local] chunk partials are gathered across the ranks before the tree,
-    as the step ops' are, so every rank gets the full samples' sums."""
+    as the step ops' are, so every rank gets the full samples' sums. ``noise_seed`` (DPO / DGPO, with
+    ``other`` None): eps drawn from Philox (``flow_noise``)."""
+    if noise_seed is not None:
+        other = flow_noise(noise_seed, v.shape[0], v.numel() // v.shape[0])
     dtype = reference.compute_dtype(xt, v, other, x0, ref)
     rows = [reference._rows(u).to(dtype) if u is not None else None for u in (xt, v, other, x0, ref)]
     xt, v, other, x0, ref = rows

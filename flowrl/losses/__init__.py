@@ -580,10 +580,10 @@ def awm_loss(
     return awm_from_args(*args, shard=shard)
 
 
-from .dpo import DGPOLossOutput, DPOLossOutput, dgpo_loss, dpo_loss, dpo_pairs  # noqa: E402 (Diffusion-DPO, DGPO)
+from .dpo import DGPOLossOutput, DPOLossOutput, dgpo_loss, dgpo_noise, dpo_loss, dpo_noise, dpo_pairs  # noqa: E402
 
 __all__ = [
     "grpo_loss", "grpo_guard_loss", "flow_dppo_loss", "teacher_kl_loss", "nft_loss", "awm_log_prob", "awm_loss",
     "GRPOLossOutput", "NFTLossOutput", "check_clip_range", "TrustSource", "FlowLoss", "KLSpace", "AWM_WEIGHTINGS", "AWM_EPS",
-    "dpo_loss", "dpo_pairs", "dgpo_loss", "DPOLossOutput", "DGPOLossOutput",
+    "dpo_loss", "dpo_pairs", "dgpo_loss", "dpo_noise", "dgpo_noise", "DPOLossOutput", "DGPOLossOutput",
 ]

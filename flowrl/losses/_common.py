@@ -57,8 +57,11 @@ def _flow_backend(backend_arg, *tensors):
     return _dispatch.select(backend_arg, *(u for u in tensors if u is not None))
 
 
-def _flow_sums(backend_arg, kind, count, xt, v, other, x0, ref, t, coefs, shard=None):
+def _flow_sums(backend_arg, kind, count, xt, v, other, x0, ref, t, coefs, shard=None, noise_seed=None):
     """[count, B] per-sample sums of the forward-process loss ``kind`` on the backend of its tensors
-    (``shard``: the full samples' sums under sequence parallelism, the same on every rank)."""
-    return _flow_backend(backend_arg, xt, v, other, x0, ref).flow_sums(kind, count, xt, v, other, x0, ref, t, coefs,
-                                                                        shard=shard)
+    (``shard``: the full samples' sums under sequence parallelism, the same on every rank; ``noise_seed``:
+    eps drawn from Philox instead of ``other``, the backends' flow_sums)."""
+    ops = _flow_backend(backend_arg, xt, v, other, x0, ref)
+    if noise_seed is None:
+        return ops.flow_sums(kind, count, xt, v, other, x0, ref, t, coefs, shard=shard)
+    return ops.flow_sums(kind, count, xt, v, other, x0, ref, t, coefs, shard=shard, noise_seed=noise_seed)

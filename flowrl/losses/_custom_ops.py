@@ -311,40 +311,53 @@ def teacher_kl_loss(sample, model_output, teacher, sigmas, step_index, mode, noi
 # flowrl::dpo_loss -> DPOLossOutput's 8 fields
 
 
-def _dpo_run(v, ref, noise, x0, beta, pair_layout, backend):
-    return list(dpo_from_args(backend, v, ref, noise, x0, beta, pair_layout))
+def _seed(seeds, *layout):
+    """A resolved noise seed (flowrl.losses._preference) from the ops' seeds and ints (stride, offset,
+    div, mod)."""
+    return None if seeds is None else (seeds, *layout)
 
 
-def _dpo_fake(v, ref, noise, x0, beta, pair_layout, backend):
+_SEED_SCHEMA = "Tensor? noise_seeds, int noise_stride, int noise_offset, int noise_div, int noise_mod"
+
+
+def _dpo_run(v, ref, noise, x0, beta, pair_layout, backend, seeds, *layout):
+    return list(dpo_from_args(backend, v, ref, noise, x0, beta, pair_layout, noise_seed=_seed(seeds, *layout)))
+
+
+def _dpo_fake(v, ref, noise, x0, beta, pair_layout, backend, seeds, *layout):
     b, dtype = v.shape[0], _dtype(backend, v, ref, noise, x0)
     p = b // 2
     shapes = [(), (p,), (), (p,), (p,), (), (b,), (b,)]
     return [v.new_empty(shape, dtype=torch.float32 if k == 2 else dtype) for k, shape in enumerate(shapes)]
 
 
-_dpo_op = _loss_op("dpo_loss", "Tensor model_output, Tensor ref_model_output, Tensor noise, Tensor clean_sample, "
-                   "float beta, str pair_layout, str backend", _dpo_run, _dpo_fake, 0)
+_dpo_op = _loss_op("dpo_loss", "Tensor model_output, Tensor ref_model_output, Tensor? noise, Tensor clean_sample, "
+                   "float beta, str pair_layout, str backend, " + _SEED_SCHEMA, _dpo_run, _dpo_fake, 0)
 
 
-def dpo_loss(backend, v, ref, noise, x0, beta, pair_layout) -> DPOLossOutput:
+def _seed_args(noise_seed):
+    return (None, 0, 0, 1, 1) if noise_seed is None else (noise_seed[0], *(int(k) for k in noise_seed[1:]))
+
+
+def dpo_loss(backend, v, ref, noise, x0, beta, pair_layout, noise_seed=None) -> DPOLossOutput:
     """``dpo_from_args``' DPOLossOutput through ``flowrl::dpo_loss`` (same arguments; ``backend`` the resolved
-    backend's name)."""
-    return DPOLossOutput(*_dpo_op(v, ref, noise, x0, float(beta), pair_layout, backend))
+    backend's name; ``noise_seed`` resolved, as ``dpo_from_args``')."""
+    return DPOLossOutput(*_dpo_op(v, ref, noise, x0, float(beta), pair_layout, backend, *_seed_args(noise_seed)))
 
 
 # flowrl::dgpo_loss -> DGPOLossOutput's 8 fields (empty: None); clip (eps_low, eps_high) or None
 
 
 def _dgpo_run(v, ref, noise, x0, adv, group_index, beta, group_size, old, clip_low, clip_high, clip_dsm, clip_kl,
-              ema_reference, kl_coef, backend):
+              ema_reference, kl_coef, backend, seeds, *layout):
     clip = None if clip_low is None else (clip_low, clip_high)
     out = dgpo_from_args(backend, v, ref, noise, x0, adv, group_index, beta, group_size, old, clip, clip_dsm, clip_kl,
-                         ema_reference, kl_coef)
+                         ema_reference, kl_coef, noise_seed=_seed(seeds, *layout))
     return _or_absent(out, out.dsm)
 
 
 def _dgpo_fake(v, ref, noise, x0, adv, group_index, beta, group_size, old, clip_low, clip_high, clip_dsm, clip_kl,
-               ema_reference, kl_coef, backend):
+               ema_reference, kl_coef, backend, seeds, *layout):
     clipped = clip_low is not None
     first, second = dgpo_references(ref, old, (clip_low, clip_high) if clipped else None, ema_reference)
     b, dtype = v.shape[0], _dtype(backend, first, v, noise, x0, second)  # the tensors the sums read
@@ -354,19 +367,19 @@ def _dgpo_fake(v, ref, noise, x0, adv, group_index, beta, group_size, old, clip_
     return [v.new_empty(shape, dtype=d) for shape, d in zip(shapes, dtypes)]
 
 
-_dgpo_op = _loss_op("dgpo_loss", "Tensor model_output, Tensor? ref_model_output, Tensor noise, Tensor clean_sample, "
+_dgpo_op = _loss_op("dgpo_loss", "Tensor model_output, Tensor? ref_model_output, Tensor? noise, Tensor clean_sample, "
                     "Tensor advantages, Tensor group_index, float beta, int? group_size, Tensor? old_model_output, "
                     "float? clip_low, float? clip_high, bool clip_dsm, bool clip_kl, bool ema_reference, "
-                    "float kl_coef, str backend", _dgpo_run, _dgpo_fake, 0)
+                    "float kl_coef, str backend, " + _SEED_SCHEMA, _dgpo_run, _dgpo_fake, 0)
 
 
 def dgpo_loss(backend, v, ref, noise, x0, adv, group_index, beta, group_size, old, clip, clip_dsm, clip_kl,
-              ema_reference, kl_coef) -> DGPOLossOutput:
+              ema_reference, kl_coef, noise_seed=None) -> DGPOLossOutput:
     """``dgpo_from_args``' DGPOLossOutput through ``flowrl::dgpo_loss`` (same arguments; ``backend`` the
-    resolved backend's name)."""
+    resolved backend's name; ``noise_seed`` resolved, as ``dgpo_from_args``')."""
     out = _dgpo_op(v, ref, noise, x0, adv, group_index, float(beta), group_size, old,
                    *(clip if clip is not None else (None, None)), clip_dsm, clip_kl, ema_reference, float(kl_coef),
-                   backend)
+                   backend, *_seed_args(noise_seed))
     clipped = clip is not None
     return DGPOLossOutput(*out[:5], out[5] if ref is not None else None, out[6] if clipped else None,
                           out[7] if clipped else None)

@@ -6,6 +6,7 @@ written once for both backends. Eager mode calls ``dpo_from_args`` / ``dgpo_from
 """
 from __future__ import annotations
 
+from numbers import Integral
 from typing import NamedTuple, Optional
 
 import torch
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from ..backends import reference
 from ..contract import FlowLoss
+from ..core import _validate as V
 from ..core.step_spec import elements_per_sample
 from ._common import _flow_sums
 
@@ -61,14 +63,55 @@ class DGPOLossOutput(NamedTuple):
     clip_fraction: Optional[torch.Tensor]
 
 
-def _preference_sums(backend_arg, kind, v, noise, x0, ref, two=None, shard=None):
+def _preference_sums(backend_arg, kind, v, noise, x0, ref, two=None, shard=None, noise_seed=None):
     """[K, B] per-sample sums, K = 2 (DPO), 3 or 5 (DGPO without / with ``two``): rows (v - u)^2,
     (ref - u)^2 and, for DGPO, (v - ref)^2, then (two - u)^2, (v - two)^2 (u = noise - x0). The backends'
     flow_sums slots: v_ref in xt's, the second reference in ref's (kernels/loss.py's LOSS_DPO / LOSS_DGPO;
-    flowrl.backends.reference_losses.flow_sums)."""
+    flowrl.backends.reference_losses.flow_sums). ``noise_seed`` (``noise`` None): a resolved seed
+    (``dpo_noise_seed`` / ``dgpo_noise_seed``), eps drawn from Philox in the element pass."""
     count = 2 if kind is FlowLoss.DPO else (5 if two is not None else 3)
     t = torch.zeros(v.shape[0], dtype=torch.float32, device=v.device)  # unused by these kinds
-    return _flow_sums(backend_arg, kind, count, ref, v, noise, x0, two, t, (0.0, 0.0, 0.0), shard=shard)
+    return _flow_sums(backend_arg, kind, count, ref, v, noise, x0, two, t, (0.0, 0.0, 0.0), shard=shard,
+                      noise_seed=noise_seed)
+
+
+# A resolved noise seed: (seeds int64 [R], stream_stride, elem_offset, noise_div, noise_mod); sample b
+# draws Philox row (b // noise_div) % noise_mod: seeds[row] on stream row * stream_stride, elements
+# elem_offset + arange(numel) (flowrl.backends.reference_losses.flow_noise; kernels/loss.py's _flow_noise).
+
+
+def dpo_noise_seed(noise_seed, batch: int, device, pair_layout: str, elem_offset: int = 0):
+    """``dpo_loss``'s ``noise_seed`` resolved: one Philox row per pair, shared by its two samples. An int
+    in [0, 2**63): every pair's key, pair p on stream p; an integer tensor [P]: pair p's own seed
+    (stream 0: a pair's noise depends on its seed only). Pair p is samples p and P + p ("halves") or
+    2p and 2p + 1 ("interleaved")."""
+    pairs = batch // 2
+    if isinstance(noise_seed, bool) or not isinstance(noise_seed, (Integral, torch.Tensor)):
+        raise TypeError(f"noise_seed must be an int or an integer tensor of shape [P] = [{pairs}] (one seed per "
+                        f"pair); got {type(noise_seed).__name__}")
+    if isinstance(noise_seed, Integral):
+        if not 0 <= int(noise_seed) < 2**63:
+            raise ValueError(f"noise_seed must be in [0, 2**63); got {int(noise_seed)}")
+        seeds, stride = torch.full((pairs,), int(noise_seed), dtype=torch.int64, device=device), 1
+    else:
+        if noise_seed.dtype.is_floating_point or noise_seed.dtype.is_complex or noise_seed.dtype == torch.bool:
+            raise TypeError(f"noise_seed must be an integer tensor (int64 seeds); got {noise_seed.dtype}")
+        if noise_seed.shape != (pairs,):
+            raise ValueError(f"noise_seed must be an int or a tensor of shape [P] = [{pairs}] (one seed per pair); "
+                             f"got shape {tuple(noise_seed.shape)}")
+        if noise_seed.device != device:
+            raise ValueError(f"noise_seed is on {noise_seed.device} but model_output is on {device}")
+        seeds, stride = noise_seed.to(torch.int64).contiguous(), 0
+    div, mod = (1, pairs) if pair_layout == "halves" else (2, pairs)
+    return seeds, stride, elem_offset, div, mod
+
+
+def dgpo_noise_seed(noise_seed, like: torch.Tensor, elem_offset: int = 0):
+    """``dgpo_loss``'s ``noise_seed`` resolved as ``sde_step``'s (flowrl.core._validate.check_noise_seed):
+    an int (sample b on stream b) or per-sample seeds [B] (stream 0: samples of equal seeds draw the same
+    noise, e.g. ``group_seed[group_index]`` for DGPO's shared noise per group)."""
+    seed = V.check_noise_seed(noise_seed, like)
+    return seed.seeds, seed.stream_stride, elem_offset, 1, like.shape[0]
 
 
 def dgpo_references(ref_model_output, old_model_output, clip, ema_reference):
@@ -79,11 +122,13 @@ def dgpo_references(ref_model_output, old_model_output, clip, ema_reference):
 
 
 def dpo_from_args(backend, model_output, ref_model_output, noise, clean_sample, beta, pair_layout,
-                  shard=None) -> DPOLossOutput:
+                  shard=None, noise_seed=None) -> DPOLossOutput:
     """``dpo_loss`` from its validated arguments (``backend``: the argument, or the resolved backend's name;
-    ``shard``: the sequence-parallel context, the means over the full sample)."""
+    ``shard``: the sequence-parallel context, the means over the full sample; ``noise_seed``: resolved,
+    ``dpo_noise_seed``, with ``noise`` None)."""
     batch = model_output.shape[0]
-    sums = _preference_sums(backend, FlowLoss.DPO, model_output, noise, clean_sample, ref_model_output, shard=shard)
+    sums = _preference_sums(backend, FlowLoss.DPO, model_output, noise, clean_sample, ref_model_output, shard=shard,
+                            noise_seed=noise_seed)
     numel = elements_per_sample(model_output, shard)
     err, ref_err = sums[0] / numel, sums[1] / numel
     p = batch // 2
@@ -116,14 +161,15 @@ def _group_sums(term, inverse, counts) -> torch.Tensor:
 
 def dgpo_from_args(backend, model_output, ref_model_output, noise, clean_sample, advantages, group_index, beta,
                    group_size, old_model_output, clip, clip_dsm, clip_kl, ema_reference, kl_coef,
-                   shard=None) -> DGPOLossOutput:
+                   shard=None, noise_seed=None) -> DGPOLossOutput:
     """``dgpo_loss`` from its validated arguments (``backend``: the argument, or the resolved backend's name;
-    ``clip``: (eps_low, eps_high) or None; ``shard`` as ``dpo_from_args``'). The groups are read here
-    (``torch.unique``: a device sync)."""
+    ``clip``: (eps_low, eps_high) or None; ``shard``, ``noise_seed`` (``dgpo_noise_seed``) as
+    ``dpo_from_args``'). The groups are read here (``torch.unique``: a device sync)."""
     _, inverse = torch.unique(group_index, return_inverse=True)
     n_groups = int(inverse.max()) + 1
     first, second = dgpo_references(ref_model_output, old_model_output, clip, ema_reference)
-    sums = _preference_sums(backend, FlowLoss.DGPO, model_output, noise, clean_sample, first, second, shard=shard)
+    sums = _preference_sums(backend, FlowLoss.DGPO, model_output, noise, clean_sample, first, second, shard=shard,
+                            noise_seed=noise_seed)
     numel = elements_per_sample(model_output, shard)
     dsm, ref_dsm = sums[0] / numel, (sums[1] / numel).detach()
     if ema_reference:
@@ -158,4 +204,5 @@ def dgpo_from_args(backend, model_output, ref_model_output, noise, clean_sample,
                           clip_fraction)
 
 
-__all__ = ["DPOLossOutput", "DGPOLossOutput", "dpo_from_args", "dgpo_from_args", "dgpo_references"]
+__all__ = ["DPOLossOutput", "DGPOLossOutput", "dpo_from_args", "dgpo_from_args", "dgpo_references", "dpo_noise_seed",
+           "dgpo_noise_seed"]

@@ -28,10 +28,11 @@ eager mode and, under ``torch.compile``, by the custom ops ``flowrl::dpo_loss`` 
 from __future__ import annotations
 
 from numbers import Integral
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
+from ..backends.reference_losses import flow_noise
 from ..core import _validate as V
 from ..core.step_spec import ShardContext, elements_per_sample
 from ..ops._custom_ops import traced as _traced
@@ -39,6 +40,7 @@ from . import _custom_ops as _ops
 from ._common import _check_no_grad, _check_per_sample, _check_scalar, _flow_backend, check_clip_range
 from ._preference import _preference_sums  # noqa: F401 (tests/test_losses_dpo.py reads it here)
 from ._preference import DGPOLossOutput, DPOLossOutput, dgpo_from_args, dgpo_references, dpo_from_args
+from ._preference import dgpo_noise_seed, dpo_noise_seed
 
 PAIR_LAYOUTS = ("halves", "interleaved")
 PAIR_TIES = ("verl_omni", "flow_factory", "flow_grpo")
@@ -51,16 +53,26 @@ def _check_same(name, t, like):
 # ------------------------------------------------------------------------------------ Diffusion-DPO
 
 
+def _noise_or_seed(noise, noise_seed, model_output):
+    """Exactly one of ``noise`` / ``noise_seed``."""
+    if (noise is None) == (noise_seed is None):
+        raise ValueError("pass exactly one of noise (the eps tensor) and noise_seed (eps drawn from Philox in the "
+                         "element pass); got " + ("both" if noise is not None else "neither"))
+    if noise is not None:
+        _check_same("noise", noise, model_output)
+
+
 def dpo_loss(
     model_output: torch.Tensor,
     ref_model_output: torch.Tensor,
-    noise: torch.Tensor,
+    noise: Optional[torch.Tensor],
     clean_sample: torch.Tensor,
     *,
     beta: float,
     pair_layout: str = "halves",
     backend: str = "auto",
     shard: Optional[ShardContext] = None,
+    noise_seed: Union[None, int, torch.Tensor] = None,
 ) -> DPOLossOutput:
     """Flow-matching Diffusion-DPO on P chosen/rejected pairs (2P samples), one element pass.
 
@@ -73,21 +85,57 @@ def dpo_loss(
     verl-omni's). Offline pairs are passed as they are; online pairs come from ``dpo_pairs``.
     The timestep enters only through the model's inputs (x_t, t): the loss does not read sigma.
     ``shard``: the sequence-parallel context (the means are over the full sample; flowrl.losses' note).
+
+    ``noise_seed`` (with ``noise=None``; exactly one of the two): eps drawn from Philox4x32-10 inside the
+    element passes (forward and backward), never stored. One Philox stream per pair, shared by its two
+    samples: an int in [0, 2**63) keys every pair, pair p on stream p; an integer tensor [P] gives pair p
+    its own seed (stream 0). The values are ``flowrl.reference.philox_normal``'s (sde_step's noise_seed
+    stream layout), float32; the torch backend draws the same ones (docs/losses.md).
     """
     V.check_sample(model_output, "model_output")
     batch = model_output.shape[0]
     elements_per_sample(model_output, shard)  # checks shard's type
     if batch < 2 or batch % 2:
         raise ValueError(f"model_output must hold chosen/rejected pairs: an even batch >= 2; got {batch}")
-    for name, u in (("ref_model_output", ref_model_output), ("noise", noise), ("clean_sample", clean_sample)):
+    _noise_or_seed(noise, noise_seed, model_output)
+    for name, u in (("ref_model_output", ref_model_output), ("clean_sample", clean_sample)):
         _check_same(name, u, model_output)
     V.check_choice("pair_layout", pair_layout, PAIR_LAYOUTS)
     beta = _check_scalar("beta", beta, strict=True)
     _check_no_grad(ref_model_output=ref_model_output, noise=noise, clean_sample=clean_sample)
+    seed = None
+    if noise_seed is not None:
+        seed = dpo_noise_seed(noise_seed, batch, model_output.device, pair_layout,
+                              0 if shard is None else shard.offset)
     args = (model_output, ref_model_output, noise, clean_sample, beta, pair_layout)
     if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::dpo_loss
-        return _ops.dpo_loss(_flow_backend(backend, ref_model_output, model_output, noise, clean_sample).name, *args)
-    return dpo_from_args(backend, *args, shard=shard)
+        return _ops.dpo_loss(_flow_backend(backend, ref_model_output, model_output, noise, clean_sample).name, *args,
+                             noise_seed=seed)
+    return dpo_from_args(backend, *args, shard=shard, noise_seed=seed)
+
+
+def dpo_noise(noise_seed: Union[int, torch.Tensor], like: torch.Tensor, *, pair_layout: str = "halves",
+              shard: Optional[ShardContext] = None) -> torch.Tensor:
+    """The eps ``dpo_loss(..., noise_seed=noise_seed, pair_layout=pair_layout)`` draws, float32 in
+    ``like``'s shape (a pair's two samples equal), to form the model's input x_t = (1 - sigma) x0 +
+    sigma eps. The torch backend's draw (flowrl.reference.philox_normal); the Triton kernels' normals
+    equal it to an ulp or so (docs/losses.md)."""
+    V.check_sample(like, "like")
+    batch = like.shape[0]
+    if batch < 2 or batch % 2:
+        raise ValueError(f"like must hold chosen/rejected pairs: an even batch >= 2; got {batch}")
+    V.check_choice("pair_layout", pair_layout, PAIR_LAYOUTS)
+    seed = dpo_noise_seed(noise_seed, batch, like.device, pair_layout, 0 if shard is None else shard.offset)
+    return flow_noise(seed, batch, like.numel() // batch).reshape(like.shape)
+
+
+def dgpo_noise(noise_seed: Union[int, torch.Tensor], like: torch.Tensor, *,
+               shard: Optional[ShardContext] = None) -> torch.Tensor:
+    """The eps ``dgpo_loss(..., noise_seed=noise_seed)`` draws, float32 in ``like``'s shape, to form the
+    model's input x_t (``dpo_noise``'s note)."""
+    V.check_sample(like, "like")
+    seed = dgpo_noise_seed(noise_seed, like, 0 if shard is None else shard.offset)
+    return flow_noise(seed, like.shape[0], like.numel() // like.shape[0]).reshape(like.shape)
 
 
 def dpo_pairs(rewards: torch.Tensor, group_ids: torch.Tensor, *, ties: str = "verl_omni"
@@ -157,7 +205,7 @@ def _check_group_index(group_index, batch, device) -> torch.Tensor:
 def dgpo_loss(
     model_output: torch.Tensor,
     ref_model_output: Optional[torch.Tensor],
-    noise: torch.Tensor,
+    noise: Optional[torch.Tensor],
     clean_sample: torch.Tensor,
     advantages: torch.Tensor,
     group_index: torch.Tensor,
@@ -172,6 +220,7 @@ def dgpo_loss(
     kl_coef: float = 0.0,
     backend: str = "auto",
     shard: Optional[ShardContext] = None,
+    noise_seed: Union[None, int, torch.Tensor] = None,
 ) -> DGPOLossOutput:
     """DGPO's group-level preference loss (Luo-Yihong/DGPO ``compute_group_dgpo_loss_allreduce``;
     Flow-Factory ``DGPOTrainer``), one element pass over x0, eps, v and the references.
@@ -190,12 +239,19 @@ def dgpo_loss(
     over its members in batch order (``_group_sums``): deterministic, and a group's weight does not
     depend on the other groups in the call (the peers' scatter_add uses atomics on a GPU).
     ``shard``: the sequence-parallel context (the means are over the full sample; flowrl.losses' note).
+
+    ``noise_seed`` (with ``noise=None``; exactly one of the two): eps drawn from Philox4x32-10 inside the
+    element passes, as ``sde_step``'s ``noise_seed``: an int in [0, 2**63) (sample b on stream b: every
+    sample its own noise) or an integer tensor [B] of per-sample seeds (stream 0: samples with equal seeds
+    draw the same noise; DGPO's shared noise per group: ``group_seeds[group_index]``). The torch backend
+    draws the same float32 values (``flowrl.reference.philox_normal``; docs/losses.md).
     """
     V.check_sample(model_output, "model_output")
     batch = model_output.shape[0]
     elements_per_sample(model_output, shard)  # checks shard's type
     device = model_output.device
-    for name, u in (("noise", noise), ("clean_sample", clean_sample)):
+    _noise_or_seed(noise, noise_seed, model_output)
+    for name, u in (("clean_sample", clean_sample),):
         _check_same(name, u, model_output)
     for name, u in (("ref_model_output", ref_model_output), ("old_model_output", old_model_output)):
         if u is not None:
@@ -218,12 +274,17 @@ def dgpo_loss(
                          "and the KL's when kl_coef > 0)")
     _check_no_grad(ref_model_output=ref_model_output, old_model_output=old_model_output, noise=noise,
                    clean_sample=clean_sample, advantages=advantages)
+    seed = None
+    if noise_seed is not None:
+        seed = dgpo_noise_seed(noise_seed, model_output, 0 if shard is None else shard.offset)
     args = (model_output, ref_model_output, noise, clean_sample, advantages, group_index, beta, group_size,
             old_model_output, clip, clip_dsm, clip_kl, ema_reference, kl_coef)
     if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::dgpo_loss
         first, second = dgpo_references(ref_model_output, old_model_output, clip, ema_reference)
-        return _ops.dgpo_loss(_flow_backend(backend, first, model_output, noise, clean_sample, second).name, *args)
-    return dgpo_from_args(backend, *args, shard=shard)
+        return _ops.dgpo_loss(_flow_backend(backend, first, model_output, noise, clean_sample, second).name, *args,
+                              noise_seed=seed)
+    return dgpo_from_args(backend, *args, shard=shard, noise_seed=seed)
 
 
-__all__ = ["dpo_loss", "dpo_pairs", "dgpo_loss", "DPOLossOutput", "DGPOLossOutput", "PAIR_LAYOUTS", "PAIR_TIES"]
+__all__ = ["dpo_loss", "dpo_pairs", "dgpo_loss", "dpo_noise", "dgpo_noise", "DPOLossOutput", "DGPOLossOutput",
+           "PAIR_LAYOUTS", "PAIR_TIES"]
