@@ -56,13 +56,13 @@ def _launch_configs():
     return sorted({(group, warps) for _, group, warps in LAUNCH_TABLE})
 
 
-def _step_config(storage, mode, philox=False, backward=False):
+def _step_config(storage, mode, philox=False, backward=False, masked_rollout=False):
     """The step kernels' launch configuration for large latents of ``storage`` (the launcher's
     step_config with 16-byte aligned latents): STEP_LAUNCH_TABLE's largest where tiles are taken
     (tiles_taken, bf16 / fp16), LAUNCH_TABLE's largest, one tile, elsewhere."""
     from flowrl.backends._triton_ops import STEP_LAUNCH_TABLE, tiles_taken
 
-    if storage in ("bf16", "fp16") and tiles_taken(mode, philox, backward):
+    if storage in ("bf16", "fp16") and tiles_taken(mode, philox, backward, masked_rollout):
         return STEP_LAUNCH_TABLE[-1][1:]
     return _launch_configs()[-1]
 
@@ -313,7 +313,8 @@ def _ddim(storage) -> Iterator[Specialization]:
     # masked (a sample size not a multiple of the block), one variant per op
     ddim = DDIM_DEFAULT_VARIANTS[0]
     if not wide:
-        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.TENSOR, True, False, *rollout, ddim=ddim)
+        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.TENSOR, True, False,
+                        *_step_config(storage, Mode.DDIM, masked_rollout=True), ddim=ddim)
     yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False, *fwd, ddim=ddim)
     yield _backward(storage, Mode.DDIM, LogProbKind.KL, True, (True, True, True), *bwd, ddim=ddim)
     if storage == STORAGES[0]:
@@ -321,12 +322,21 @@ def _ddim(storage) -> Iterator[Specialization]:
 
 
 def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Specialization]:
-    """Every specialization the launchers request for latents stored as ``storage``: each mode with
-    every op, noise source (Philox from an aligned and an unaligned offset), mean-writing and
-    log-prob kind x reduction, at the largest launch configuration; every launch configuration for the
-    heaviest variants (the sde rollout with Philox noise and the mean, the sde log-prob and its
-    backward); finalize widths from 2 to MAX_FINALIZE_WIDTH; one variant without the JIT's alignment attributes.
+    """Every specialization the launchers request for latents stored as ``storage``, each once: each
+    mode with every op, noise source (Philox from an aligned and an unaligned offset), mean-writing
+    and log-prob kind x reduction at the launcher's configuration for large latents (step_config), on
+    whole blocks (EVEN) and masked; one tile (below 4,096 elements) for the heaviest variants (the sde
+    rollout with Philox noise and the mean, the sde log-prob and its backward); finalize widths from 2
+    to MAX_FINALIZE_WIDTH; one variant without the JIT's alignment attributes; flowrl.losses' kernels.
     ``quick``: one specialization per kernel (the heaviest switches), for a fast check."""
+    seen = set()
+    for spec in _specializations(storage, quick):
+        if (spec.kernel, spec.label) not in seen:
+            seen.add((spec.kernel, spec.label))
+            yield spec
+
+
+def _specializations(storage, quick) -> Iterator[Specialization]:
     one_tile = _launch_configs()[-1]
     rollouts = [(NoiseSource.TENSOR, False, False), (NoiseSource.TENSOR, True, False),
                 (NoiseSource.PHILOX, False, True), (NoiseSource.PHILOX, True, True), (NoiseSource.PHILOX, True, False),
@@ -358,7 +368,7 @@ def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Spec
                     if even:
                         yield _partials(storage, mode, Op.ROLLOUT, noise, write_mean, False, *_unaligned_philox_config())
                     continue
-                config = _step_config(storage, mode, philox=noise is NoiseSource.PHILOX)
+                config = _step_config(storage, mode, philox=noise is NoiseSource.PHILOX, masked_rollout=not even)
                 yield _partials(storage, mode, Op.ROLLOUT, noise, write_mean, philox_aligned, *config, even=even)
             yield _partials(storage, mode, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *fwd, even=even)
             yield _partials(storage, mode, Op.KL, NoiseSource.TENSOR, False, False, *fwd, even=even)

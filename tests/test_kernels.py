@@ -440,6 +440,8 @@ def test_launch_table_covers_every_size():
     assert _triton_ops.launch_config(2**40)[0] >= 1
     sizes = [1, 1024, 2048, 2049, 8192, 8193, 10**9]
     assert all(g & (g - 1) == 0 and 1 <= w <= 32 for g, w in map(_triton_ops.launch_config, sizes))
+    step = [_triton_ops.launch_config(n, table=_triton_ops.STEP_LAUNCH_TABLE) for n in sizes]
+    assert all(g & (g - 1) == 0 and w == 1 for g, w in step) and step[0] == (1, 1) and step[-1] == (4, 1)
 
 
 # -------------------------------------------------------------------------------------- dispatch

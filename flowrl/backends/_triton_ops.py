@@ -7,8 +7,10 @@ on the host (no ``.item()``, no sync), so the ops are CUDA-graph capturable.
 
 Launch: the element kernels run a 1-D grid, one program per (sample, block of ``group`` consecutive
 CHUNK_SIZE chunks) (any batch size), so every chunk's partial is summed inside one program (no
-atomics, fixed order); ``launch_config`` picks (group, num_warps) from the sample's element count.
-Every entry gives the same bits (each chunk's tree is the same; tested). The finalize kernel's block
+atomics, fixed order); ``step_config`` picks (group, num_warps) from the sample's element count,
+the latents' dtypes and alignment and the step (``launch_config``'s one tile, or STEP_LAUNCH_TABLE's
+static tiles with ``step_switches``). Every entry gives the same bits (each chunk's tree is the same;
+tested). The finalize kernel's block
 is the sample's partial count rounded up to a power of two, num_warps = block / 256 in [1, 16].
 Two launches per op call (partials, finalize); three for a rollout drawing torch noise (the randn).
 
@@ -135,14 +137,15 @@ def launch_config(n_per_sample: int, unaligned_philox: bool = False, table=LAUNC
 _TILE_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def tiles_taken(mode: Mode, philox: bool, backward: bool) -> bool:
+def tiles_taken(mode: Mode, philox: bool, backward: bool, masked_rollout: bool = False) -> bool:
     """Whether the step kernels of ``mode`` (a rollout drawing Philox noise: ``philox``; the backward:
     ``backward``) run STEP_LAUNCH_TABLE's multi-tile programs when their latents are 16-bit and 16-byte
     aligned; the others run LAUNCH_TABLE's one tile. Chosen per specialization from the AOT compile
     (kernels/aot.py; no spill on sm_90a or sm_80 with triton 3.6.0 or 3.9.0, tests/test_compile.py):
-    at 4 tiles under the register cap the Philox rollouts spill 8-16 bytes (sm_90a, triton 3.9) and
-    ddim's clipped means 8-368 bytes, so both keep one tile."""
-    return not philox and mode is not Mode.DDIM
+    at 4 tiles under the register cap the Philox rollouts spill 8-16 bytes (sm_90a, triton 3.9),
+    ddim's clipped means 8-368 bytes and a masked rollout (``masked_rollout``: the sample size not a
+    multiple of 4,096) with the mean 8-40 bytes, so these keep one tile."""
+    return not philox and mode is not Mode.DDIM and not masked_rollout
 
 
 def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = False, unaligned_philox: bool = False):
@@ -155,9 +158,12 @@ def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = Fal
     storage = latents[0].dtype
     if spec.elementwise or unaligned_philox:
         return element_config(spec, n_per_sample, unaligned_philox=unaligned_philox, storage=storage)
-    philox = not backward and spec.op is Op.ROLLOUT and spec.noise_source is NoiseSource.PHILOX
+    rollout = not backward and spec.op is Op.ROLLOUT
+    philox = rollout and spec.noise_source is NoiseSource.PHILOX
+    group, _ = launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
+    masked_rollout = rollout and n_per_sample % (group * CHUNK_SIZE) != 0
     latents, extra = [t for t in latents if t is not None], [t for t in extra if t is not None]
-    if (tiles_taken(spec.mode, philox, backward) and storage in _TILE_DTYPES and n_per_sample % 16 == 0
+    if (tiles_taken(spec.mode, philox, backward, masked_rollout) and storage in _TILE_DTYPES and n_per_sample % 16 == 0
             and all(t.dtype == storage for t in latents) and all(t.data_ptr() % 16 == 0 for t in latents + extra)):
         return launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
     return element_config(spec, n_per_sample, storage=storage)
