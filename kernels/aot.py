@@ -56,13 +56,13 @@ def _launch_configs():
     return sorted({(group, warps) for _, group, warps in LAUNCH_TABLE})
 
 
-def _step_config(storage, mode, philox=False, backward=False, masked_rollout=False):
+def _step_config(storage, mode, philox=False, backward=False, masked_rollout=False, second_order=False):
     """The step kernels' launch configuration for large latents of ``storage`` (the launcher's
     step_config with 16-byte aligned latents): STEP_LAUNCH_TABLE's largest where tiles are taken
     (tiles_taken, bf16 / fp16), LAUNCH_TABLE's largest, one tile, elsewhere."""
     from flowrl.backends._triton_ops import STEP_LAUNCH_TABLE, tiles_taken
 
-    if storage in ("bf16", "fp16") and tiles_taken(mode, philox, backward, masked_rollout):
+    if storage in ("bf16", "fp16") and tiles_taken(mode, philox, backward, masked_rollout, second_order):
         return STEP_LAUNCH_TABLE[-1][1:]
     return _launch_configs()[-1]
 
@@ -260,9 +260,9 @@ def _few(storage, mode) -> Iterator[Specialization]:
     """The specializations of a FEW_SPECIALIZATIONS mode, on whole blocks (EVEN) at the launcher's
     configuration: the rollout (torch noise with the mean, Philox), the log-prob, the KL, their
     backward (gaussian mean) and finalize; dpm_sde's second order (HAS_PREV) for each op as well."""
-    fwd, philox, bwd = (_step_config(storage, mode, philox=p, backward=b) for p, b in
-                        ((False, False), (True, False), (False, True)))
     for has_prev in ((False, True) if mode is Mode.DPM_SDE else (False,)):
+        fwd, philox, bwd = (_step_config(storage, mode, philox=p, backward=b, second_order=has_prev) for p, b in
+                            ((False, False), (True, False), (False, True)))
         kw = dict(has_prev=has_prev, even=True)
         yield _partials(storage, mode, Op.ROLLOUT, NoiseSource.TENSOR, True, False, *fwd, **kw)
         yield _partials(storage, mode, Op.ROLLOUT, NoiseSource.PHILOX, False, True, *philox, **kw)
@@ -585,7 +585,8 @@ def is_hot(spec: Specialization) -> bool:
     philox = spec.kernel == "step_partials_kernel" and cx["NOISE"] == int(NoiseSource.PHILOX)
     # large latents fill whole blocks (EVEN)
     return cx["EVEN"] and config == tuple(_step_config(storage, Mode(cx["MODE"]), philox,
-                                                       spec.kernel == "step_backward_kernel"))
+                                                       spec.kernel == "step_backward_kernel",
+                                                       second_order=cx["HAS_PREV"]))
 
 
 def roofline_target(spec: Specialization):

@@ -137,18 +137,21 @@ def launch_config(n_per_sample: int, unaligned_philox: bool = False, table=LAUNC
 _TILE_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def tiles_taken(mode: Mode, philox: bool, backward: bool, masked_rollout: bool = False) -> bool:
+def tiles_taken(mode: Mode, philox: bool, backward: bool, masked_rollout: bool = False,
+                second_order: bool = False) -> bool:
     """Whether the step kernels of ``mode`` (a rollout drawing Philox noise: ``philox``; the backward:
     ``backward``) run STEP_LAUNCH_TABLE's multi-tile programs when their latents are 16-bit and 16-byte
     aligned; the others run LAUNCH_TABLE's one tile. Chosen per specialization from the AOT compile
     (kernels/aot.py; no spill on sm_90a or sm_80 with triton 3.6.0 or 3.9.0, tests/test_compile.py):
     at 4 tiles under the register cap the Philox rollouts spill 8-16 bytes (sm_90a, triton 3.9),
-    ddim's clipped means 8-368 bytes and a masked rollout (``masked_rollout``: the sample size not a
-    multiple of 4,096) with the mean 8-40 bytes, so these keep one tile."""
-    return not philox and mode is not Mode.DDIM and not masked_rollout
+    ddim's clipped means 8-368 bytes, a masked rollout (``masked_rollout``: the sample size not a
+    multiple of 4,096) with the mean 8-40 bytes, and dpm_sde's second order (``second_order``: the
+    extra x0_prev stream) 8-56 bytes with triton 3.6, so these keep one tile."""
+    return not (philox or masked_rollout or second_order) and mode is not Mode.DDIM
 
 
-def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = False, unaligned_philox: bool = False):
+def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = False, unaligned_philox: bool = False,
+                second_order: bool = False):
     """(chunks per program, num_warps) of the step kernels for ``spec``'s samples of ``n_per_sample``.
     Tiles are taken (STEP_LAUNCH_TABLE) when ``tiles_taken`` says so for the spec, every per-element
     tensor in ``latents`` is bf16, or every one fp16, and their addresses and those of ``extra`` (a
@@ -163,7 +166,7 @@ def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = Fal
     group, _ = launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
     masked_rollout = rollout and n_per_sample % (group * CHUNK_SIZE) != 0
     latents, extra = [t for t in latents if t is not None], [t for t in extra if t is not None]
-    if (tiles_taken(spec.mode, philox, backward, masked_rollout) and storage in _TILE_DTYPES and n_per_sample % 16 == 0
+    if (tiles_taken(spec.mode, philox, backward, masked_rollout, second_order) and storage in _TILE_DTYPES and n_per_sample % 16 == 0
             and all(t.dtype == storage for t in latents) and all(t.data_ptr() % 16 == 0 for t in latents + extra)):
         return launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
     return element_config(spec, n_per_sample, storage=storage)
@@ -245,7 +248,8 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
     seeds, stream_stride, elem_offset = spec.noise_seed if philox else (ks.step_index, 0, 0)
     rollout = spec.op is Op.ROLLOUT  # its noise and mean are float32
     group, num_warps = step_config(spec, n, (x, v, None if rollout else third, prev_out, ks.prev_x0),
-                                   (third if rollout else None, mean_out), unaligned_philox=philox and elem_offset % 4 != 0)
+                                   (third if rollout else None, mean_out), unaligned_philox=philox and elem_offset % 4 != 0,
+                                   second_order=ks.prev_x0 is not None)
     n_blocks = triton.cdiv(n_chunks, group)
     partials = torch.empty((b, n_chunks), dtype=torch.float32, device=x.device)
     _launch(
@@ -314,7 +318,7 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Op
     if any(kernel_needs):
         dummy = grad.new_empty(1)
         group, num_warps = step_config(spec, n, (x, v, third, grad_x, grad_v, grad_third, ks.prev_x0, grad_prev),
-                                       backward=True)
+                                       backward=True, second_order=ks.prev_x0 is not None)
         block = group * CHUNK_SIZE
         n_blocks = triton.cdiv(n, block)
         _launch(
