@@ -56,6 +56,31 @@ def _launch_configs():
     return sorted({(group, warps) for _, group, warps in LAUNCH_TABLE})
 
 
+def _step_config(storage, mode, philox=False, backward=False, masked_rollout=False, second_order=False):
+    """The step kernels' launch configuration for large latents of ``storage`` (the launcher's
+    step_config with 16-byte aligned latents): STEP_LAUNCH_TABLE's largest where tiles are taken
+    (tiles_taken, bf16 / fp16), LAUNCH_TABLE's largest, one tile, elsewhere."""
+    from flowrl.backends._triton_ops import STEP_LAUNCH_TABLE, tiles_taken
+
+    if storage in ("bf16", "fp16") and tiles_taken(mode, philox, backward, masked_rollout, second_order):
+        return STEP_LAUNCH_TABLE[-1][1:]
+    return _launch_configs()[-1]
+
+
+def _step_configs():
+    """Every (chunks per program, num_warps) the step kernels' tables give."""
+    from flowrl.backends._triton_ops import STEP_LAUNCH_TABLE
+
+    return sorted({(group, warps) for _, group, warps in STEP_LAUNCH_TABLE} | set(_launch_configs()))
+
+
+def _tiles_even(group, warps, even):
+    """The step kernels' TILES (flowrl.backends._triton_ops.element_tiles) and EVEN switches."""
+    from flowrl.backends._triton_ops import element_tiles
+
+    return {"TILES": element_tiles(group, warps), "EVEN": even}
+
+
 def _unaligned_philox_config():
     from flowrl.backends._triton_ops import UNALIGNED_PHILOX_CONFIG
 
@@ -83,7 +108,7 @@ def _elementwise_label(elementwise):
 
 
 def _partials(storage, mode, op, noise, write_mean, philox_aligned, group, warps, aligned=True, elementwise=(),
-              has_prev=False, ddim=(Prediction.EPSILON, False)):
+              has_prev=False, ddim=(Prediction.EPSILON, False), even=False):
     sig = {
         "x_ptr": "*" + storage, "v_ptr": "*" + storage, "third_ptr": "*" + ("fp32" if op is Op.ROLLOUT else storage),
         "prev_out_ptr": "*" + storage, "mean_out_ptr": "*fp32", "partials_ptr": "*fp32", "sigmas_ptr": "*fp32",
@@ -94,13 +119,14 @@ def _partials(storage, mode, op, noise, write_mean, philox_aligned, group, warps
     }
     cx = {"MODE": int(mode), "OP": int(op), "WRITE_MEAN": write_mean, "CHUNK": CHUNK_SIZE, "LOG2_CHUNK": LOG2_CHUNK_SIZE,
           "GROUP": group, "NOISE": int(noise), "PHILOX_ALIGNED": philox_aligned, **_elementwise(elementwise, storage),
-          "HAS_PREV": has_prev, **_ddim_cx(mode, ddim)}
+          "HAS_PREV": has_prev, **_ddim_cx(mode, ddim), **_tiles_even(group, warps, even)}
     ptrs = tuple(k for k in sig if k.endswith("_ptr"))
     label = f"{op.label}" + (f" noise={noise.label}" + (" unaligned" if noise is NoiseSource.PHILOX and not philox_aligned
                                                         else "") + (" +mean" if write_mean else "")
                              if op is Op.ROLLOUT else "") + _elementwise_label(elementwise)
     return Specialization("step_partials_kernel", sig, cx, (ptrs + ("n_per_sample",)) if aligned else (), warps,
-                          f"{_mode_label(mode, ddim, has_prev)} {label} g{group}w{warps}" + ("" if aligned else " unaligned-tensors"),
+                          f"{_mode_label(mode, ddim, has_prev)} {label} g{group}w{warps}" + (" even" if even else "")
+                          + ("" if aligned else " unaligned-tensors"),
                           group * CHUNK_SIZE)
 
 
@@ -134,7 +160,7 @@ def _finalize(mode, kind, mean, width, count_given=False, has_log=False):
 
 
 def _backward(storage, mode, kind, mean, needs, group, warps, elementwise=(), has_prev=False,
-              ddim=(Prediction.EPSILON, False)):
+              ddim=(Prediction.EPSILON, False), even=False):
     sig = {
         "x_ptr": "*" + storage, "v_ptr": "*" + storage, "third_ptr": "*" + storage, "grad_ptr": "*fp32",
         "grad_x_ptr": "*" + storage, "grad_v_ptr": "*" + storage, "grad_third_ptr": "*" + storage,
@@ -145,12 +171,13 @@ def _backward(storage, mode, kind, mean, needs, group, warps, elementwise=(), ha
     need_x, need_v, need_third = needs
     cx = {"MODE": int(mode), "KIND": int(kind), "MEAN": mean, "IS_KL": kind is LogProbKind.KL, "NEED_X": need_x,
           "NEED_V": need_v, "NEED_THIRD": need_third, "BLOCK": group * CHUNK_SIZE, **_elementwise(elementwise, storage),
-          "HAS_PREV": has_prev, "NEED_PREV": has_prev and kind is not LogProbKind.KL, **_ddim_cx(mode, ddim)}
+          "HAS_PREV": has_prev, "NEED_PREV": has_prev and kind is not LogProbKind.KL, **_ddim_cx(mode, ddim),
+          **_tiles_even(group, warps, even)}
     ptrs = tuple(k for k in sig if k.endswith("_ptr"))
     grads = "+".join(n for n, on in zip(("x", "v", "third"), needs) if on)
     return Specialization("step_backward_kernel", sig, cx, ptrs + ("n_per_sample",), warps,
                           f"{_mode_label(mode, ddim, has_prev)} {kind.label} {'mean' if mean else 'sum'} grads={grads} g{group}w{warps}"
-                          + _elementwise_label(elementwise), group * CHUNK_SIZE)
+                          + _elementwise_label(elementwise) + (" even" if even else ""), group * CHUNK_SIZE)
 
 
 def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind=LogProbKind.GAUSSIAN, mean=True,
@@ -273,17 +300,20 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
 FEW_SPECIALIZATIONS = tuple(mode for mode in Mode if mode.rules.aot is Variants.FEW)  # flowrl.contract.MODE_RULES
 
 
-def _few(storage, mode, config) -> Iterator[Specialization]:
-    """The specializations of a FEW_SPECIALIZATIONS mode: the rollout (torch noise with the mean,
-    Philox), the log-prob, the KL, their backward (gaussian mean) and finalize; dpm_sde's second order
-    (HAS_PREV) for each op as well."""
+def _few(storage, mode) -> Iterator[Specialization]:
+    """The specializations of a FEW_SPECIALIZATIONS mode, on whole blocks (EVEN) at the launcher's
+    configuration: the rollout (torch noise with the mean, Philox), the log-prob, the KL, their
+    backward (gaussian mean) and finalize; dpm_sde's second order (HAS_PREV) for each op as well."""
     for has_prev in ((False, True) if mode is Mode.DPM_SDE else (False,)):
-        yield _partials(storage, mode, Op.ROLLOUT, NoiseSource.TENSOR, True, False, *config, has_prev=has_prev)
-        yield _partials(storage, mode, Op.ROLLOUT, NoiseSource.PHILOX, False, True, *config, has_prev=has_prev)
-        yield _partials(storage, mode, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *config, has_prev=has_prev)
-        yield _partials(storage, mode, Op.KL, NoiseSource.TENSOR, False, False, *config, has_prev=has_prev)
-        yield _backward(storage, mode, LogProbKind.GAUSSIAN, True, (True, True, True), *config, has_prev=has_prev)
-        yield _backward(storage, mode, LogProbKind.KL, True, (False, True, True), *config, has_prev=has_prev)
+        fwd, philox, bwd = (_step_config(storage, mode, philox=p, backward=b, second_order=has_prev) for p, b in
+                            ((False, False), (True, False), (False, True)))
+        kw = dict(has_prev=has_prev, even=True)
+        yield _partials(storage, mode, Op.ROLLOUT, NoiseSource.TENSOR, True, False, *fwd, **kw)
+        yield _partials(storage, mode, Op.ROLLOUT, NoiseSource.PHILOX, False, True, *philox, **kw)
+        yield _partials(storage, mode, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *fwd, **kw)
+        yield _partials(storage, mode, Op.KL, NoiseSource.TENSOR, False, False, *fwd, **kw)
+        yield _backward(storage, mode, LogProbKind.GAUSSIAN, True, (True, True, True), *bwd, **kw)
+        yield _backward(storage, mode, LogProbKind.KL, True, (False, True, True), *bwd, **kw)
     if storage == STORAGES[0]:
         yield _finalize(mode, LogProbKind.GAUSSIAN, True, 64)
 
@@ -305,65 +335,105 @@ DDIM_VARIANTS = {"bf16": ((Prediction.EPSILON, True), (Prediction.V_PREDICTION, 
 DDIM_DEFAULT_VARIANTS = ((Prediction.EPSILON, True),)
 
 
-def _ddim(storage, config) -> Iterator[Specialization]:
-    """ddim's specializations: per (prediction, clip) pair, the rollout (torch noise with the mean,
-    Philox, none at eta = 0), the log-prob, the KL and their backward (gaussian mean, KL); one finalize (ddim's finalize
-    reads only the std)."""
+def _ddim(storage) -> Iterator[Specialization]:
+    """ddim's specializations, on whole blocks (EVEN) at the launcher's configuration: per (prediction,
+    clip) pair, the rollout (torch noise with the mean, Philox, none at eta = 0), the log-prob, the KL
+    and their backward (gaussian mean, KL); one finalize (ddim's finalize reads only the std)."""
     from flowrl.backends._triton_ops import WIDE_CONFIG
 
-    rollout = WIDE_CONFIG if storage == "fp32" else config  # the launcher's element_config
+    fwd, philox, bwd = (_step_config(storage, Mode.DDIM, philox=p, backward=b) for p, b in
+                        ((False, False), (True, False), (False, True)))
+    wide = storage == "fp32"  # the launcher's element_config: ddim's float32 rollouts at WIDE_CONFIG
+    rollout, philox = (WIDE_CONFIG, WIDE_CONFIG) if wide else (fwd, philox)
     for ddim in DDIM_VARIANTS.get(storage, DDIM_DEFAULT_VARIANTS):
-        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.TENSOR, True, False, *rollout, ddim=ddim)
-        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.PHILOX, False, True, *rollout, ddim=ddim)
-        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.NONE, True, False, *rollout, ddim=ddim)  # eta = 0
-        yield _partials(storage, Mode.DDIM, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *config, ddim=ddim)
-        yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False, *config, ddim=ddim)
-        yield _backward(storage, Mode.DDIM, LogProbKind.GAUSSIAN, True, (True, True, True), *config, ddim=ddim)
-        yield _backward(storage, Mode.DDIM, LogProbKind.KL, True, (True, True, True), *config, ddim=ddim)
+        kw, rkw = dict(ddim=ddim, even=True), dict(ddim=ddim, even=not wide)  # multi-warp programs stay masked
+        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.TENSOR, True, False, *rollout, **rkw)
+        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.PHILOX, False, True, *philox, **rkw)
+        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.NONE, True, False, *rollout, **rkw)  # eta = 0
+        yield _partials(storage, Mode.DDIM, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *fwd, **kw)
+        yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False, *fwd, **kw)
+        yield _backward(storage, Mode.DDIM, LogProbKind.GAUSSIAN, True, (True, True, True), *bwd, **kw)
+        yield _backward(storage, Mode.DDIM, LogProbKind.KL, True, (True, True, True), *bwd, **kw)
+    # masked (a sample size not a multiple of the block), one variant per op
+    ddim = DDIM_DEFAULT_VARIANTS[0]
+    if not wide:
+        yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.TENSOR, True, False,
+                        *_step_config(storage, Mode.DDIM, masked_rollout=True), ddim=ddim)
+    yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False, *fwd, ddim=ddim)
+    yield _backward(storage, Mode.DDIM, LogProbKind.KL, True, (True, True, True), *bwd, ddim=ddim)
     if storage == STORAGES[0]:
         yield _finalize(Mode.DDIM, LogProbKind.GAUSSIAN, True, 64)
 
 
 def specializations(storage: str = "bf16", quick: bool = False) -> Iterator[Specialization]:
-    """Every specialization the launchers request for latents stored as ``storage``: each mode with
-    every op, noise source (Philox from an aligned and an unaligned offset), mean-writing and
-    log-prob kind x reduction, at the largest launch configuration; every launch configuration for the
-    heaviest variants (the sde rollout with Philox noise and the mean, the sde log-prob and its
-    backward); finalize widths from 2 to MAX_FINALIZE_WIDTH; one variant without the JIT's alignment attributes.
+    """Every specialization the launchers request for latents stored as ``storage``, each once: each
+    mode with every op, noise source (Philox from an aligned and an unaligned offset), mean-writing
+    and log-prob kind x reduction at the launcher's configuration for large latents (step_config), on
+    whole blocks (EVEN) and masked; one tile (below 4,096 elements) for the heaviest variants (the sde
+    rollout with Philox noise and the mean, the sde log-prob and its backward); finalize widths from 2
+    to MAX_FINALIZE_WIDTH; one variant without the JIT's alignment attributes; flowrl.losses' kernels.
     ``quick``: one specialization per kernel (the heaviest switches), for a fast check."""
-    configs = _launch_configs()
-    largest = configs[-1]
+    seen = set()
+    for spec in _specializations(storage, quick):
+        if (spec.kernel, spec.label) not in seen:
+            seen.add((spec.kernel, spec.label))
+            yield spec
+
+
+def _specializations(storage, quick) -> Iterator[Specialization]:
+    one_tile = _launch_configs()[-1]
     rollouts = [(NoiseSource.TENSOR, False, False), (NoiseSource.TENSOR, True, False),
                 (NoiseSource.PHILOX, False, True), (NoiseSource.PHILOX, True, True), (NoiseSource.PHILOX, True, False),
                 (NoiseSource.NONE, False, False), (NoiseSource.NONE, True, False)]
-    if quick:
-        yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *largest)
+    sde = _step_config(storage, Mode.SDE)
+    if quick:  # masked: heavier than whole blocks
+        yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True,
+                        *_step_config(storage, Mode.SDE, philox=True))
         yield _finalize(Mode.CPS, LogProbKind.GAUSSIAN, True, 64)
-        yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (True, True, True), *largest)
+        yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (True, True, True),
+                        *_step_config(storage, Mode.SDE, backward=True))
         return
     for mode in Mode:
         if mode.rules.aot is Variants.DDIM:
-            yield from _ddim(storage, largest)
+            yield from _ddim(storage)
             continue
         if mode in FEW_SPECIALIZATIONS:  # coefficient-only variants of compiled paths: one of each op
-            yield from _few(storage, mode, largest)
+            yield from _few(storage, mode)
             continue
-        for noise, write_mean, philox_aligned in rollouts:
-            unaligned = noise is NoiseSource.PHILOX and not philox_aligned
-            config = _unaligned_philox_config() if unaligned else largest
-            yield _partials(storage, mode, Op.ROLLOUT, noise, write_mean, philox_aligned, *config)
-        yield _partials(storage, mode, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *largest)
-        yield _partials(storage, mode, Op.KL, NoiseSource.TENSOR, False, False, *largest)
-        for kind in LogProbKind:
-            for mean in (True, False):
-                needs = (False, True, True) if kind is LogProbKind.KL else (True, True, True)
-                yield _backward(storage, mode, kind, mean, needs, *largest)
-    for config in configs[:-1]:
-        yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *config)
-        yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *config)
-        yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (True, True, True), *config)
-    yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False), *largest)  # training's usual
-    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *largest, aligned=False)
+        fwd, bwd = _step_config(storage, mode), _step_config(storage, mode, backward=True)
+        # large latents: whole blocks (EVEN) at the launcher's configuration, then the masked variants
+        # (a sample size not a multiple of the block); sde's every switch, one of each op elsewhere
+        for even in (True, False):
+            every = even or mode is Mode.SDE
+            for noise, write_mean, philox_aligned in rollouts:
+                if not (every or (noise, write_mean, philox_aligned) == (NoiseSource.PHILOX, True, True)):
+                    continue
+                if noise is NoiseSource.PHILOX and not philox_aligned:  # one variant, masked, at its own
+                    if even:
+                        yield _partials(storage, mode, Op.ROLLOUT, noise, write_mean, False, *_unaligned_philox_config())
+                    continue
+                config = _step_config(storage, mode, philox=noise is NoiseSource.PHILOX, masked_rollout=not even)
+                yield _partials(storage, mode, Op.ROLLOUT, noise, write_mean, philox_aligned, *config, even=even)
+            yield _partials(storage, mode, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *fwd, even=even)
+            yield _partials(storage, mode, Op.KL, NoiseSource.TENSOR, False, False, *fwd, even=even)
+            for kind in LogProbKind:
+                for mean in (True, False):
+                    if every or (kind, mean) == (LogProbKind.GAUSSIAN, True):
+                        needs = (False, True, True) if kind is LogProbKind.KL else (True, True, True)
+                        yield _backward(storage, mode, kind, mean, needs, *bwd, even=even)
+    for even in (True, False):
+        yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False),
+                        *_step_config(storage, Mode.SDE, backward=True), even=even)  # training's usual
+    # below 4,096 elements (and where no tiles are taken): one tile, masked or not
+    if sde != one_tile:
+        for even in (True, False):
+            yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *one_tile, even=even)
+            yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *one_tile, even=even)
+            yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (True, True, True), *one_tile, even=even)
+    # without the JIT's alignment attributes (an unaligned address or size): one tile
+    for even in (True, False):
+        yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *one_tile, aligned=False,
+                        even=even)
     # elementwise steps (per-token schedules, frozen masks): the heaviest rollout (Philox, the mean,
     # per-token coefficients and a mask), the recompute with both and with a mask alone, its backward,
     # at the launchers' configurations (flowrl._triton_ops.element_config: float32 latents' forward
@@ -422,7 +492,10 @@ def compile_specialization(spec: Specialization, arch: int = 90, kernel=None):
     source = ASTSource(fn=kernel, signature=signature, constexprs=dict(spec.constexprs), attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
     backend = triton.compiler.make_backend(target)
-    options = backend.parse_options({"num_warps": spec.num_warps, "enable_fp_fusion": False})
+    from flowrl.backends._triton_ops import MAX_TILE_REGISTERS
+
+    cap = {"maxnreg": MAX_TILE_REGISTERS} if spec.constexprs.get("TILES", 1) > 1 else {}  # the launcher's step_switches
+    options = backend.parse_options({"num_warps": spec.num_warps, "enable_fp_fusion": False, **cap})
     return triton.compile(source, target=target, options=options.__dict__)
 
 
@@ -551,10 +624,11 @@ def _group_warps(spec: Specialization):
 
 def is_hot(spec: Specialization) -> bool:
     """The specializations the roofline targets apply to: every element kernel's specialization at
-    the launch configuration large latents use (the largest of the launch table; Philox from an
-    unaligned offset and the replaying loss backward at their own), with the JIT's alignment
-    attributes (every contiguous latent has them); elementwise steps with a token run of a 16-byte
-    vector (RUN 1, an odd per-token ``inner``, is reported only)."""
+    the launch configuration large latents use, with the JIT's alignment attributes (every contiguous
+    latent has them): the step kernels on whole blocks (EVEN) at the launcher's step_config
+    (``_step_config``), the elementwise steps, Philox from an unaligned offset and flowrl.losses'
+    kernels (the replaying backward at REPLAY_BACKWARD_CONFIG) at theirs, masked; elementwise steps with
+    a token run of a 16-byte vector (RUN 1, an odd per-token ``inner``, is reported only)."""
     from flowrl.backends._triton_losses import REPLAY_BACKWARD_CONFIG
 
     if spec.kernel in ("finalize_kernel", "token_table_kernel") or not spec.aligned:
@@ -571,7 +645,14 @@ def is_hot(spec: Specialization) -> bool:
         return config == tuple(_unaligned_philox_config())
     if spec.kernel == "grpo_backward_kernel" and cx["TRUST"] == 2:
         return config == tuple(REPLAY_BACKWARD_CONFIG)
-    return config == _launch_configs()[-1]
+    if spec.kernel.startswith(("grpo", "flow")):
+        return config == _launch_configs()[-1]
+    storage = spec.signature["v_ptr"][1:]
+    philox = spec.kernel == "step_partials_kernel" and cx["NOISE"] == int(NoiseSource.PHILOX)
+    # large latents fill whole blocks (EVEN)
+    return cx["EVEN"] and config == tuple(_step_config(storage, Mode(cx["MODE"]), philox,
+                                                       spec.kernel == "step_backward_kernel",
+                                                       second_order=cx["HAS_PREV"]))
 
 
 def roofline_target(spec: Specialization):

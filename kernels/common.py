@@ -8,6 +8,8 @@ IEEE round-to-nearest forms (``div_rn`` / ``sqrt_rn``; Triton's plain ``sqrt`` i
 and launchers pass ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA: the
 arithmetic is then the reference's, operation for operation.
 """
+import os
+
 import triton
 import triton.language as tl
 
@@ -38,6 +40,9 @@ OP_KL = tl.constexpr(Op.KL.value)
 NOISE_TENSOR = tl.constexpr(NoiseSource.TENSOR.value)
 NOISE_PHILOX = tl.constexpr(NoiseSource.PHILOX.value)
 NOISE_NONE = tl.constexpr(NoiseSource.NONE.value)
+# Whether @triton.jit makes interpreted functions in this process (TRITON_INTERPRET, read at import
+# like triton.jit itself): round_to's integer bfloat16 rounding is needed only there.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 HALF_LOG_2PI = tl.constexpr(_HALF_LOG_2PI)
 STD_FLOOR = tl.constexpr(_STD_FLOOR)
 
@@ -275,13 +280,16 @@ def halving_tree_rows(t, ROWS: tl.constexpr, WIDTH: tl.constexpr, LOG2_WIDTH: tl
 def round_to(x, DTYPE: tl.constexpr):
     """float32 ``x`` rounded to the storage dtype DTYPE, to nearest even (torch's ``.to``).
 
-    bfloat16 is rounded here with integer ops: Triton's interpreter truncates float32 -> bfloat16, and
-    the explicit rounding gives the same bits on GPU and interpreter (finite inputs; an overflow
-    carries into the exponent and gives inf, as hardware rounding does)."""
+    Compiled, the conversion is the hardware's round-to-nearest-even (cvt.rn.bf16x2.f32 /
+    cvt.rn.f16x2.f32: one instruction per pair of values). Triton's interpreter truncates float32 ->
+    bfloat16, so there (INTERPRETED) bfloat16 is rounded with integer ops first: the same bits for
+    finite values (an overflow carries into the exponent and gives inf, as the hardware does); the
+    integer form costs 3-4 instructions per value, which the compiled kernels do not pay."""
     if DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16) << 16
-        x = bits.to(tl.float32, bitcast=True)
+        if INTERPRETED:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16) << 16
+            x = bits.to(tl.float32, bitcast=True)
     return x.to(DTYPE)
 
 

@@ -3,7 +3,11 @@ Functions live in flowrl/backends/_triton_ops.py).
 
 Forward: one program per (sample, group of GROUP consecutive chunks); it reads its elements of x, v
 and a third input once and writes one float32 partial per chunk = sum of squared residuals over the
-chunk (how many chunks a program holds changes no bit: each chunk's tree is the same). The switches
+chunk (how many chunks a program holds changes no bit: each chunk's tree is the same). A program's
+block runs as TILES static tiles (tl.static_range: no runtime loop), so the per-sample work (the
+coefficients, their IEEE division and square-root slow paths, the Philox key, the index math) is
+paid once per program while each tile's values stay in registers; EVEN (the sample size a multiple
+of the block) compiles without masks or tail selects. The backward takes the same two switches. The switches
 (MODE, OP, KIND, NOISE) take flowrl.contract's enum values, compared against the named constants of
 kernels/common.py.
 
@@ -111,9 +115,27 @@ def _element_terms(a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups,
 def _philox_eps(seeds_ptr, row, first, stream_stride, elem_offset, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     """This block's float32 noise: elements elem_offset + first + arange(BLOCK) of the sample's Philox
     stream (elem_offset: where a sequence-parallel shard starts)."""
-    k0, k1 = philox_key(tl.load(seeds_ptr + row))
-    stream = (row * stream_stride).to(tl.uint32)
+    k0, k1, stream = _philox_stream(seeds_ptr, row, stream_stride)
     return philox_normal_block(k0, k1, stream, elem_offset + first, BLOCK, ALIGNED)
+
+
+@triton.jit
+def _philox_stream(seeds_ptr, row, stream_stride):
+    """The sample's Philox key (k0, k1) and stream (read once per program)."""
+    k0, k1 = philox_key(tl.load(seeds_ptr + row))
+    return k0, k1, (row * stream_stride).to(tl.uint32)
+
+
+@triton.jit
+def _tile_offsets(row, first, n_per_sample, TILE: tl.constexpr, EVEN: tl.constexpr):
+    """A tile's in-sample offsets, int64 element offsets and mask (EVEN: the sample size is a multiple
+    of the program's block, so every tile is whole and the mask is all True: the compiler drops it)."""
+    in_row = first + tl.arange(0, TILE)
+    if EVEN:
+        mask = tl.full((TILE,), 1, tl.int1)
+    else:
+        mask = in_row < n_per_sample
+    return in_row, row * n_per_sample + in_row, mask
 
 
 @triton.jit
@@ -126,68 +148,86 @@ def step_partials_kernel(
     GROUP: tl.constexpr, NOISE: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
     PER_TOKEN: tl.constexpr, HAS_FROZEN: tl.constexpr, WEIGHTED: tl.constexpr,
     clip_range, PRED: tl.constexpr, CLIP: tl.constexpr,
-    prev_x0_ptr, last_index, HAS_PREV: tl.constexpr, RUN: tl.constexpr = 1,
+    prev_x0_ptr, last_index, HAS_PREV: tl.constexpr, TILES: tl.constexpr, EVEN: tl.constexpr,
+    RUN: tl.constexpr = 1,
 ):
     """Chunk partials [B, n_chunks] of r * r (weighted per token when WEIGHTED); each program covers
-    GROUP consecutive chunks. ddim (MODE_DDIM) reads its alpha-bar table from sigmas_ptr and its
+    GROUP consecutive chunks, in TILES static steps of GROUP // TILES chunks (the per-sample work,
+    coefficients and address setup, is done once per program and spread over its GROUP chunks; each
+    tile's values stay in registers). ddim (MODE_DDIM) reads its alpha-bar table from sigmas_ptr and its
     mean's switches PRED, CLIP (flowrl refuses per-token sigmas and frozen masks with ddim and with
     dpm_sde's second order, so ELEMENTWISE never meets MODE_DDIM or HAS_PREV)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
-    row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, GROUP * CHUNK)
+    TILE_CHUNKS: tl.constexpr = GROUP // TILES
+    TILE: tl.constexpr = TILE_CHUNKS * CHUNK
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // n_blocks
+    block_first = (pid - row * n_blocks) * (GROUP * CHUNK)
     step = tl.load(step_ptr + row)
     if MODE == MODE_DDIM:
         sqrt_a, sqrt_b, sqrt_a_prev, k, std = ddim_coefficients(sigmas_ptr, step, eta)
     else:
-        a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
+        a0, c0, std0 = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
         if HAS_PREV:  # dpm_sde's second order: mu gains p * x0_prev
-            a, c, p, std = dpm_sde_coefficients(sigmas_ptr, step, True)
+            a0, c0, p, std0 = dpm_sde_coefficients(sigmas_ptr, step, True)
+    if NOISE == NOISE_PHILOX:
+        k0, k1, stream = _philox_stream(seeds_ptr, row, stream_stride)
+    for tile in tl.static_range(TILES):
+        first = block_first + tile * TILE
+        in_row, offs, mask = _tile_offsets(row, first, n_per_sample, TILE, EVEN)
+        if MODE != MODE_DDIM:
+            a, c, std = a0, c0, std0
+            if ELEMENTWISE:
+                a, c, std, keep, scored, weight = _element_terms(
+                    a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr,
+                    frozen_inner, frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta,
+                    MODE, last_index, PER_TOKEN, HAS_FROZEN, WEIGHTED, RUN)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if NOISE == NOISE_PHILOX:  # rollout only: the noise never touches memory
+            third = philox_normal_block(k0, k1, stream, elem_offset + first, TILE, PHILOX_ALIGNED)
+        elif NOISE == NOISE_TENSOR:
+            third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if MODE == MODE_DDIM:  # nonlinear in v (the clip): its KL reads x too
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
+        elif OP != OP_KL:  # the KL's mu - mu_ref = c v - c v_ref does not read x
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            mu = step_mean(a, c, x, v)
+            if HAS_PREV:
+                mu = mu + p * tl.load(prev_x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if OP == OP_ROLLOUT:
+            if NOISE == NOISE_NONE:  # deterministic: std is 0, and mu + 0 * eps is mu
+                prev = round_to(mu, prev_out_ptr.dtype.element_ty)
+            else:
+                prev = round_to(mu + std * third, prev_out_ptr.dtype.element_ty)
+            if ELEMENTWISE:  # frozen and held elements emit x' = x, their mean is x
+                prev = tl.where(keep, round_to(x, prev_out_ptr.dtype.element_ty), prev)
+                mu = tl.where(keep, x, mu)
+            tl.store(prev_out_ptr + offs, prev, mask=mask)
+            r = prev.to(tl.float32) - mu
+            if WRITE_MEAN:
+                tl.store(mean_out_ptr + offs, mu, mask=mask)
+        elif OP == OP_LOG_PROB:
+            r = third - mu
+        elif MODE == MODE_DDIM:  # OP_KL
+            r = mu - ddim_mean(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
+        else:  # OP_KL
+            r = policy_difference(c, v, third)
         if ELEMENTWISE:
-            a, c, std, keep, scored, weight = _element_terms(
-                a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
-                frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index,
-                PER_TOKEN, HAS_FROZEN, WEIGHTED, RUN)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if NOISE == NOISE_PHILOX:  # rollout only: the noise never touches memory
-        third = _philox_eps(seeds_ptr, row, first, stream_stride, elem_offset, GROUP * CHUNK, PHILOX_ALIGNED)
-    elif NOISE == NOISE_TENSOR:
-        third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if MODE == MODE_DDIM:  # nonlinear in v (the clip): its KL reads x too
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
-    elif OP != OP_KL:  # the KL's mu - mu_ref = c v - c v_ref does not read x
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        mu = step_mean(a, c, x, v)
-        if HAS_PREV:
-            mu = mu + p * tl.load(prev_x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if OP == OP_ROLLOUT:
-        if NOISE == NOISE_NONE:  # deterministic: std is 0, and mu + 0 * eps is mu
-            prev = round_to(mu, prev_out_ptr.dtype.element_ty)
+            sq = r * r
+            if WEIGHTED:
+                sq = sq * weight
+            sq = tl.where(scored, sq, 0.0)  # frozen, held, std-0 elements and the tail add exact zeros
         else:
-            prev = round_to(mu + std * third, prev_out_ptr.dtype.element_ty)
-        if ELEMENTWISE:  # frozen and held elements emit x' = x, their mean is x
-            prev = tl.where(keep, round_to(x, prev_out_ptr.dtype.element_ty), prev)
-            mu = tl.where(keep, x, mu)
-        tl.store(prev_out_ptr + offs, prev, mask=mask)
-        r = prev.to(tl.float32) - mu
-        if WRITE_MEAN:
-            tl.store(mean_out_ptr + offs, mu, mask=mask)
-    elif OP == OP_LOG_PROB:
-        r = third - mu
-    elif MODE == MODE_DDIM:  # OP_KL
-        r = mu - ddim_mean(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
-    else:  # OP_KL
-        r = policy_difference(c, v, third)
-    if ELEMENTWISE:
-        sq = r * r
-        if WEIGHTED:
-            sq = sq * weight
-        sq = tl.where(scored, sq, 0.0)  # frozen, held, std-0 elements and the tail add exact zeros
-    else:
-        r = tl.where(mask, r, 0.0)  # the tail of the last chunk adds exact zeros, as the reference's padding
-        sq = r * r
-    partial = halving_tree_rows(sq, GROUP, CHUNK, LOG2_CHUNK)  # one partial per chunk
-    chunk = first // CHUNK + tl.arange(0, GROUP)
-    tl.store(partials_ptr + row * n_chunks + chunk, partial, mask=chunk < n_chunks)
+            if not EVEN:
+                r = tl.where(mask, r, 0.0)  # the tail of the last chunk adds exact zeros, as the reference's padding
+            sq = r * r
+        partial = halving_tree_rows(sq, TILE_CHUNKS, CHUNK, LOG2_CHUNK)  # one partial per chunk
+        chunk = first // CHUNK + tl.arange(0, TILE_CHUNKS)
+        if EVEN:
+            tl.store(partials_ptr + row * n_chunks + chunk, partial)
+        else:
+            tl.store(partials_ptr + row * n_chunks + chunk, partial, mask=chunk < n_chunks)
 
 
 @triton.jit
@@ -234,68 +274,78 @@ def step_backward_kernel(
     PER_TOKEN: tl.constexpr, HAS_FROZEN: tl.constexpr, WEIGHTED: tl.constexpr,
     clip_range, PRED: tl.constexpr, CLIP: tl.constexpr,
     prev_x0_ptr, grad_prev_ptr, last_index, HAS_PREV: tl.constexpr, NEED_PREV: tl.constexpr,
-    RUN: tl.constexpr = 1,
+    TILES: tl.constexpr, EVEN: tl.constexpr, RUN: tl.constexpr = 1,
 ):
-    """Input grads of step_log_prob (third = x') or step_kl (third = v_ref) from grad [B].
+    """Input grads of step_log_prob (third = x') or step_kl (third = v_ref) from grad [B]; a program's
+    BLOCK elements in TILES static steps (the per-sample work once per program).
 
     Per sample: coef = d value / d total (common.total_grad); per element d value / d r = 2 * coef * r,
     then dmu/dx = a, dmu/dv = c, and r = x' - mu or mu - mu_ref = c v - c v_ref. The KL does not
     depend on x (a * x cancels), so it has no x grad (NEED_X is False for it), except ddim's: its
     mean is nonlinear (x0's clip), with per-element dmu/dx, dmu/dv (common.ddim_mean_grads)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
-    row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
+    TILE: tl.constexpr = BLOCK // TILES
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // n_blocks
+    block_first = (pid - row * n_blocks) * BLOCK
     step = tl.load(step_ptr + row)
     if MODE == MODE_DDIM:
-        sqrt_a, sqrt_b, sqrt_a_prev, k, std = ddim_coefficients(sigmas_ptr, step, eta)
+        sqrt_a, sqrt_b, sqrt_a_prev, k, std0 = ddim_coefficients(sigmas_ptr, step, eta)
     else:
-        a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
+        a0, c0, std0 = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
         if HAS_PREV:  # dpm_sde's second order: mu gains p * x0_prev
-            a, c, p, std = dpm_sde_coefficients(sigmas_ptr, step, True)
-    coef = total_grad(tl.load(grad_ptr + row), std, tl.load(count_ptr + row), KIND, MEAN)
-    if ELEMENTWISE:
-        a, c, std, keep, scored, weight = _element_terms(
-            a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
-            frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index,
-            PER_TOKEN, HAS_FROZEN, WEIGHTED, RUN)
-        if WEIGHTED:
-            coef = coef * weight
-        coef = tl.where(scored, coef, 0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if MODE == MODE_DDIM:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
-        a, c = ddim_mean_grads(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)  # dmu/dx, dmu/dv
-        if IS_KL:
-            r = mu - ddim_mean(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
-            a_ref, c_ref = ddim_mean_grads(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
-            a = a - a_ref
-        else:
-            r = third - mu
-    elif IS_KL:
-        r = policy_difference(c, v, third)
-    else:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        mu = step_mean(a, c, x, v)
-        if HAS_PREV:
-            mu = mu + p * tl.load(prev_x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        r = third - mu
-    cr = coef * r
-    grad_r = cr + cr  # d(r * r) = 2 r dr, as autograd of r * r sums two equal terms
-    if IS_KL:
-        grad_mu = grad_r
+            a0, c0, p, std0 = dpm_sde_coefficients(sigmas_ptr, step, True)
+    coef0 = total_grad(tl.load(grad_ptr + row), std0, tl.load(count_ptr + row), KIND, MEAN)
+    for tile in tl.static_range(TILES):
+        first = block_first + tile * TILE
+        in_row, offs, mask = _tile_offsets(row, first, n_per_sample, TILE, EVEN)
+        coef = coef0
+        if MODE != MODE_DDIM:
+            a, c, std = a0, c0, std0
+        if ELEMENTWISE:
+            a, c, std, keep, scored, weight = _element_terms(
+                a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
+                frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index,
+                PER_TOKEN, HAS_FROZEN, WEIGHTED, RUN)
+            if WEIGHTED:
+                coef = coef * weight
+            coef = tl.where(scored, coef, 0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if MODE == MODE_DDIM:
-            grad_third = -grad_r * c_ref
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
+            a, c = ddim_mean_grads(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)  # dmu/dx, dmu/dv
+            if IS_KL:
+                r = mu - ddim_mean(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
+                a_ref, c_ref = ddim_mean_grads(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
+                a = a - a_ref
+            else:
+                r = third - mu
+        elif IS_KL:
+            r = policy_difference(c, v, third)
         else:
-            grad_third = -grad_r * c
-    else:
-        grad_mu = -grad_r
-        grad_third = grad_r
-    if NEED_X:
-        tl.store(grad_x_ptr + offs, round_to(grad_mu * a, grad_x_ptr.dtype.element_ty), mask=mask)
-    if NEED_V:
-        tl.store(grad_v_ptr + offs, round_to(grad_mu * c, grad_v_ptr.dtype.element_ty), mask=mask)
-    if NEED_THIRD:
-        tl.store(grad_third_ptr + offs, round_to(grad_third, grad_third_ptr.dtype.element_ty), mask=mask)
-    if NEED_PREV:  # dmu/dx0_prev = p
-        tl.store(grad_prev_ptr + offs, round_to(grad_mu * p, grad_prev_ptr.dtype.element_ty), mask=mask)
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            mu = step_mean(a, c, x, v)
+            if HAS_PREV:
+                mu = mu + p * tl.load(prev_x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            r = third - mu
+        cr = coef * r
+        grad_r = cr + cr  # d(r * r) = 2 r dr, as autograd of r * r sums two equal terms
+        if IS_KL:
+            grad_mu = grad_r
+            if MODE == MODE_DDIM:
+                grad_third = -grad_r * c_ref
+            else:
+                grad_third = -grad_r * c
+        else:
+            grad_mu = -grad_r
+            grad_third = grad_r
+        if NEED_X:
+            tl.store(grad_x_ptr + offs, round_to(grad_mu * a, grad_x_ptr.dtype.element_ty), mask=mask)
+        if NEED_V:
+            tl.store(grad_v_ptr + offs, round_to(grad_mu * c, grad_v_ptr.dtype.element_ty), mask=mask)
+        if NEED_THIRD:
+            tl.store(grad_third_ptr + offs, round_to(grad_third, grad_third_ptr.dtype.element_ty), mask=mask)
+        if NEED_PREV:  # dmu/dx0_prev = p
+            tl.store(grad_prev_ptr + offs, round_to(grad_mu * p, grad_prev_ptr.dtype.element_ty), mask=mask)

@@ -133,11 +133,23 @@ def test_the_specializations_cover_every_switch_the_launchers_use():
     assert {c["PRED"] for c in ddim} == {0, 1, 2} and {c["CLIP"] for c in ddim} == {True, False}
     assert any(c["NOISE"] == int(NoiseSource.NONE) for c in ddim)
     assert {c["WIDTH"] for c in finalize} >= {2, 64, 1024, _triton_ops.MAX_FINALIZE_WIDTH}
-    configs = {(g, w) for _, g, w in _triton_ops.LAUNCH_TABLE} | {_triton_ops.ELEMENTWISE_CONFIG}
+    # the one-tile table, the step kernels' multi-tile table (step_config) and the elementwise steps'
+    configs = {(g, w) for table in (_triton_ops.LAUNCH_TABLE, _triton_ops.STEP_LAUNCH_TABLE) for _, g, w in table}
+    configs |= {_triton_ops.ELEMENTWISE_CONFIG}
     # the forward's WIDE_CONFIG: Philox from an unaligned offset, ddim's float32 rollouts (element_config)
     forward = configs | {_triton_ops.WIDE_CONFIG, _triton_ops.UNALIGNED_PHILOX_CONFIG}
-    assert {(s.constexprs["GROUP"], s.num_warps) for s in specs if s.kernel == "step_partials_kernel"} == forward
-    assert {(s.constexprs["BLOCK"] // 1024, s.num_warps) for s in specs if s.kernel == "step_backward_kernel"} == configs
+    step = [s for s in specs if s.kernel in ("step_partials_kernel", "step_backward_kernel")]
+    group = {id(s): s.constexprs.get("GROUP", s.constexprs.get("BLOCK", 0) // 1024) for s in step}
+    assert {(group[id(s)], s.num_warps) for s in step if s.kernel == "step_partials_kernel"} == forward
+    assert {(group[id(s)], s.num_warps) for s in step if s.kernel == "step_backward_kernel"} == configs
+    # TILES as the launcher sets it (step_switches); every one-warp configuration of each step kernel on
+    # whole blocks (EVEN) and masked; the multi-warp ones masked only (step_switches never sets EVEN there)
+    assert all(s.constexprs["TILES"] == _triton_ops.element_tiles(group[id(s)], s.num_warps) for s in step)
+    assert any(s.constexprs["TILES"] > 1 for s in step)
+    for kernel in ("step_partials_kernel", "step_backward_kernel"):
+        one_warp = {(group[id(s)], s.constexprs["EVEN"]) for s in step if s.kernel == kernel and s.num_warps == 1}
+        assert one_warp == {(g, even) for g, _ in one_warp for even in (True, False)}, (kernel, one_warp)
+    assert not any(s.constexprs["EVEN"] for s in step if s.num_warps > 1)
 
 
 @needs_linux_x86

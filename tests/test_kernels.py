@@ -10,6 +10,7 @@ import torch
 
 import flowrl
 from flowrl import _dispatch, _triton_ops
+from flowrl.contract import Mode, Op
 from flowrl.step_spec import ShardContext
 
 MODES = ("ode", "sde", "dance", "cps")
@@ -389,11 +390,58 @@ def test_every_launch_config_gives_the_same_bits(device, monkeypatch, group, num
         assert torch.equal(a, b), k
 
 
+@pytest.mark.parametrize("n,dtype", [(8 * 1024, torch.bfloat16), (8 * 1024 + 16, torch.float16)])
+def test_multi_tile_programs_give_the_same_bits(device, monkeypatch, n, dtype):
+    """Aligned 16-bit latents above 4,096 elements per sample run STEP_LAUNCH_TABLE's 4 chunks per
+    one-warp program in 4 static tiles, on whole blocks (EVEN, 8,192) or masked (8,208): rollout
+    (torch noise with the mean, Philox), recompute, KL and every backward grad give the one-tile
+    launch's bits."""
+    sigmas = schedule(device)
+    x, v, noise = inputs((2, n), dtype, device, 23, third="noise")
+    _, _, v_ref = inputs((2, n), dtype, device, 24, third="noise")
+    step = steps_for(2, device)
+    spec = type("Spec", (), {"elementwise": False, "mode": Mode.SDE, "op": Op.LOG_PROB})
+    group, warps = _triton_ops.step_config(spec, n, (x, v))
+    assert (group, warps) == (4, 1)
+    assert _triton_ops.step_switches(group, warps, n) == dict(TILES=4, EVEN=n % 4096 == 0, maxnreg=128)
+    launches = []
+    real_launch = _triton_ops._launch
+
+    def record(kernel, grid, *args, **kwargs):
+        launches.append((kwargs.get("GROUP", kwargs.get("BLOCK", 0) // 1024), kwargs.get("TILES")))
+        return real_launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_triton_ops, "_launch", record)
+
+    def run():
+        out = flowrl.sde_step(x, v, sigmas, step, noise=noise, backend="triton")
+        philox = flowrl.sde_step(x, v, sigmas, step, noise_seed=5, backend="triton")
+        leaves = [t.clone().requires_grad_(True) for t in (x, v, out.prev_sample)]
+        lp = flowrl.step_log_prob(*leaves, sigmas, step, backend="triton")
+        lp.sum().backward()
+        vk = v.clone().requires_grad_(True)
+        kl = flowrl.step_kl(x, vk, v_ref, sigmas, step, backend="triton")
+        kl.sum().backward()
+        return [out.prev_sample, out.log_prob, out.prev_sample_mean, philox.prev_sample, philox.log_prob, lp,
+                *(t.grad for t in leaves), kl, vk.grad]
+
+    want = run()
+    assert (4, 4) in launches  # the recompute's forward at least ran 4 tiles
+    launches.clear()
+    monkeypatch.setattr(_triton_ops, "STEP_LAUNCH_TABLE", _triton_ops.LAUNCH_TABLE)  # one tile everywhere
+    got = run()
+    assert {tiles for _, tiles in launches if tiles is not None} == {1}
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), k
+
+
 def test_launch_table_covers_every_size():
     assert _triton_ops.launch_config(1) == _triton_ops.LAUNCH_TABLE[0][1:]
     assert _triton_ops.launch_config(2**40)[0] >= 1
     sizes = [1, 1024, 2048, 2049, 8192, 8193, 10**9]
     assert all(g & (g - 1) == 0 and 1 <= w <= 32 for g, w in map(_triton_ops.launch_config, sizes))
+    step = [_triton_ops.launch_config(n, table=_triton_ops.STEP_LAUNCH_TABLE) for n in sizes]
+    assert all(g & (g - 1) == 0 and w == 1 for g, w in step) and step[0] == (1, 1) and step[-1] == (4, 1)
 
 
 # -------------------------------------------------------------------------------------- dispatch

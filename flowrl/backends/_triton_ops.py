@@ -7,8 +7,10 @@ on the host (no ``.item()``, no sync), so the ops are CUDA-graph capturable.
 
 Launch: the element kernels run a 1-D grid, one program per (sample, block of ``group`` consecutive
 CHUNK_SIZE chunks) (any batch size), so every chunk's partial is summed inside one program (no
-atomics, fixed order); ``launch_config`` picks (group, num_warps) from the sample's element count.
-Every entry gives the same bits (each chunk's tree is the same; tested). The finalize kernel's block
+atomics, fixed order); ``step_config`` picks (group, num_warps) from the sample's element count,
+the latents' dtypes and alignment and the step (``launch_config``'s one tile, or STEP_LAUNCH_TABLE's
+static tiles with ``step_switches``). Every entry gives the same bits (each chunk's tree is the same;
+tested). The finalize kernel's block
 is the sample's partial count rounded up to a power of two, num_warps = block / 256 in [1, 16].
 Two launches per op call (partials, finalize); three for a rollout drawing torch noise (the randn).
 
@@ -76,15 +78,27 @@ def finalize_warps(width: int) -> int:
     return max(1, min(16, width // 256))
 
 
-# (largest elements per sample, chunks per program, num_warps), first match wins. One warp per
-# 1,024-element chunk, 32 values per thread (issue 21, the roofline): a thread's values sit 256
-# elements apart in four runs of 8 (bf16; fp32: 128 apart in eight runs of 4), so the chunk's halving
-# tree runs in registers and warp shuffles, with no shared memory and no barrier, and the per-sample
-# coefficients are spread over 32 values per thread instead of 8. The AOT roofline (bf16, sm_90a,
-# triton 3.9) measured the sde log-prob at 71 SASS instructions per element with (4 chunks, 16 warps),
-# 25 with (1, 1) and 21 with (2, 1); (2, 1) needs up to 254 registers (the rollout with the mean),
-# spills at 128, and (1, 1) stays within 128 without a spill. Any entry gives the same bits.
+# (largest elements per sample, chunks per program, num_warps), first match wins: flowrl.losses' element
+# passes (flowrl/backends/_triton_losses.py), and the step kernels wherever STEP_LAUNCH_TABLE is not
+# taken. One warp per 1,024-element chunk, 32 values per thread (issue 21, the roofline): a thread's
+# values sit 256 elements apart in four runs of 8 (bf16; fp32: 128 apart in eight runs of 4), so the
+# chunk's halving tree runs in registers and warp shuffles, with no shared memory and no barrier, and
+# the per-sample coefficients are spread over 32 values per thread instead of 8. The AOT roofline
+# (bf16, sm_90a, triton 3.9) measured the sde log-prob at 71 SASS instructions per element with (4
+# chunks, 16 warps), 25 with (1, 1); (2, 1) as one 64-value tile needs up to 254 registers (the
+# rollout with the mean) and spills at 128. Any entry gives the same bits.
 LAUNCH_TABLE = ((float("inf"), 1, 1),)
+
+# The step kernels' table where tiles are taken (``step_config``): above 4,096 elements per sample a
+# one-warp program holds 4 chunks and runs them as 4 static tiles of one chunk (TILES, a loop-free
+# tl.static_range), so each tile's 32 values per thread stay in registers while the per-sample work
+# (the coefficients' IEEE divisions and square roots with their slow paths, the index math, the
+# per-sample loads) is done once per 4,096 elements. Same bits: each chunk's tree is the same.
+STEP_LAUNCH_TABLE = ((4096, 1, 1), (float("inf"), 4, 1))
+
+# Registers per thread of a multi-tile program (issue 21: <= 128). Unbounded, ptxas hoists the next
+# tiles' loads and needs more registers for no fewer instructions.
+MAX_TILE_REGISTERS = 128
 
 
 # One chunk on four warps, 8 values per thread, for the launches that spill at 32 values per thread
@@ -111,9 +125,10 @@ TOKEN_TABLE_BLOCK = 256
 
 
 def element_config(spec, n_per_sample: int, unaligned_philox: bool = False, storage=None, run=None):
-    """(chunks per program, num_warps) of the element kernels for ``spec``'s samples of ``n_per_sample``
-    stored as ``storage`` (a torch dtype); ``run``: an elementwise step's RUN (``token_run``), given by
-    the forward element passes (the step's, the losses') and the losses' backward."""
+    """(chunks per program, num_warps) of one-tile element kernels (flowrl.losses' passes; the step
+    kernels where ``step_config`` takes no tiles) for ``spec``'s samples of ``n_per_sample`` stored as
+    ``storage`` (a torch dtype); ``run``: an elementwise step's RUN (``token_run``), given by the
+    forward element passes (the step's, the losses') and the losses' backward."""
     if spec.elementwise:
         if unaligned_philox or run == 1 or (run is not None and storage == torch.float32):
             return WIDE_CONFIG
@@ -123,14 +138,69 @@ def element_config(spec, n_per_sample: int, unaligned_philox: bool = False, stor
     return launch_config(n_per_sample, unaligned_philox=unaligned_philox)
 
 
-def launch_config(n_per_sample: int, unaligned_philox: bool = False):
-    """(chunks per program, num_warps) of the element kernels for samples of ``n_per_sample``."""
+def launch_config(n_per_sample: int, unaligned_philox: bool = False, table=LAUNCH_TABLE):
+    """(chunks per program, num_warps) of the element kernels for samples of ``n_per_sample``
+    (``table``: LAUNCH_TABLE, or STEP_LAUNCH_TABLE for tiled step kernels)."""
     if unaligned_philox:
         return UNALIGNED_PHILOX_CONFIG
-    for largest, group, num_warps in LAUNCH_TABLE:
+    for largest, group, num_warps in table:
         if n_per_sample <= largest:
             return group, num_warps
-    raise AssertionError("LAUNCH_TABLE ends with an unbounded entry")
+    raise AssertionError("the launch table ends with an unbounded entry")
+
+
+_TILE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def tiles_taken(mode: Mode, philox: bool, backward: bool, masked_rollout: bool = False,
+                second_order: bool = False) -> bool:
+    """Whether the step kernels of ``mode`` (a rollout drawing Philox noise: ``philox``; the backward:
+    ``backward``) run STEP_LAUNCH_TABLE's multi-tile programs when their latents are 16-bit and 16-byte
+    aligned; the others run LAUNCH_TABLE's one tile. Chosen per specialization from the AOT compile
+    (kernels/aot.py; no spill on sm_90a or sm_80 with triton 3.6.0 or 3.9.0, tests/test_compile.py):
+    at 4 tiles under the register cap the Philox rollouts spill 8-16 bytes (sm_90a, triton 3.9),
+    ddim's clipped means 8-368 bytes, a masked rollout (``masked_rollout``: the sample size not a
+    multiple of 4,096) with the mean 8-40 bytes, and dpm_sde's second order (``second_order``: the
+    extra x0_prev stream) 8-56 bytes with triton 3.6, so these keep one tile."""
+    return not (philox or masked_rollout or second_order) and mode is not Mode.DDIM
+
+
+def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = False, unaligned_philox: bool = False,
+                second_order: bool = False, run=None):
+    """(chunks per program, num_warps) of the step kernels for ``spec``'s samples of ``n_per_sample``.
+    Tiles are taken (STEP_LAUNCH_TABLE) when ``tiles_taken`` says so for the spec, every per-element
+    tensor in ``latents`` is bf16, or every one fp16, and their addresses and those of ``extra`` (a
+    rollout's float32 noise and mean) are 16-byte aligned with the sample size a multiple of 16 (the
+    JIT's divisibility specialization: the unaligned variants keep one tile); None entries are
+    skipped. Otherwise ``element_config``'s one tile (``run``: an elementwise forward's RUN)."""
+    storage = latents[0].dtype
+    if spec.elementwise or unaligned_philox:
+        return element_config(spec, n_per_sample, unaligned_philox=unaligned_philox, storage=storage, run=run)
+    rollout = not backward and spec.op is Op.ROLLOUT
+    philox = rollout and spec.noise_source is NoiseSource.PHILOX
+    group, _ = launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
+    masked_rollout = rollout and n_per_sample % (group * CHUNK_SIZE) != 0
+    latents, extra = [t for t in latents if t is not None], [t for t in extra if t is not None]
+    if (tiles_taken(spec.mode, philox, backward, masked_rollout, second_order) and storage in _TILE_DTYPES and n_per_sample % 16 == 0
+            and all(t.dtype == storage for t in latents) and all(t.data_ptr() % 16 == 0 for t in latents + extra)):
+        return launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
+    return element_config(spec, n_per_sample, storage=storage)
+
+
+def element_tiles(group: int, num_warps: int) -> int:
+    """The step kernels' TILES: a program's ``group`` chunks run in static tiles of at most 32 values
+    per thread (one chunk per tile at one warp; one tile at WIDE_CONFIG and ELEMENTWISE_CONFIG)."""
+    return max(1, group * CHUNK_SIZE // (32 * 32 * num_warps))
+
+
+def step_switches(group: int, num_warps: int, n_per_sample: int, elementwise: bool = False) -> dict:
+    """The step kernels' TILES, EVEN (the sample size a multiple of a one-warp program's block: no
+    masks; the multi-warp WIDE_CONFIG launches and elementwise steps stay masked, one variant each, as
+    kernels/aot.py compiles them) and register cap (``maxnreg``: MAX_TILE_REGISTERS for a multi-tile
+    program) of a launch."""
+    tiles = element_tiles(group, num_warps)
+    return dict(TILES=tiles, EVEN=not elementwise and num_warps == 1 and n_per_sample % (group * CHUNK_SIZE) == 0,
+                **(dict(maxnreg=MAX_TILE_REGISTERS) if tiles > 1 else {}))
 
 
 # No FMA contraction: the kernels do the reference's roundings, and the rollout and recompute
@@ -236,8 +306,10 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
     noise_from = spec.noise_source if spec.op is Op.ROLLOUT else NoiseSource.TENSOR
     philox = noise_from is NoiseSource.PHILOX
     seeds, stream_stride, elem_offset = spec.noise_seed if philox else (ks.step_index, 0, 0)
-    group, num_warps = element_config(spec, n, unaligned_philox=philox and elem_offset % 4 != 0, storage=x.dtype,
-                                      run=ks.switches.get("RUN"))
+    rollout = spec.op is Op.ROLLOUT  # its noise and mean are float32
+    group, num_warps = step_config(spec, n, (x, v, None if rollout else third, prev_out, ks.prev_x0),
+                                   (third if rollout else None, mean_out), unaligned_philox=philox and elem_offset % 4 != 0,
+                                   second_order=ks.prev_x0 is not None, run=ks.switches.get("RUN"))
     n_blocks = triton.cdiv(n_chunks, group)
     partials = torch.empty((b, n_chunks), dtype=torch.float32, device=x.device)
     _launch(
@@ -246,7 +318,7 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
         mean_out if write_mean else partials, partials, ks.sigmas, ks.step_index,
         seeds, stream_stride, elem_offset, n, n_chunks, n_blocks, *ks.args, *ks.elementwise_args,
         MODE=int(spec.mode), OP=int(spec.op), WRITE_MEAN=write_mean, CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE,
-        GROUP=group, **ks.switches,
+        GROUP=group, **ks.switches, **step_switches(group, num_warps, n, spec.elementwise),
         # CHUNK_SIZE is a multiple of 4: every block starts on a Philox quad when the offset does
         NOISE=int(noise_from), PHILOX_ALIGNED=philox and elem_offset % 4 == 0,
         num_warps=num_warps, **ks.ddim, **_second_order(ks, x), **_LAUNCH,
@@ -305,7 +377,8 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Op
     kernel_needs = (need_x, need_v, need_third, need_prev)
     if any(kernel_needs):
         dummy = grad.new_empty(1)
-        group, num_warps = element_config(spec, n)
+        group, num_warps = step_config(spec, n, (x, v, third, grad_x, grad_v, grad_third, ks.prev_x0, grad_prev),
+                                       backward=True, second_order=ks.prev_x0 is not None)
         block = group * CHUNK_SIZE
         n_blocks = triton.cdiv(n, block)
         _launch(
@@ -317,7 +390,7 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Op
             MODE=int(spec.mode), KIND=int(kind), MEAN=spec.reduction is Reduction.MEAN, IS_KL=is_kl,
             NEED_X=kernel_needs[0], NEED_V=need_v, NEED_THIRD=need_third, BLOCK=block, **ks.switches,
             num_warps=num_warps, **ks.ddim, **_second_order(ks, x), grad_prev_ptr=grad_prev if need_prev else dummy,
-            NEED_PREV=need_prev, **_LAUNCH,
+            NEED_PREV=need_prev, **step_switches(group, num_warps, n, spec.elementwise), **_LAUNCH,
         )
     return grad_x, grad_v, grad_third, grad_prev
 
