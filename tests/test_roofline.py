@@ -203,3 +203,18 @@ def test_sass_count_drops_padding_and_finds_runtime_loops():
     loop = straight.replace("@!P0 BRA `(.L_x_0)", "@!P0 BRA `(.L_x_2)").replace(
         "        /*0000*/", ".L_x_2:\n        /*0000*/")
     assert aot.sass_count(loop) == (4, 1)
+
+
+def test_docs_state_how_many_hot_specializations_meet_their_targets():
+    """docs/kernels.md's count of hot specializations at target is the hot set less NOT_YET_MET."""
+    import pathlib
+    import re
+
+    from flowrl.kernels import aot
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "kernels.md").read_text()
+    met, hot = map(int, re.search(r"(\d+) of the (\d+) hot specializations meet their targets", text).groups())
+    keys = {f"{s.kernel}: {s.label}" for storage in STORAGES for s in aot.hot_specializations(storage)}
+    assert hot == len(keys)
+    assert met == hot - len(NOT_YET_MET)
+    assert re.search(rf"the other {len(NOT_YET_MET)} are tests/test_roofline.py's", text.replace("\n", " "))
