@@ -252,6 +252,7 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
     largest, smallest = configs[-1], configs[0]
     from flowrl.backends._triton_losses import REPLAY_BACKWARD_CONFIG
     from flowrl.backends._triton_ops import ELEMENTWISE_CONFIG as ew
+    from flowrl.backends._triton_ops import SLIM_CONFIG as slim
     from flowrl.backends._triton_ops import WIDE_CONFIG as wide
 
     for backward in (False, True):
@@ -273,7 +274,8 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
         config = wide if storage == "fp32" else ew
         yield _grpo_loss(storage, Mode.SDE, True, 2, *config, backward=backward, elementwise=("token", "frozen"))
         yield _grpo_loss(storage, Mode.SDE, False, 1, *config, backward=backward, elementwise=("frozen",))
-        yield _grpo_loss(storage, Mode.SDE, True, 2, *wide, backward=backward, elementwise=("token", "frozen", "run1"))
+        yield _grpo_loss(storage, Mode.SDE, True, 2, *(slim if storage == "fp32" else wide), backward=backward,
+                         elementwise=("token", "frozen", "run1"))
         # the forward-process losses with a tail block (masked) and on whole blocks (EVEN: latents of a
         # multiple of CHUNK_SIZE elements, the usual case), and unpaired (an odd element count or
         # misaligned rows: no uint32 pairs, no alignment); DPO / DGPO's eps also drawn in the kernel
@@ -440,6 +442,7 @@ def _specializations(storage, quick) -> Iterator[Specialization]:
     # and one lookup per element, RUN 1, at WIDE_CONFIG), and Philox from an unaligned offset
     both, slow = ("token", "frozen"), ("token", "frozen", "run1")
     from flowrl.backends._triton_ops import ELEMENTWISE_CONFIG as ew
+    from flowrl.backends._triton_ops import SLIM_CONFIG
     from flowrl.backends._triton_ops import WIDE_CONFIG as wide
 
     forward = wide if storage == "fp32" else ew
@@ -447,8 +450,9 @@ def _specializations(storage, quick) -> Iterator[Specialization]:
     yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *forward, elementwise=both)
     yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *forward, elementwise=("frozen",))
     yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False), *ew, elementwise=both)
-    yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *wide, elementwise=slow)
-    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *wide, elementwise=slow)
+    run1 = SLIM_CONFIG if storage == "fp32" else wide  # element_config: float32 latents with RUN 1
+    yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *run1, elementwise=slow)
+    yield _partials(storage, Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *run1, elementwise=slow)
     yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False), *ew, elementwise=slow)
     yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, False, *_unaligned_philox_config(),
                     elementwise=both)

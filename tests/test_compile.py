@@ -136,8 +136,9 @@ def test_the_specializations_cover_every_switch_the_launchers_use():
     # the one-tile table, the step kernels' multi-tile table (step_config) and the elementwise steps'
     configs = {(g, w) for table in (_triton_ops.LAUNCH_TABLE, _triton_ops.STEP_LAUNCH_TABLE) for _, g, w in table}
     configs |= {_triton_ops.ELEMENTWISE_CONFIG}
-    # the forward's WIDE_CONFIG: Philox from an unaligned offset, ddim's float32 rollouts (element_config)
-    forward = configs | {_triton_ops.WIDE_CONFIG, _triton_ops.UNALIGNED_PHILOX_CONFIG}
+    # the forward's WIDE_CONFIG: Philox from an unaligned offset, ddim's float32 rollouts (element_config);
+    # SLIM_CONFIG: float32 elementwise steps with one lookup per element
+    forward = configs | {_triton_ops.WIDE_CONFIG, _triton_ops.UNALIGNED_PHILOX_CONFIG, _triton_ops.SLIM_CONFIG}
     step = [s for s in specs if s.kernel in ("step_partials_kernel", "step_backward_kernel")]
     group = {id(s): s.constexprs.get("GROUP", s.constexprs.get("BLOCK", 0) // 1024) for s in step}
     assert {(group[id(s)], s.num_warps) for s in step if s.kernel == "step_partials_kernel"} == forward

@@ -120,6 +120,11 @@ UNALIGNED_PHILOX_CONFIG = WIDE_CONFIG
 # kernel does not spill at (1, 1) with any of them.
 ELEMENTWISE_CONFIG = LAUNCH_TABLE[0][1:]
 
+# One chunk on eight warps, 4 values per thread: float32 latents with one lookup per element (RUN 1), where
+# WIDE_CONFIG's 8 values per thread spilled 8 bytes (the GRPO family's pass replaying mu_old from Philox
+# noise, sm_80, triton 3.9). The same bits (each chunk's tree is the same).
+SLIM_CONFIG = (1, 8)
+
 # Tokens per pre-pass program (the pre-pass reads and writes a few words per token).
 TOKEN_TABLE_BLOCK = 256
 
@@ -130,6 +135,8 @@ def element_config(spec, n_per_sample: int, unaligned_philox: bool = False, stor
     ``storage`` (a torch dtype); ``run``: an elementwise step's RUN (``token_run``), given by the
     forward element passes (the step's, the losses') and the losses' backward."""
     if spec.elementwise:
+        if run == 1 and storage == torch.float32 and not unaligned_philox:
+            return SLIM_CONFIG
         if unaligned_philox or run == 1 or (run is not None and storage == torch.float32):
             return WIDE_CONFIG
         return ELEMENTWISE_CONFIG
