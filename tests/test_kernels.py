@@ -356,7 +356,7 @@ def test_gather_identity_and_sharded_partials(device):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("group,num_warps", [(1, 1), (1, 4), (2, 2), (2, 8), (4, 4), (4, 16), (8, 8)])
+@pytest.mark.parametrize("group,num_warps", [(1, 1), (1, 4), (1, 8), (2, 2), (2, 8), (4, 4), (4, 16), (8, 8)])
 def test_every_launch_config_gives_the_same_bits(device, monkeypatch, group, num_warps):
     """How many chunks a program covers and how many warps it has change no bit: rollout (torch noise,
     Philox aligned and not), recompute, KL and every backward grad, against the default table."""
