@@ -30,8 +30,9 @@ class Backend:
     old_mean, trust, seed, kl_space=, ref_cond=, ref_scale=)`` -> (log_prob, kl, trust_divergence) [B] (zeros
     where absent; ``trust`` a ``contract.TrustSource``, ``kl_space`` a ``contract.KLSpace``; ``ref_cond``: the
     reference's conditional branch, ``ref_model_output`` then its unconditional one, guided at
-    ``ref_scale``); ``flow_sums(kind, count, xt, v, other, x0, ref, t, coefs, shard=None)`` -> the
-    forward-process loss ``kind``'s (``contract.FlowLoss``) per-sample sums [count, B]. Under sequence
+    ``ref_scale``); ``flow_sums(kind, count, xt, v, other, x0, ref, t, coefs, shard=None, noise_seed=None)``
+    -> the forward-process loss ``kind``'s (``contract.FlowLoss``) per-sample sums [count, B] (``noise_seed``:
+    DPO / DGPO's eps drawn from Philox in place of ``other``). Under sequence
     parallelism (``spec.shard``, or flow_sums' ``shard``, a ``ShardContext``) both gather the chunk
     partials across the ranks, as the step ops do: the [B] values are the full samples'."""
 
