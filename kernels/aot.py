@@ -683,7 +683,7 @@ def hot_specializations(storage: str = "bf16") -> List[Specialization]:
     seen = {}
     for spec in specializations(storage):
         if is_hot(spec):
-            seen.setdefault(spec.label, spec)
+            seen.setdefault((spec.kernel, spec.label), spec)
     return list(seen.values())
 
 

@@ -27,6 +27,10 @@ STORAGES = ("bf16", "fp16")
 # Filled from `python -m flowrl.kernels.aot --hot --storage bf16 fp16 --arch 90 --roofline` with both
 # triton versions; docs/kernels.md says why each is not met yet.
 NOT_YET_MET = {
+    "flow_backward_kernel: dgpo ref=True noise=philox even g1w1": 1.23,
+    "flow_backward_kernel: dgpo ref=True noise=philox g1w1": 1.17,
+    "flow_backward_kernel: dpo ref=False noise=philox even g1w1": 0.88,
+    "flow_backward_kernel: dpo ref=False noise=philox g1w1": 0.83,
     "flow_partials_kernel: dgpo ref=True noise=philox even g1w1": 0.77,
     "flow_partials_kernel: dgpo ref=True noise=philox g1w1": 0.75,
     "flow_partials_kernel: dpo ref=False noise=philox even g1w1": 0.75,
