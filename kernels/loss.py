@@ -51,9 +51,11 @@ KL_VELOCITY = tl.constexpr(1)
 
 @triton.jit
 def _store_partials(t, mask, partials_ptr, row, first, n_chunks, GROUP: tl.constexpr, CHUNK: tl.constexpr,
-                    LOG2_CHUNK: tl.constexpr):
-    """One float32 partial per chunk of ``t`` (masked tail = exact zeros, as the reference's padding)."""
-    t = tl.where(mask, t, 0.0)
+                    LOG2_CHUNK: tl.constexpr, BARE: tl.constexpr = False):
+    """One float32 partial per chunk of ``t`` (masked tail = exact zeros, as the reference's padding;
+    BARE: no select, ``t`` is 0 off the mask already or there is no tail)."""
+    if not BARE:
+        t = tl.where(mask, t, 0.0)
     partial = halving_tree_rows(t, GROUP, CHUNK, LOG2_CHUNK)
     chunk = first // CHUNK + tl.arange(0, GROUP)
     tl.store(partials_ptr + row * n_chunks + chunk, partial, mask=chunk < n_chunks)
@@ -259,18 +261,6 @@ def _flow_load(ptr, base, first, in_row, offs, mask, EVEN: tl.constexpr, PAIRED:
 
 
 @triton.jit
-def _flow_partials(t, mask, partials_ptr, row, first, n_chunks, GROUP: tl.constexpr, CHUNK: tl.constexpr,
-                   LOG2_CHUNK: tl.constexpr, BARE: tl.constexpr):
-    """``_store_partials``; BARE: no select, ``t`` is 0 off the mask already (or there is no tail)."""
-    if BARE:
-        partial = halving_tree_rows(t, GROUP, CHUNK, LOG2_CHUNK)
-        chunk = first // CHUNK + tl.arange(0, GROUP)
-        tl.store(partials_ptr + row * n_chunks + chunk, partial, mask=chunk < n_chunks)
-    else:
-        _store_partials(t, mask, partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
-
-
-@triton.jit
 def _flow_noise(other_ptr, base, in_row, offs, mask, row, first, seeds_ptr, stream_stride, elem_offset, noise_div,
                 noise_mod, BLOCK: tl.constexpr, EVEN: tl.constexpr, PHILOX: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
                 PAIRED: tl.constexpr, n_per_sample):
@@ -313,41 +303,41 @@ def flow_partials_kernel(
     if LOSS == LOSS_NFT:
         if HAS_REF:  # first: v_ref is dead before the errors' four trees (registers)
             d = v - _flow_load(ref_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
-            _flow_partials(d * d, mask, partials_ptr + 4 * stride, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK,
+            _store_partials(d * d, mask, partials_ptr + 4 * stride, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK,
                            BARE)
         other = _flow_load(other_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
         xt = _flow_load(xt_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
         t = tl.load(t_ptr + row)
         e_pos, e_neg = _nft_errors(xt, v, other, x0, t, beta, one_minus_beta, one_plus_beta)
-        _flow_partials(tl.abs(e_pos), mask, partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK, BARE)
-        _flow_partials(e_pos * e_pos, mask, partials_ptr + stride, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK,
+        _store_partials(tl.abs(e_pos), mask, partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK, BARE)
+        _store_partials(e_pos * e_pos, mask, partials_ptr + stride, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK,
                        BARE)
-        _flow_partials(tl.abs(e_neg), mask, partials_ptr + 2 * stride, row, first, n_chunks, GROUP, CHUNK,
+        _store_partials(tl.abs(e_neg), mask, partials_ptr + 2 * stride, row, first, n_chunks, GROUP, CHUNK,
                        LOG2_CHUNK, BARE)
-        _flow_partials(e_neg * e_neg, mask, partials_ptr + 3 * stride, row, first, n_chunks, GROUP, CHUNK,
+        _store_partials(e_neg * e_neg, mask, partials_ptr + 3 * stride, row, first, n_chunks, GROUP, CHUNK,
                        LOG2_CHUNK, BARE)
     else:  # LOSS_AWM: v - (eps - x0), the target formed first as AWM does
         eps = _flow_noise(other_ptr, base, in_row, offs, mask, row, first, seeds_ptr, stream_stride, elem_offset,
                           noise_div, noise_mod, BLOCK, EVEN, PHILOX, PHILOX_ALIGNED, PAIRED, n_per_sample)
         u = eps - x0
         e = v - u
-        _flow_partials(e * e, mask, partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK, BARE)
+        _store_partials(e * e, mask, partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK, BARE)
         if LOSS != LOSS_AWM:  # LOSS_DPO / LOSS_DGPO: v_ref (xt slot), rows 1 (and 2: (v - v_ref)^2)
             v_ref = _flow_load(xt_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
             e_ref = v_ref - u
-            _flow_partials(e_ref * e_ref, mask, partials_ptr + stride, row, first, n_chunks, GROUP, CHUNK,
+            _store_partials(e_ref * e_ref, mask, partials_ptr + stride, row, first, n_chunks, GROUP, CHUNK,
                            LOG2_CHUNK, BARE)
             if LOSS == LOSS_DGPO:
                 d = v - v_ref
-                _flow_partials(d * d, mask, partials_ptr + 2 * stride, row, first, n_chunks, GROUP, CHUNK,
+                _store_partials(d * d, mask, partials_ptr + 2 * stride, row, first, n_chunks, GROUP, CHUNK,
                                LOG2_CHUNK, BARE)
                 if HAS_REF:  # DGPO's second reference (ref slot): rows 3, 4
                     v_two = _flow_load(ref_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
                     e_two = v_two - u
-                    _flow_partials(e_two * e_two, mask, partials_ptr + 3 * stride, row, first, n_chunks, GROUP,
+                    _store_partials(e_two * e_two, mask, partials_ptr + 3 * stride, row, first, n_chunks, GROUP,
                                    CHUNK, LOG2_CHUNK, BARE)
                     d_two = v - v_two
-                    _flow_partials(d_two * d_two, mask, partials_ptr + 4 * stride, row, first, n_chunks, GROUP,
+                    _store_partials(d_two * d_two, mask, partials_ptr + 4 * stride, row, first, n_chunks, GROUP,
                                    CHUNK, LOG2_CHUNK, BARE)
 
 
