@@ -188,11 +188,17 @@ class KLSpace(_Named):
 
 
 # Elements per reduction chunk: the unit of the deterministic, shard-invariant reduction order. Each
-# chunk is summed by the halving tree t[:h] + t[h:] (zero-padded to CHUNK_SIZE), and a sample's chunk
-# partials by the same tree, zero-padded to a power of two (docs/contract.md, Reduction order).
+# chunk (zero-padded to CHUNK_SIZE) is cut into leaves of LEAF_SIZE consecutive elements; each leaf is
+# summed by the halving tree t[:h] + t[h:], then the chunk's leaf sums by the same tree; a sample's
+# chunk partials by the same tree, zero-padded to a power of two (docs/contract.md, Reduction order).
+# Leaves first because a GPU thread holds a leaf (16 bytes of bfloat16) in its registers: the tree
+# then crosses lanes with one value per thread instead of eight.
 CHUNK_SIZE = 1024
 LOG2_CHUNK_SIZE = CHUNK_SIZE.bit_length() - 1
 assert 1 << LOG2_CHUNK_SIZE == CHUNK_SIZE, "CHUNK_SIZE must be a power of two"
+LEAF_SIZE = 8
+LOG2_LEAF_SIZE = LEAF_SIZE.bit_length() - 1
+assert 1 << LOG2_LEAF_SIZE == LEAF_SIZE and LEAF_SIZE < CHUNK_SIZE, "LEAF_SIZE: a power of two below CHUNK_SIZE"
 
 # log(sqrt(2 pi)), the Gaussian log-density's constant
 HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -250,6 +256,6 @@ __all__ = [
     "Mode", "ModeRules", "MODE_RULES", "Schedule", "Variants", "Prediction", "LogProbKind", "LOG_PROB_KINDS", "Reduction", "Op", "NoiseSource", "TrustSource", "FlowLoss",
     "KLSpace",
     "CHUNK_SIZE",
-    "LOG2_CHUNK_SIZE", "HALF_LOG_2PI", "SIGMA_ONE_RTOL", "SIGMA_ONE_ATOL", "SIGMA_ONE_TOL", "STD_FLOOR",
+    "LOG2_CHUNK_SIZE", "LEAF_SIZE", "LOG2_LEAF_SIZE", "HALF_LOG_2PI", "SIGMA_ONE_RTOL", "SIGMA_ONE_ATOL", "SIGMA_ONE_TOL", "STD_FLOOR",
     "NOISE_STREAM_VERSION",
 ]

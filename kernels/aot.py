@@ -181,9 +181,10 @@ def _backward(storage, mode, kind, mean, needs, group, warps, elementwise=(), ha
 
 
 def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind=LogProbKind.GAUSSIAN, mean=True,
-               kl_space=KLSpace.TRANSITION, guided=False, elementwise=()):
+               kl_space=KLSpace.TRANSITION, guided=False, elementwise=(), philox_aligned=True):
     """flowrl.losses' GRPO-family element pass (kernels/loss.py) or its backward; trust: 0 none, 1 a
-    given float32 mu_old, 2 mu_old replayed from Philox noise; kl_space: the KL's KLSpace; guided: the
+    given float32 mu_old, 2 mu_old replayed from Philox noise (``philox_aligned``: from an offset that
+    is a multiple of 4; otherwise "unaligned" in the label); kl_space: the KL's KLSpace; guided: the
     reference as its two CFG branches (REF_GUIDED); elementwise: as the step kernels' (per-token sigmas,
     a frozen mask; the backward reads the scored count)."""
     sig = {"x_ptr": "*" + storage, "v_ptr": "*" + storage, "prev_ptr": "*" + storage, "ref_ptr": "*" + storage,
@@ -199,7 +200,7 @@ def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind
     sig.update({"ref_cond_ptr": "*" + storage, "ref_scale": "fp32", **_ELEMENTWISE_SIG})
     if backward:
         sig["count_ptr"] = "*fp32"
-    cx = {"MODE": int(mode), "HAS_REF": has_ref, "TRUST": trust, "PHILOX_ALIGNED": trust == 2,
+    cx = {"MODE": int(mode), "HAS_REF": has_ref, "TRUST": trust, "PHILOX_ALIGNED": trust == 2 and philox_aligned,
           "KL_SPACE": int(kl_space), "REF_GUIDED": guided, **_elementwise(elementwise, storage)}
     if backward:
         cx.update({"KIND": int(kind), "MEAN": mean, "BLOCK": group * CHUNK_SIZE})
@@ -207,8 +208,8 @@ def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind
         cx.update({"CHUNK": CHUNK_SIZE, "LOG2_CHUNK": LOG2_CHUNK_SIZE, "GROUP": group})
     ptrs = tuple(k for k in sig if k.endswith("_ptr"))
     name = "grpo_backward_kernel" if backward else "grpo_partials_kernel"
-    label = f"{mode.label} ref={has_ref} trust={trust}" + (f" {kind.label} {'mean' if mean else 'sum'}" if backward
-                                                           else "") + f" g{group}w{warps}"
+    label = f"{mode.label} ref={has_ref} trust={trust}" + (" unaligned" if trust == 2 and not philox_aligned else "") + (
+        f" {kind.label} {'mean' if mean else 'sum'}" if backward else "") + f" g{group}w{warps}"
     if kl_space is not KLSpace.TRANSITION or guided:
         label += f" kl={kl_space.label}" + (" guided" if guided else "")
     label += _elementwise_label(elementwise)
@@ -260,6 +261,10 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
             yield _grpo_loss(storage, Mode.SDE, True, 2, *largest)
         yield _grpo_loss(storage, Mode.SDE, True, 2, *(REPLAY_BACKWARD_CONFIG if backward else smallest),
                          backward=backward)
+        # mu_old replayed from an offset that is not a multiple of 4 (a shard cut mid-quad): the forward at
+        # UNALIGNED_PHILOX_CONFIG (element_config), the backward at REPLAY_BACKWARD_CONFIG
+        yield _grpo_loss(storage, Mode.SDE, True, 2, *(REPLAY_BACKWARD_CONFIG if backward else _unaligned_philox_config()),
+                         backward=backward, philox_aligned=False)
         yield _grpo_loss(storage, Mode.CPS, True, 1, *largest, backward=backward, kind=LogProbKind.SQ_ERR, mean=False)
         yield _grpo_loss(storage, Mode.DANCE, False, 0, *largest, backward=backward, kind=LogProbKind.KERNEL)
         # the KL choices (KL_SPACE, REF_GUIDED): the velocity KL to a guided reference with a given mu_old,
@@ -281,7 +286,7 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
         # misaligned rows: no uint32 pairs, no alignment); DPO / DGPO's eps also drawn in the kernel
         for even, paired in ((False, True), (True, True), (False, False)):
             kw = dict(backward=backward, even=even, paired=paired)
-            config = largest if paired else _unaligned_philox_config()  # unpaired: WIDE_CONFIG (no spill)
+            config = largest if paired else wide  # unpaired: WIDE_CONFIG (no spill; _flow_noise_args)
             yield _flow_loss(storage, 0, True, *config, **kw)
             yield _flow_loss(storage, 1, False, *config, **kw)
             yield _flow_loss(storage, 2, False, *config, **kw)  # Diffusion-DPO
@@ -292,8 +297,8 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
         # Philox from an unaligned offset (a sequence-parallel shard cut mid-quad): WIDE_CONFIG, unpaired
         # and never EVEN (flowrl/backends/_triton_losses.py)
         for loss, has_ref in ((2, False), (3, True)):
-            yield _flow_loss(storage, loss, has_ref, *_unaligned_philox_config(), backward=backward, philox=True,
-                             aligned=False, paired=False)
+            yield _flow_loss(storage, loss, has_ref, *wide, backward=backward, philox=True, aligned=False,
+                             paired=False)
 
 
 # Modes whose kernels differ from compiled ones in per-sample coefficients only (flash_sde is sde's path
@@ -647,8 +652,8 @@ def is_hot(spec: Specialization) -> bool:
         return config == tuple(ELEMENTWISE_CONFIG)
     if cx.get("NOISE") == int(NoiseSource.PHILOX) and not cx["PHILOX_ALIGNED"]:
         return config == tuple(_unaligned_philox_config())
-    if spec.kernel == "grpo_backward_kernel" and cx["TRUST"] == 2:
-        return config == tuple(REPLAY_BACKWARD_CONFIG)
+    if spec.kernel == "grpo_backward_kernel" and cx["TRUST"] == 2:  # replaying from an unaligned offset: rare
+        return config == tuple(REPLAY_BACKWARD_CONFIG) and cx["PHILOX_ALIGNED"]
     if spec.kernel.startswith(("grpo", "flow")):
         return config == _launch_configs()[-1]
     storage = spec.signature["v_ptr"][1:]

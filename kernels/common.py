@@ -276,6 +276,26 @@ def halving_tree_rows(t, ROWS: tl.constexpr, WIDTH: tl.constexpr, LOG2_WIDTH: tl
     return tl.sum(t, axis=1)
 
 
+# The contract's leaves (flowrl.contract.LEAF_SIZE): a chunk's runs of consecutive elements summed first.
+LEAF = tl.constexpr(_contract.LEAF_SIZE)
+LOG2_LEAF = tl.constexpr(_contract.LOG2_LEAF_SIZE)
+
+
+@triton.jit
+def chunk_tree_rows(t, ROWS: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr):
+    """The partials [ROWS] of a 1-D float32 block of ROWS chunks of CHUNK values (row-major), each in
+    the contract's chunk order (flowrl.reference._chunk_partials): every leaf of LEAF consecutive
+    values by the halving tree, then the chunk's CHUNK / LEAF leaf sums by the same tree. Each level
+    sums an axis of length 2 (one IEEE add per output), so the bits do not depend on the layout or
+    the launch; a thread's 16-byte load of bfloat16 is one leaf, so the leaves add up in registers
+    and the tree crosses lanes with one value per thread (``halving_tree_rows`` over the chunk would
+    cross them with eight)."""
+    t = tl.reshape(t, (ROWS, CHUNK // LEAF, LEAF))
+    for level in tl.static_range(LOG2_LEAF):
+        t = tl.sum(tl.reshape(t, (ROWS, CHUNK // LEAF, 2, LEAF >> (level + 1))), axis=2)
+    return halving_tree_rows(t, ROWS, CHUNK // LEAF, LOG2_CHUNK - LOG2_LEAF)
+
+
 @triton.jit
 def round_to(x, DTYPE: tl.constexpr):
     """float32 ``x`` rounded to the storage dtype DTYPE, to nearest even (torch's ``.to``).

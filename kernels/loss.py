@@ -1,8 +1,8 @@
 """Fused training-loss kernels (launchers and autograd Functions live in flowrl/_triton_losses.py).
 
 Two element passes, each with its backward, on the step kernels' 1-D grid (one program per sample
-and group of CHUNK-element chunks, kernels/step.py's ``_block_offsets``) and their fixed halving-tree
-chunk partials (common.halving_tree_rows), so every per-sample sum is deterministic and
+and group of CHUNK-element chunks, kernels/step.py's ``_block_offsets``) and their fixed-tree
+chunk partials (common.chunk_tree_rows), so every per-sample sum is deterministic and
 batch-invariant:
 
 - ``grpo_partials_kernel``: one pass over x, v, x' (and v_ref, and mu_old or its Philox replay)
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    halving_tree_rows, mode_coefficients, ordinary_count, policy_difference, round_to, step_mean, total_grad,
+    chunk_tree_rows, mode_coefficients, ordinary_count, policy_difference, round_to, step_mean, total_grad,
 )
 from .common import KIND_KL
 from .step import _block_offsets, _element_terms, _philox_eps
@@ -56,7 +56,7 @@ def _store_partials(t, mask, partials_ptr, row, first, n_chunks, GROUP: tl.const
     BARE: no select, ``t`` is 0 off the mask already or there is no tail)."""
     if not BARE:
         t = tl.where(mask, t, 0.0)
-    partial = halving_tree_rows(t, GROUP, CHUNK, LOG2_CHUNK)
+    partial = chunk_tree_rows(t, GROUP, CHUNK, LOG2_CHUNK)
     chunk = first // CHUNK + tl.arange(0, GROUP)
     tl.store(partials_ptr + row * n_chunks + chunk, partial, mask=chunk < n_chunks)
 

@@ -21,7 +21,7 @@ kernels/common.py.
 - OP_KL:       third = the reference policy's velocity; r = mu(v) - mu(v_ref) = c v - c v_ref (x
   cancels exactly, so it is not read).
 
-Finalize: one program per sample combines its partials (zero-padded to a power of two) by the same
+Finalize: one program per sample combines its partials (zero-padded to a power of two) by the
 halving tree, and turns the total into the log-prob / KL (common.value_from_total; the torch backend's
 flowrl.reference.value_from_total).
 
@@ -40,16 +40,16 @@ elements of std 0) add 0 to the partials; frozen and held ones emit x' = x. The 
 and the per-token log term are computed on the host (flowrl.reference.scored_statistics) and read
 by finalize (COUNT_GIVEN, HAS_LOG) and backward.
 
-No atomics anywhere: every sum is a fixed tree of IEEE adds (see common.halving_tree_rows).
+No atomics anywhere: every sum is a fixed tree of IEEE adds (see common.chunk_tree_rows, halving_tree_rows).
 """
 import triton
 import triton.language as tl
 
 from .common import (
-    MODE_DDIM, NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, compact_index, ddim_coefficients,
-    ddim_mean, ddim_mean_grads, dpm_sde_coefficients, halving_tree_rows, mode_coefficients, ordinary_count,
-    philox_key, philox_normal_block, policy_difference, round_to, run_heads, run_spread, step_mean, total_grad,
-    value_from_total,
+    MODE_DDIM, NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, chunk_tree_rows, compact_index,
+    ddim_coefficients, ddim_mean, ddim_mean_grads, dpm_sde_coefficients, halving_tree_rows, mode_coefficients,
+    ordinary_count, philox_key, philox_normal_block, policy_difference, round_to, run_heads, run_spread, step_mean,
+    total_grad, value_from_total,
 )
 from .token import FROZEN_MAGIC, RECORD, TABLE_HEADER
 
@@ -139,6 +139,20 @@ def _tile_offsets(row, first, n_per_sample, TILE: tl.constexpr, EVEN: tl.constex
 
 
 @triton.jit
+def _load_tile(ptr, offs, mask, row_start, TILE: tl.constexpr, EVEN: tl.constexpr):
+    """A tile of the tensor at ``ptr`` as float32 (``row_start``: the tile's first element, int64).
+    EVEN bfloat16 (whole tiles of 4-byte aligned rows: _triton_ops.step_switches) is read as uint32
+    words, each half one integer op (low << 16, high & 0xffff0000) where the conversion takes 1.5
+    instructions per value: the same bits."""
+    if EVEN and ptr.dtype.element_ty == tl.bfloat16:
+        words = tl.load((ptr + row_start).to(tl.pointer_type(tl.uint32)) + tl.arange(0, TILE // 2))
+        low = (words << 16).to(tl.float32, bitcast=True)
+        high = (words & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return tl.interleave(low, high)  # little-endian: element 2i is word i's low half
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def step_partials_kernel(
     x_ptr, v_ptr, third_ptr, prev_out_ptr, mean_out_ptr, partials_ptr, sigmas_ptr, step_ptr,
     seeds_ptr, stream_stride, elem_offset,
@@ -175,6 +189,7 @@ def step_partials_kernel(
     for tile in tl.static_range(TILES):
         first = block_first + tile * TILE
         in_row, offs, mask = _tile_offsets(row, first, n_per_sample, TILE, EVEN)
+        row_start = row * n_per_sample + first
         if MODE != MODE_DDIM:
             a, c, std = a0, c0, std0
             if ELEMENTWISE:
@@ -182,19 +197,19 @@ def step_partials_kernel(
                     a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr,
                     frozen_inner, frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta,
                     MODE, last_index, PER_TOKEN, HAS_FROZEN, WEIGHTED, RUN)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = _load_tile(v_ptr, offs, mask, row_start, TILE, EVEN)
         if NOISE == NOISE_PHILOX:  # rollout only: the noise never touches memory
             third = philox_normal_block(k0, k1, stream, elem_offset + first, TILE, PHILOX_ALIGNED)
         elif NOISE == NOISE_TENSOR:
-            third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            third = _load_tile(third_ptr, offs, mask, row_start, TILE, EVEN)
         if MODE == MODE_DDIM:  # nonlinear in v (the clip): its KL reads x too
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN)
             mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
         elif OP != OP_KL:  # the KL's mu - mu_ref = c v - c v_ref does not read x
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN)
             mu = step_mean(a, c, x, v)
             if HAS_PREV:
-                mu = mu + p * tl.load(prev_x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                mu = mu + p * _load_tile(prev_x0_ptr, offs, mask, row_start, TILE, EVEN)
         if OP == OP_ROLLOUT:
             if NOISE == NOISE_NONE:  # deterministic: std is 0, and mu + 0 * eps is mu
                 prev = round_to(mu, prev_out_ptr.dtype.element_ty)
@@ -222,7 +237,7 @@ def step_partials_kernel(
             if not EVEN:
                 r = tl.where(mask, r, 0.0)  # the tail of the last chunk adds exact zeros, as the reference's padding
             sq = r * r
-        partial = halving_tree_rows(sq, TILE_CHUNKS, CHUNK, LOG2_CHUNK)  # one partial per chunk
+        partial = chunk_tree_rows(sq, TILE_CHUNKS, CHUNK, LOG2_CHUNK)  # one partial per chunk
         chunk = first // CHUNK + tl.arange(0, TILE_CHUNKS)
         if EVEN:
             tl.store(partials_ptr + row * n_chunks + chunk, partial)
@@ -299,6 +314,7 @@ def step_backward_kernel(
     for tile in tl.static_range(TILES):
         first = block_first + tile * TILE
         in_row, offs, mask = _tile_offsets(row, first, n_per_sample, TILE, EVEN)
+        row_start = row * n_per_sample + first
         coef = coef0
         if MODE != MODE_DDIM:
             a, c, std = a0, c0, std0
@@ -310,10 +326,10 @@ def step_backward_kernel(
             if WEIGHTED:
                 coef = coef * weight
             coef = tl.where(scored, coef, 0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        third = tl.load(third_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = _load_tile(v_ptr, offs, mask, row_start, TILE, EVEN)
+        third = _load_tile(third_ptr, offs, mask, row_start, TILE, EVEN)
         if MODE == MODE_DDIM:
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN)
             mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
             a, c = ddim_mean_grads(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)  # dmu/dx, dmu/dv
             if IS_KL:
@@ -325,10 +341,10 @@ def step_backward_kernel(
         elif IS_KL:
             r = policy_difference(c, v, third)
         else:
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN)
             mu = step_mean(a, c, x, v)
             if HAS_PREV:
-                mu = mu + p * tl.load(prev_x0_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                mu = mu + p * _load_tile(prev_x0_ptr, offs, mask, row_start, TILE, EVEN)
             r = third - mu
         cr = coef * r
         grad_r = cr + cr  # d(r * r) = 2 r dr, as autograd of r * r sums two equal terms

@@ -356,7 +356,7 @@ def test_gather_identity_and_sharded_partials(device):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("group,num_warps", [(1, 1), (1, 4), (1, 8), (2, 2), (2, 8), (4, 4), (4, 16), (8, 8)])
+@pytest.mark.parametrize("group,num_warps", [(1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 8), (4, 4), (4, 16), (8, 8)])
 def test_every_launch_config_gives_the_same_bits(device, monkeypatch, group, num_warps):
     """How many chunks a program covers and how many warps it has change no bit: rollout (torch noise,
     Philox aligned and not), recompute, KL and every backward grad, against the default table."""
@@ -403,7 +403,7 @@ def test_multi_tile_programs_give_the_same_bits(device, monkeypatch, n, dtype):
     spec = type("Spec", (), {"elementwise": False, "mode": Mode.SDE, "op": Op.LOG_PROB})
     group, warps = _triton_ops.step_config(spec, n, (x, v))
     assert (group, warps) == (4, 1)
-    assert _triton_ops.step_switches(group, warps, n) == dict(TILES=4, EVEN=n % 4096 == 0, maxnreg=128)
+    assert _triton_ops.step_switches(group, warps, n, loaded=(x, v)) == dict(TILES=4, EVEN=n % 4096 == 0, maxnreg=128)
     launches = []
     real_launch = _triton_ops._launch
 
@@ -431,6 +431,53 @@ def test_multi_tile_programs_give_the_same_bits(device, monkeypatch, n, dtype):
     monkeypatch.setattr(_triton_ops, "STEP_LAUNCH_TABLE", _triton_ops.LAUNCH_TABLE)  # one tile everywhere
     got = run()
     assert {tiles for _, tiles in launches if tiles is not None} == {1}
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), k
+
+
+def test_bf16_words_on_whole_blocks_give_the_masked_loads_bits(device, monkeypatch):
+    """On whole blocks (EVEN) the step kernels read bfloat16 latents as 32-bit words (a 4-byte aligned
+    row start: step_switches); a copy of the same values starting 2 bytes off a 4-byte boundary takes
+    the masked element loads instead: rollout, recompute, KL and every backward grad are the same bits."""
+    n, dtype = 2048, torch.bfloat16
+    sigmas = schedule(device)
+    x, v, noise = inputs((2, n), dtype, device, 31, third="noise")
+    _, _, v_ref = inputs((2, n), dtype, device, 32, third="noise")
+    step = steps_for(2, device)
+
+    def shifted(t):  # the same values, 2 bytes into a buffer: data_ptr % 4 == 2
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        out = buf[1:].view(t.shape)
+        out.copy_(t)
+        return out
+
+    evens = []
+    real_launch = _triton_ops._launch
+
+    def record(kernel, grid, *args, **kwargs):
+        if "EVEN" in kwargs:  # the step kernels (not the finalize)
+            evens.append(kwargs["EVEN"])
+        return real_launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_triton_ops, "_launch", record)
+
+    def run(place):
+        out = flowrl.sde_step(place(x), place(v), sigmas, step, noise=noise, backend="triton")
+        leaves = [place(t).requires_grad_(True) for t in (x, v, out.prev_sample)]
+        lp = flowrl.step_log_prob(*leaves, sigmas, step, backend="triton")
+        lp.sum().backward()
+        vk = place(v).requires_grad_(True)
+        kl = flowrl.step_kl(place(x), vk, place(v_ref), sigmas, step, backend="triton")
+        kl.sum().backward()
+        return [out.prev_sample, out.log_prob, out.prev_sample_mean, lp, *(t.grad for t in leaves), kl, vk.grad]
+
+    assert all(t.data_ptr() % 4 == 0 for t in (x, v, v_ref))
+    want = run(torch.clone)
+    assert set(evens) == {True}
+    evens.clear()
+    assert _triton_ops.step_switches(1, 1, n, loaded=(shifted(x), v))["EVEN"] is False
+    got = run(shifted)
+    assert set(evens) == {False}  # the shifted reads were all masked
     for k, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), k
 

@@ -333,10 +333,19 @@ def tree_sum_f32(values) -> np.float32:
     return vals[0]
 
 
+def chunk_sum_f32(chunk) -> np.float32:
+    """The contract's chunk order, written out: zero-pad to CHUNK_SIZE, sum each leaf of LEAF_SIZE
+    consecutive values by the tree, then the leaf sums by the tree."""
+    from flowrl.contract import LEAF_SIZE
+
+    vals = [np.float32(x) for x in chunk] + [np.float32(0)] * (R.CHUNK_SIZE - len(chunk))
+    return tree_sum_f32([tree_sum_f32(vals[k:k + LEAF_SIZE]) for k in range(0, R.CHUNK_SIZE, LEAF_SIZE)])
+
+
 def explicit_order(sq_row) -> np.float32:
-    """CHUNK_SIZE chunks, each reduced by the tree; then the chunk partials reduced by the tree."""
+    """CHUNK_SIZE chunks, each reduced in the chunk order; then the chunk partials reduced by the tree."""
     c = R.CHUNK_SIZE
-    partials = [tree_sum_f32(sq_row[k:k + c]) for k in range(0, len(sq_row), c)]
+    partials = [chunk_sum_f32(sq_row[k:k + c]) for k in range(0, len(sq_row), c)]
     return tree_sum_f32(partials)
 
 
@@ -363,10 +372,13 @@ def test_chunk_partials_follow_the_explicit_tree():
         row = sq[b].numpy()
         for k in range(3):
             chunk = row[k * R.CHUNK_SIZE:(k + 1) * R.CHUNK_SIZE]
-            assert partials[b, k].item() == float(tree_sum_f32(chunk)), (b, k)
-    # and a different order would give different bits here, so the check has teeth
+            assert partials[b, k].item() == float(chunk_sum_f32(chunk)), (b, k)
+    # and a different order would give different bits here, so the check has teeth: a running sum, and
+    # the halving tree over the whole chunk (the order before the leaves)
     assert any(float(np.float32(sq[b].numpy().cumsum(dtype=np.float32)[-1])) != float(explicit_order(sq[b].numpy()))
                for b in range(2))
+    assert any(float(tree_sum_f32(sq[b, k * R.CHUNK_SIZE:(k + 1) * R.CHUNK_SIZE].numpy())) != partials[b, k].item()
+               for b in range(2) for k in range(3))
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 5, 8, 13])

@@ -102,12 +102,15 @@ MAX_TILE_REGISTERS = 128
 
 
 # One chunk on four warps, 8 values per thread, for the launches that spill at 32 values per thread
-# (tests/test_compile.py): Philox from an offset that is not a multiple of 4 (a sequence-parallel shard
-# cut mid-quad: one Philox call per element; at (1, 1) 168 registers and 8 bytes spilled on sm_80 with
-# triton 3.9) and ddim's float32 rollouts (at (1, 1) 32 bytes spilled on sm_80, and on sm_90a with
-# triton 3.6). The chunk's halving tree then crosses warps (shared memory); the bits are the same.
+# (tests/test_compile.py): ddim's float32 rollouts (at (1, 1) 32 bytes spilled on sm_80, and on sm_90a
+# with triton 3.6). The chunk's tree then crosses warps (shared memory); the bits are the same.
 WIDE_CONFIG = (1, 4)
-UNALIGNED_PHILOX_CONFIG = WIDE_CONFIG
+# Philox from an offset that is not a multiple of 4 (a sequence-parallel shard cut mid-quad: 3 Philox
+# calls and 5 Box-Muller pairs per 8 elements): one chunk on two warps, 16 values per thread, 56-95
+# registers (sm_90a and sm_80, triton 3.6.0 and 3.9.0). At (1, 4) the per-program work weighed 0.54-0.64
+# of copy bandwidth against the target 0.7, at (1, 2) 0.76-0.93; at (1, 1) 167 registers, and under the
+# 128 cap 88-128 bytes spilled.
+UNALIGNED_PHILOX_CONFIG = (1, 2)
 
 
 # Elementwise steps (per-token sigmas, frozen masks) run the ordinary step's configuration since their
@@ -135,9 +138,11 @@ def element_config(spec, n_per_sample: int, unaligned_philox: bool = False, stor
     ``storage`` (a torch dtype); ``run``: an elementwise step's RUN (``token_run``), given by the
     forward element passes (the step's, the losses') and the losses' backward."""
     if spec.elementwise:
-        if run == 1 and storage == torch.float32 and not unaligned_philox:
+        if unaligned_philox:
+            return UNALIGNED_PHILOX_CONFIG
+        if run == 1 and storage == torch.float32:
             return SLIM_CONFIG
-        if unaligned_philox or run == 1 or (run is not None and storage == torch.float32):
+        if run == 1 or (run is not None and storage == torch.float32):
             return WIDE_CONFIG
         return ELEMENTWISE_CONFIG
     if spec.mode is Mode.DDIM and spec.op is Op.ROLLOUT and storage == torch.float32:
@@ -167,9 +172,10 @@ def tiles_taken(mode: Mode, philox: bool, backward: bool, masked_rollout: bool =
     (kernels/aot.py; no spill on sm_90a or sm_80 with triton 3.6.0 or 3.9.0, tests/test_compile.py):
     at 4 tiles under the register cap the Philox rollouts spill 8-16 bytes (sm_90a, triton 3.9),
     ddim's clipped means 8-368 bytes, a masked rollout (``masked_rollout``: the sample size not a
-    multiple of 4,096) with the mean 8-40 bytes, and dpm_sde's second order (``second_order``: the
-    extra x0_prev stream) 8-56 bytes with triton 3.6, so these keep one tile."""
-    return not (philox or masked_rollout or second_order) and mode is not Mode.DDIM
+    multiple of 4,096) with the mean 8-40 bytes, and dpm_sde's second-order backward (``second_order``:
+    the extra x0_prev stream) 40-48 bytes in float16 with triton 3.6, so these keep one tile (its
+    forward takes tiles since the chunk's leaves-first tree and the word loads freed registers)."""
+    return not (philox or masked_rollout or (second_order and backward)) and mode is not Mode.DDIM
 
 
 def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = False, unaligned_philox: bool = False,
@@ -200,13 +206,16 @@ def element_tiles(group: int, num_warps: int) -> int:
     return max(1, group * CHUNK_SIZE // (32 * 32 * num_warps))
 
 
-def step_switches(group: int, num_warps: int, n_per_sample: int, elementwise: bool = False) -> dict:
+def step_switches(group: int, num_warps: int, n_per_sample: int, elementwise: bool = False, loaded=()) -> dict:
     """The step kernels' TILES, EVEN (the sample size a multiple of a one-warp program's block: no
-    masks; the multi-warp WIDE_CONFIG launches and elementwise steps stay masked, one variant each, as
-    kernels/aot.py compiles them) and register cap (``maxnreg``: MAX_TILE_REGISTERS for a multi-tile
-    program) of a launch."""
+    masks, and bfloat16 read as 32-bit words, so every 16-bit tensor in ``loaded`` (the latents the
+    kernel reads; None skipped) must start on 4 bytes; the multi-warp WIDE_CONFIG launches and
+    elementwise steps stay masked, one variant each, as kernels/aot.py compiles them) and register cap
+    (``maxnreg``: MAX_TILE_REGISTERS for a multi-tile program) of a launch."""
     tiles = element_tiles(group, num_warps)
-    return dict(TILES=tiles, EVEN=not elementwise and num_warps == 1 and n_per_sample % (group * CHUNK_SIZE) == 0,
+    words = all(t.data_ptr() % 4 == 0 for t in loaded if t is not None and t.element_size() == 2)
+    return dict(TILES=tiles, EVEN=(not elementwise and num_warps == 1 and n_per_sample % (group * CHUNK_SIZE) == 0
+                                   and words),
                 **(dict(maxnreg=MAX_TILE_REGISTERS) if tiles > 1 else {}))
 
 
@@ -325,7 +334,7 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
         mean_out if write_mean else partials, partials, ks.sigmas, ks.step_index,
         seeds, stream_stride, elem_offset, n, n_chunks, n_blocks, *ks.args, *ks.elementwise_args,
         MODE=int(spec.mode), OP=int(spec.op), WRITE_MEAN=write_mean, CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE,
-        GROUP=group, **ks.switches, **step_switches(group, num_warps, n, spec.elementwise),
+        GROUP=group, **ks.switches, **step_switches(group, num_warps, n, spec.elementwise, (x, v, third, ks.prev_x0)),
         # CHUNK_SIZE is a multiple of 4: every block starts on a Philox quad when the offset does
         NOISE=int(noise_from), PHILOX_ALIGNED=philox and elem_offset % 4 == 0,
         num_warps=num_warps, **ks.ddim, **_second_order(ks, x), **_LAUNCH,
@@ -397,7 +406,8 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Op
             MODE=int(spec.mode), KIND=int(kind), MEAN=spec.reduction is Reduction.MEAN, IS_KL=is_kl,
             NEED_X=kernel_needs[0], NEED_V=need_v, NEED_THIRD=need_third, BLOCK=block, **ks.switches,
             num_warps=num_warps, **ks.ddim, **_second_order(ks, x), grad_prev_ptr=grad_prev if need_prev else dummy,
-            NEED_PREV=need_prev, **step_switches(group, num_warps, n, spec.elementwise), **_LAUNCH,
+            NEED_PREV=need_prev, **step_switches(group, num_warps, n, spec.elementwise, (x, v, third, ks.prev_x0)),
+            **_LAUNCH,
         )
     return grad_x, grad_v, grad_third, grad_prev
 

@@ -6,8 +6,9 @@ that accepts float64. Every function takes already-validated arguments (see ``fl
 
 Log-probs are reduced in the contract's fixed order (see ``CHUNK_SIZE``): the flattened sample is cut
 into chunks of ``CHUNK_SIZE`` elements, each chunk's sum of squared residuals is one partial
-(computed by a fixed pairwise-halving tree), and the partials are combined by the same pairwise
-tree, zero-padded to a power of two. Only elementwise adds are used, so the bits do not depend on
+(each leaf of ``LEAF_SIZE`` consecutive elements by a fixed pairwise-halving tree, then the leaf sums
+by the same tree), and the partials are combined by the same pairwise tree, zero-padded to a power
+of two. Only elementwise adds are used, so the bits do not depend on
 the batch size, the position in the batch, threading, or how a sample was sharded (when shard
 boundaries fall on chunk boundaries).
 
@@ -25,7 +26,7 @@ import torch
 
 from .. import contract as C
 from ..core._validate import NoiseSeed
-from ..contract import CHUNK_SIZE, HALF_LOG_2PI, SIGMA_ONE_TOL, STD_FLOOR, LogProbKind, Mode, NoiseSource, Reduction
+from ..contract import CHUNK_SIZE, HALF_LOG_2PI, LEAF_SIZE, SIGMA_ONE_TOL, STD_FLOOR, LogProbKind, Mode, NoiseSource, Reduction
 
 
 def compute_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
@@ -201,12 +202,15 @@ def _pairwise_sum(t: torch.Tensor, consume: bool = False) -> torch.Tensor:
 
 
 def _chunk_partials(sq: torch.Tensor, consume: bool) -> torch.Tensor:
+    """The contract's chunk order: each chunk's leaves of LEAF_SIZE consecutive elements by the
+    halving tree, then the chunk's leaf sums by the same tree."""
     b, n = sq.shape
     nchunks = -(-n // CHUNK_SIZE)
     pad = nchunks * CHUNK_SIZE - n
     if pad:
         sq, consume = torch.nn.functional.pad(sq, (0, pad)), True
-    return _pairwise_sum(sq.reshape(b, nchunks, CHUNK_SIZE), consume)
+    leaves = _pairwise_sum(sq.reshape(b, nchunks, CHUNK_SIZE // LEAF_SIZE, LEAF_SIZE), consume)
+    return _pairwise_sum(leaves, consume=True)
 
 
 def chunk_partials(sq: torch.Tensor) -> torch.Tensor:
