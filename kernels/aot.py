@@ -20,9 +20,11 @@ instructions per element. ``--update-docs`` runs the installed triton and triton
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -749,11 +751,14 @@ def _run_one(job):
 
 
 def check(archs: Sequence[int] = ARCHS, storages: Sequence[str] = STORAGES, quick: bool = False,
-          jobs: int = 1, sass: bool = False, hot: bool = False, match: Sequence[str] = ()) -> List[Dict[str, object]]:
+          jobs: int = 1, sass: bool = False, hot: bool = False, match: Sequence[str] = (),
+          sass_hot: bool = False) -> List[Dict[str, object]]:
     """Compile and analyze every specialization (``hot``: the hot ones only, ``hot_specializations``;
     ``match``: only those whose "kernel: label" contains one of the substrings); one result dict per
-    (specialization, storage, arch)."""
-    work = [(spec, storage, arch, sass) for arch in archs for storage in storages
+    (specialization, storage, arch). ``sass``: count the SASS of each; ``sass_hot``: of the hot ones
+    on sm_90 only (the roofline's rows, from the same compile as the rest: tests/test_compile.py)."""
+    work = [(spec, storage, arch, sass or (sass_hot and arch == 90 and is_hot(spec)))
+            for arch in archs for storage in storages
             for spec in (hot_specializations(storage) if hot else specializations(storage, quick))
             if not match or any(m in f"{spec.kernel}: {spec.label}" for m in match)]
     if jobs <= 1:
@@ -843,11 +848,11 @@ def _replace_between(text: str, start: str, end: str, body: str) -> str:
 
 def update_docs(path: str, archs: Sequence[int], jobs: int) -> int:
     """Rows for the installed triton (here) and triton 3.6.0 (a subprocess with its wheel first on
-    PYTHONPATH), with SASS counts; the summary replaces the text between the markers in ``path``."""
-    rows = check(archs, jobs=jobs, sass=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (triton36_path(), os.environ.get("PYTHONPATH")) if p),
-               TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="flowrl-aot-"))
-    res = subprocess.run([sys.executable, "-m", "flowrl.kernels.aot", "--json", "--sass", "--jobs", str(jobs),
+    PYTHONPATH), with the hot specializations' SASS counts on sm_90 (tests/test_compile.py's run); the
+    summary and the roofline table replace the text between their markers in ``path``."""
+    rows = check(archs, jobs=jobs, sass_hot=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (triton36_path(), os.environ.get("PYTHONPATH")) if p))
+    res = subprocess.run([sys.executable, "-m", "flowrl.kernels.aot", "--json", "--sass-hot", "--jobs", str(jobs),
                           "--arch", *map(str, archs)], env=env, capture_output=True, text=True)
     if not res.stdout.strip():
         print(res.stderr[-3000:], file=sys.stderr)
@@ -877,6 +882,8 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes (default: all cores)")
     parser.add_argument("--sass", action="store_true", help="also count SASS instructions per element")
     parser.add_argument("--hot", action="store_true", help="only the hot specializations (roofline targets)")
+    parser.add_argument("--sass-hot", action="store_true",
+                        help="count SASS instructions per element of the hot specializations on sm_90 only")
     parser.add_argument("--storage", nargs="+", default=list(STORAGES), choices=STORAGES, help="latent dtypes")
     parser.add_argument("--roofline", action="store_true",
                         help="print the hot specializations' roofline table (implies --sass)")
@@ -886,11 +893,13 @@ def main(argv=None) -> int:
     parser.add_argument("--markdown", action="store_true", help="print the per-kernel summary table")
     parser.add_argument("--update-docs", metavar="PATH", help="rewrite the table in PATH (both triton versions)")
     args = parser.parse_args(argv)
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="flowrl-aot-")  # fresh: no cached build hides an error
+    # fresh: no cached build hides an error; removed at exit (a full run leaves hundreds of MB)
+    os.environ["TRITON_CACHE_DIR"] = cache = tempfile.mkdtemp(prefix="flowrl-aot-")
+    atexit.register(shutil.rmtree, cache, ignore_errors=True)
     if args.update_docs:
         return update_docs(args.update_docs, args.arch, args.jobs)
     rows = check(args.arch, args.storage, quick=args.quick, jobs=args.jobs, sass=args.sass or args.roofline,
-                 hot=args.hot, match=args.match)
+                 hot=args.hot, match=args.match, sass_hot=args.sass_hot)
     if args.json:
         print(json.dumps(rows))
     elif args.roofline:

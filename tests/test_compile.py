@@ -10,8 +10,10 @@ put first on PYTHONPATH; ``FLOWRL_TRITON36`` names another folder.
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -36,12 +38,26 @@ def _env(tmp_path, pythonpath=None):
     return env
 
 
-def _aot(tmp_path, pythonpath=None):
-    res = subprocess.run([sys.executable, "-m", "flowrl.kernels.aot", "--json", "--jobs", str(os.cpu_count() or 1)],
-                         cwd=tmp_path, env=_env(tmp_path, pythonpath), capture_output=True, text=True, timeout=1800)
-    assert res.stdout.strip(), res.stderr[-3000:]
-    rows = json.loads(res.stdout.strip().splitlines()[-1])
-    return res.returncode, rows
+_RUNS = {}
+
+
+def aot_rows(pythonpath=None):
+    """(exit status, rows) of the full AOT run: every specialization for sm_90a and sm_80, the hot ones'
+    SASS counted on sm_90a (``--sass-hot``), with the installed triton or the one at ``pythonpath``. One
+    run per triton version per session: this file's checks and tests/test_roofline.py's read the same
+    compile (the compile is most of CI's time)."""
+    key = str(pythonpath)
+    if key not in _RUNS:
+        tmp = Path(tempfile.mkdtemp(prefix="flowrl-aot-test-"))
+        try:
+            res = subprocess.run([sys.executable, "-m", "flowrl.kernels.aot", "--json", "--sass-hot",
+                                  "--jobs", str(os.cpu_count() or 1)],
+                                 cwd=tmp, env=_env(tmp, pythonpath), capture_output=True, text=True, timeout=2400)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        assert res.stdout.strip(), res.stderr[-3000:]
+        _RUNS[key] = res.returncode, json.loads(res.stdout.strip().splitlines()[-1])
+    return _RUNS[key]
 
 
 def _expected_count():
@@ -85,19 +101,19 @@ def _check_rows(rows, version):
 
 
 @needs_linux_x86
-def test_every_kernel_specialization_compiles_with_the_installed_triton(tmp_path):
-    rc, rows = _aot(tmp_path)
+def test_every_kernel_specialization_compiles_with_the_installed_triton():
+    rc, rows = aot_rows()
     _check_rows(rows, triton.__version__)
     assert rc == 0
 
 
 @needs_linux_x86
-def test_every_kernel_specialization_compiles_with_triton_3_6(tmp_path):
+def test_every_kernel_specialization_compiles_with_triton_3_6():
     if not (TRITON36 / "triton").is_dir():
         if os.environ.get("CI"):
             pytest.fail(f"triton 3.6.0 is missing from {TRITON36}: ./run's set-up installs it")
         pytest.skip(f"triton 3.6.0 not installed in {TRITON36} (./run's set-up installs it)")
-    rc, rows = _aot(tmp_path, pythonpath=TRITON36)
+    rc, rows = aot_rows(TRITON36)
     _check_rows(rows, "3.6.0")
     assert rc == 0
 

@@ -10,14 +10,11 @@ over bf16 / fp16 and both triton versions, rounded down to 0.01): those speciali
 or above their floor (a ratchet), the others at or above their target. Raise a floor when a kernel
 gets cheaper; remove the entry when the target holds.
 """
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from test_compile import TRITON36, _env, needs_linux_x86
+from test_compile import TRITON36, aot_rows, needs_linux_x86
 
 triton = pytest.importorskip("triton")
 
@@ -113,12 +110,18 @@ OVER_128_REGISTERS = {
 }
 
 
-def _rows(tmp_path, pythonpath=None):
-    res = subprocess.run([sys.executable, "-m", "flowrl.kernels.aot", "--hot", "--json", "--sass", "--arch", "90",
-                          "--storage", *STORAGES, "--jobs", str(os.cpu_count() or 1)],
-                         cwd=tmp_path, env=_env(tmp_path, pythonpath), capture_output=True, text=True, timeout=1800)
-    assert res.stdout.strip(), res.stderr[-3000:]
-    return res.returncode, json.loads(res.stdout.strip().splitlines()[-1])
+def _hot_rows(pythonpath=None):
+    """(exit status, the hot rows): the hot specializations' sm_90a rows (their SASS counted) of the full
+    AOT run tests/test_compile.py shares (``aot_rows``), each (storage, kernel: label) once, as
+    ``aot.hot_specializations`` takes them."""
+    rc, rows = aot_rows(pythonpath)
+    hot, seen = [], set()
+    for r in rows:
+        key = (r["storage"], r["kernel"], r["label"])
+        if r["arch"] == "sm_90" and r["storage"] in STORAGES and r.get("sass_per_element") is not None and key not in seen:
+            seen.add(key)
+            hot.append(r)
+    return rc, hot
 
 
 def _check(rows, version):
@@ -143,21 +146,21 @@ def _check(rows, version):
 
 
 @needs_linux_x86
-@pytest.mark.slow  # compiles and disassembles the hot set: minutes
-def test_hot_specializations_reach_their_roofline_with_the_installed_triton(tmp_path):
-    rc, rows = _rows(tmp_path)
+@pytest.mark.slow  # the full AOT run (shared with tests/test_compile.py): minutes
+def test_hot_specializations_reach_their_roofline_with_the_installed_triton():
+    rc, rows = _hot_rows()
     _check(rows, triton.__version__)
     assert rc == 0
 
 
 @needs_linux_x86
-@pytest.mark.slow  # compiles and disassembles the hot set: minutes
-def test_hot_specializations_reach_their_roofline_with_triton_3_6(tmp_path):
+@pytest.mark.slow  # the full AOT run (shared with tests/test_compile.py): minutes
+def test_hot_specializations_reach_their_roofline_with_triton_3_6():
     if not (TRITON36 / "triton").is_dir():
         if os.environ.get("CI"):
             pytest.fail(f"triton 3.6.0 is missing from {TRITON36}: ./run's set-up installs it")
         pytest.skip(f"triton 3.6.0 not installed in {TRITON36} (./run's set-up installs it)")
-    rc, rows = _rows(tmp_path, pythonpath=TRITON36)
+    rc, rows = _hot_rows(TRITON36)
     _check(rows, "3.6.0")
     assert rc == 0
 
