@@ -64,7 +64,7 @@ def coefficients_of(sigma, sigma_next, sigmas_ptr, sigma_one_tol, eta, sin_half_
     elif MODE == MODE_CPS:
         std = sigma_next * sin_half_pi_eta
         # clamp: at eta = 1, sigma'^2 - std^2 is 0 up to rounding and may come out a hair negative
-        k = tl.sqrt_rn(tl.maximum(sigma_next * sigma_next - std * std, 0.0))
+        k = sqrt_rn_nonneg(tl.maximum(sigma_next * sigma_next - std * std, 0.0))
         a = (1.0 - sigma_next) + k
         c = k * (1.0 - sigma) - (1.0 - sigma_next) * sigma
     elif MODE == MODE_DPM_SDE:
@@ -404,6 +404,18 @@ def sqrt_rn_normal(x):
     y = tl.math.rsqrt(x)
     s = x * y
     return tl.fma(tl.fma(-s, s, x), y * 0.5, s)
+
+
+@triton.jit
+def sqrt_rn_nonneg(x):
+    """The correctly rounded float32 square root of a finite x >= 0 (zero and subnormals included),
+    without tl.sqrt_rn's call to its slow path: below 2**-100 x is scaled by 2**100 first and the root
+    by 2**-50 after (exact powers of two), zero gives zero; the rest is ``sqrt_rn_normal``. A per-sample
+    coefficient's square root: the call's register saving made ptxas spill (cps, 4-8 bytes, triton 3.9)."""
+    small = x < 7.888609052210118e-31  # 2**-100
+    r = sqrt_rn_normal(tl.where(small, tl.maximum(x * 1.2676506002282294e30, 7.888609052210118e-31), x))
+    r = tl.where(small, r * 8.881784197001252e-16, r)  # 2**100, 2**-50
+    return tl.where(x == 0.0, 0.0, r)
 
 
 @triton.jit

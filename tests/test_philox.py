@@ -15,7 +15,9 @@ import flowrl
 from flowrl import reference as R
 from flowrl._validate import NoiseSeed
 from flowrl.step_spec import ShardContext
-from flowrl.kernels.common import box_muller, philox4x32_10, philox_key, philox_normal_block, philox_quad, sqrt_rn_normal
+from flowrl.kernels.common import (
+    box_muller, philox4x32_10, philox_key, philox_normal_block, philox_quad, sqrt_rn_nonneg, sqrt_rn_normal,
+)
 
 TRITON_OK = "triton" in flowrl.available_backends() and (
     torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -55,6 +57,12 @@ def _kat_kernel(ctr_ptr, key_ptr, out_ptr, N: tl.constexpr):
 def _sqrt_kernel(x_ptr, out_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
     tl.store(out_ptr + i, sqrt_rn_normal(tl.load(x_ptr + i)))
+
+
+@triton.jit
+def _sqrt_nonneg_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, sqrt_rn_nonneg(tl.load(x_ptr + i)))
 
 
 @triton.jit
@@ -406,6 +414,25 @@ def test_branch_free_square_root_is_correctly_rounded():
     got = torch.empty_like(x)
     _sqrt_kernel[(1,)](x, got, N=x.numel())
     assert torch.equal(got, torch.sqrt(x.double()).to(torch.float32))
+
+
+@needs_triton
+def test_call_free_square_root_is_correctly_rounded_from_zero_up():
+    """cps' coefficient square root without sqrt_rn's slow-path call: the correctly rounded float32
+    square root (float64's, rounded) of zero, every subnormal exponent, the normal range, and every
+    float32 of a stretch of [1, 4)."""
+    g = torch.Generator().manual_seed(1)
+    normal = 2.0 ** (torch.rand(1 << 15, generator=g, dtype=torch.float64) * 252 - 126)
+    subnormal = (torch.randint(1, 1 << 23, (1 << 14,), generator=g, dtype=torch.int32)).view(torch.float32)
+    dense = (torch.arange(1 << 14, dtype=torch.int32) * 1021 + 0x3F800000).view(torch.float32)
+    ends = torch.tensor([0.0, 2.0**-149, 2.0**-126, 2.0**-100, 2.0**-100 * (1 - 2.0**-24), 1.0, 3.4e38],
+                        dtype=torch.float64)
+    x = torch.cat([normal.to(torch.float32), subnormal, dense, ends.to(torch.float32)]).to(DEVICE)
+    x = torch.cat([x, x[: (1 << 17) - x.numel()]])  # a power of two
+    got = torch.empty_like(x)
+    _sqrt_nonneg_kernel[(1,)](x, got, N=x.numel())
+    assert torch.equal(got, torch.sqrt(x.double()).to(torch.float32))
+    assert (x == 0).any() and (x < 2.0**-126).sum() > (1 << 13)
 
 
 # -------------------------------------------------------------------------- the stream's version
