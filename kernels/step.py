@@ -139,12 +139,12 @@ def _tile_offsets(row, first, n_per_sample, TILE: tl.constexpr, EVEN: tl.constex
 
 
 @triton.jit
-def _load_tile(ptr, offs, mask, row_start, TILE: tl.constexpr, EVEN: tl.constexpr):
+def _load_tile(ptr, offs, mask, row_start, TILE: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr = True):
     """A tile of the tensor at ``ptr`` as float32 (``row_start``: the tile's first element, int64).
     EVEN bfloat16 (whole tiles of 4-byte aligned rows: _triton_ops.step_switches) is read as uint32
-    words, each half one integer op (low << 16, high & 0xffff0000) where the conversion takes 1.5
-    instructions per value: the same bits."""
-    if EVEN and ptr.dtype.element_ty == tl.bfloat16:
+    words (unless WORDS is off), each half one integer op (low << 16, high & 0xffff0000) where the
+    conversion takes 1.5 instructions per value: the same bits."""
+    if EVEN and WORDS and ptr.dtype.element_ty == tl.bfloat16:
         words = tl.load((ptr + row_start).to(tl.pointer_type(tl.uint32)) + tl.arange(0, TILE // 2))
         low = (words << 16).to(tl.float32, bitcast=True)
         high = (words & 0xFFFF0000).to(tl.float32, bitcast=True)
@@ -173,6 +173,7 @@ def step_partials_kernel(
     dpm_sde's second order, so ELEMENTWISE never meets MODE_DDIM or HAS_PREV)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
     TILE_CHUNKS: tl.constexpr = GROUP // TILES
+    WORDS: tl.constexpr = MODE != MODE_DDIM  # as step_backward_kernel's
     TILE: tl.constexpr = TILE_CHUNKS * CHUNK
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_blocks
@@ -197,19 +198,19 @@ def step_partials_kernel(
                     a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr,
                     frozen_inner, frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta,
                     MODE, last_index, PER_TOKEN, HAS_FROZEN, WEIGHTED, RUN)
-        v = _load_tile(v_ptr, offs, mask, row_start, TILE, EVEN)
+        v = _load_tile(v_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
         if NOISE == NOISE_PHILOX:  # rollout only: the noise never touches memory
             third = philox_normal_block(k0, k1, stream, elem_offset + first, TILE, PHILOX_ALIGNED)
         elif NOISE == NOISE_TENSOR:
-            third = _load_tile(third_ptr, offs, mask, row_start, TILE, EVEN)
+            third = _load_tile(third_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
         if MODE == MODE_DDIM:  # nonlinear in v (the clip): its KL reads x too
-            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN)
+            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
             mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
         elif OP != OP_KL:  # the KL's mu - mu_ref = c v - c v_ref does not read x
-            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN)
+            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
             mu = step_mean(a, c, x, v)
             if HAS_PREV:
-                mu = mu + p * _load_tile(prev_x0_ptr, offs, mask, row_start, TILE, EVEN)
+                mu = mu + p * _load_tile(prev_x0_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
         if OP == OP_ROLLOUT:
             if NOISE == NOISE_NONE:  # deterministic: std is 0, and mu + 0 * eps is mu
                 prev = round_to(mu, prev_out_ptr.dtype.element_ty)
@@ -300,6 +301,10 @@ def step_backward_kernel(
     mean is nonlinear (x0's clip), with per-element dmu/dx, dmu/dv (common.ddim_mean_grads)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
     TILE: tl.constexpr = BLOCK // TILES
+    # ddim reads bfloat16 per element: as words its clipped mean's grads spilled 40 bytes (ddim[sample
+    # clip], sm_80, triton 3.6) and its v_prediction Philox rollout took 133 registers, for under 1.5
+    # instructions per element
+    WORDS: tl.constexpr = MODE != MODE_DDIM
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_blocks
     block_first = (pid - row * n_blocks) * BLOCK
@@ -326,10 +331,10 @@ def step_backward_kernel(
             if WEIGHTED:
                 coef = coef * weight
             coef = tl.where(scored, coef, 0.0)
-        v = _load_tile(v_ptr, offs, mask, row_start, TILE, EVEN)
-        third = _load_tile(third_ptr, offs, mask, row_start, TILE, EVEN)
+        v = _load_tile(v_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
+        third = _load_tile(third_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
         if MODE == MODE_DDIM:
-            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN)
+            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
             mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
             a, c = ddim_mean_grads(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)  # dmu/dx, dmu/dv
             if IS_KL:
@@ -341,10 +346,10 @@ def step_backward_kernel(
         elif IS_KL:
             r = policy_difference(c, v, third)
         else:
-            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN)
+            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
             mu = step_mean(a, c, x, v)
             if HAS_PREV:
-                mu = mu + p * _load_tile(prev_x0_ptr, offs, mask, row_start, TILE, EVEN)
+                mu = mu + p * _load_tile(prev_x0_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
             r = third - mu
         cr = coef * r
         grad_r = cr + cr  # d(r * r) = 2 r dr, as autograd of r * r sums two equal terms
