@@ -82,7 +82,7 @@ def finalize_warps(width: int) -> int:
 # passes (flowrl/backends/_triton_losses.py), and the step kernels wherever STEP_LAUNCH_TABLE is not
 # taken. One warp per 1,024-element chunk, 32 values per thread (issue 21, the roofline): a thread's
 # values sit 256 elements apart in four runs of 8 (bf16; fp32: 128 apart in eight runs of 4), so the
-# chunk's halving tree runs in registers and warp shuffles, with no shared memory and no barrier, and
+# chunk's tree (leaves of 8 first) runs in registers and warp shuffles, with no shared memory and no barrier, and
 # the per-sample coefficients are spread over 32 values per thread instead of 8. The AOT roofline
 # (bf16, sm_90a, triton 3.9) measured the sde log-prob at 71 SASS instructions per element with (4
 # chunks, 16 warps), 25 with (1, 1); (2, 1) as one 64-value tile needs up to 254 registers (the
