@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 # Without a GPU the Triton kernels run through Triton's interpreter, which must be switched on
@@ -9,3 +10,18 @@ if not torch.cuda.is_available():
     # The tests use small tensors: on a small, shared CPU, torch's worker threads only stall each
     # other (seen: a 0.5 s test taking 16 s). Results do not depend on it (fixed reduction order).
     torch.set_num_threads(1)
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected
+def pytest_collection_modifyitems(config, items):
+    """The tests that read the full AOT compile run (marked ``aot``) run last, and the run starts now in
+    the background (tests/aot_runs.py): it keeps every core busy while the rest of the suite runs one
+    thread, instead of after it."""
+    reads = [item for item in items if item.get_closest_marker("aot")]
+    if not reads or config.option.collectonly:
+        return
+    items[:] = [item for item in items if not item.get_closest_marker("aot")] + reads
+    import aot_runs
+
+    if aot_runs.CAN_COMPILE:
+        aot_runs.start()

@@ -1,72 +1,31 @@
 """Every Triton kernel compiles for real GPU targets, sm_90a and sm_80 with the newest triton installed
-and sm_90a with triton 3.6.0 (the GPU machines' image, an H200), on this CPU machine: Triton's interpreter, which runs the
-numerics tests, accepts code that real Triton rejects, so only a compile catches that class of error.
-
-Each compile runs in a subprocess without TRITON_INTERPRET (under it @triton.jit makes interpreted
-functions) and with a fresh TRITON_CACHE_DIR (a cached build can hide a compile error). Triton 3.6.0
-is installed by ``./run``'s set-up into ``.venv/triton-3.6`` (``pip install --no-deps --target``) and
-put first on PYTHONPATH; ``FLOWRL_TRITON36`` names another folder.
+and sm_90a with triton 3.6.0 (the GPU machines' image, an H200), on this CPU machine: Triton's
+interpreter, which runs the numerics tests, accepts code that real Triton rejects, so only a compile
+catches that class of error. The compile runs in the background from the session's start
+(tests/aot_runs.py); the checks that read it run last.
 """
-import json
 import os
-import platform
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
-from pathlib import Path
 
+import aot_runs
 import pytest
+from aot_runs import ARCHS_36, ARCHS_NEWEST, CAN_COMPILE, TRITON36, compile_env
 
 pytestmark = pytest.mark.slow  # the AOT compile of every kernel specialization, with two triton versions: minutes (./run test -m 'not slow' skips it)
 
 triton = pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
-TRITON36 = Path(os.environ.get("FLOWRL_TRITON36", ROOT / ".venv" / "triton-3.6"))
-needs_linux_x86 = pytest.mark.skipif(
-    not (sys.platform == "linux" and platform.machine() == "x86_64"), reason="triton's CUDA backend wheels are Linux x86_64"
-)
-
-
-def _env(tmp_path, pythonpath=None):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath)] + [p for p in [env.get("PYTHONPATH")] if p])
-    return env
-
-
-_RUNS = {}
-
-
-# The targets compiled with each triton: the installed (newest) one for sm_90a and sm_80; triton 3.6.0,
-# the GPU machines' image (H200), for sm_90a. Triton 3.6.0 for sm_80 was a quarter of CI's compile time
-# (CI had reached its 30-minute line); `python -m flowrl.kernels.aot --update-docs` and
-# `PYTHONPATH=.venv/triton-3.6 python -m flowrl.kernels.aot --arch 80` compile it on demand.
-ARCHS_NEWEST = ("90", "80")
-ARCHS_36 = ("90",)
+needs_linux_x86 = pytest.mark.skipif(not CAN_COMPILE, reason="triton's CUDA backend wheels are Linux x86_64")
+_env = compile_env
 
 
 def aot_rows(pythonpath=None):
-    """(exit status, rows) of the full AOT run: every specialization for the targets above, the hot
-    ones' SASS counted on sm_90a (``--sass-hot``), with the installed triton or the one at
-    ``pythonpath`` (triton 3.6.0). One run per triton version per session: this file's checks and
-    tests/test_roofline.py's read the same compile (the compile is most of CI's time)."""
-    key = str(pythonpath)
-    if key not in _RUNS:
-        tmp = Path(tempfile.mkdtemp(prefix="flowrl-aot-test-"))
-        archs = ARCHS_36 if pythonpath else ARCHS_NEWEST
-        try:
-            res = subprocess.run([sys.executable, "-m", "flowrl.kernels.aot", "--json", "--sass-hot", "--arch", *archs,
-                                  "--jobs", str(os.cpu_count() or 1)],
-                                 cwd=tmp, env=_env(tmp, pythonpath), capture_output=True, text=True, timeout=2400)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        assert res.stdout.strip(), res.stderr[-3000:]
-        _RUNS[key] = res.returncode, json.loads(res.stdout.strip().splitlines()[-1])
-    return _RUNS[key]
+    """(exit status, rows) of the full AOT run with the installed triton or triton 3.6.0 (``TRITON36``):
+    tests/aot_runs.py's, shared by this file's checks, tests/test_roofline.py's and
+    tests/test_losses_dpo.py's."""
+    return aot_runs.rows(pythonpath)
 
 
 def _expected_count(archs):
@@ -110,6 +69,7 @@ def _check_rows(rows, version, archs):
 
 
 @needs_linux_x86
+@pytest.mark.aot
 def test_every_kernel_specialization_compiles_with_the_installed_triton():
     rc, rows = aot_rows()
     _check_rows(rows, triton.__version__, ARCHS_NEWEST)
@@ -117,6 +77,7 @@ def test_every_kernel_specialization_compiles_with_the_installed_triton():
 
 
 @needs_linux_x86
+@pytest.mark.aot
 def test_every_kernel_specialization_compiles_with_triton_3_6():
     if not (TRITON36 / "triton").is_dir():
         if os.environ.get("CI"):

@@ -546,16 +546,6 @@ def test_docs_snippet_runs():
 
 # ------------------------------------------------------------------------------------ AOT compile
 
-PREFERENCE_AOT = r"""
-import json, sys
-from flowrl.kernels import aot
-rows = [aot._run_one((spec, storage, arch, False)) for storage in aot.STORAGES
-        for spec in aot.loss_specializations(storage)
-        if spec.kernel.startswith("flow_") and spec.constexprs["LOSS"] in (2, 3) for arch in aot.ARCHS]
-print(json.dumps(rows))
-"""
-
-
 def test_aot_lists_every_preference_specialization():
     """kernels/aot.py lists what dpo_loss / dgpo_loss launch: DPO (one reference, HAS_REF off) and DGPO
     with one or two references, forward and backward, for every storage dtype, with eps given or drawn
@@ -603,28 +593,26 @@ def test_the_roofline_counts_the_bytes_the_preference_kernels_move():
 
 @pytest.mark.skipif(not (sys.platform == "linux" and __import__("platform").machine() == "x86_64"),
                     reason="triton's CUDA backend wheels are Linux x86_64")
-@pytest.mark.slow  # 204 compiles per triton version (minutes; tests/test_compile.py compiles them all too)
+@pytest.mark.slow  # reads the full AOT run (tests/aot_runs.py): minutes
+@pytest.mark.aot
 @pytest.mark.parametrize("version", ["installed", "3.6"])
-def test_preference_kernels_compile_without_spills(tmp_path, version):
-    """The DPO / DGPO specializations for sm_90a and sm_80, every storage dtype, with no register spill
-    (tests/test_compile.py compiles every kernel; this is the quick check of these ones)."""
-    import json
-    import subprocess
+def test_preference_kernels_compile_without_spills(version):
+    """The DPO / DGPO specializations, every storage dtype, for tests/test_compile.py's targets (sm_90a
+    and sm_80 with the installed triton, sm_90a with triton 3.6.0), with no register spill, their
+    latents loaded 128 bits at a time except unpaired: these rows of the shared AOT run."""
+    from aot_runs import ARCHS_36, ARCHS_NEWEST, TRITON36, rows as aot_rows
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    if version == "3.6":
-        t36 = Path(os.environ.get("FLOWRL_TRITON36", ROOT / ".venv" / "triton-3.6"))
-        if not (t36 / "triton").is_dir():
-            pytest.skip(f"triton 3.6.0 not installed in {t36} (./run's set-up installs it)")
-        env["PYTHONPATH"] = os.pathsep.join([str(t36)] + [p for p in [env.get("PYTHONPATH")] if p])
-    res = subprocess.run([sys.executable, "-c", PREFERENCE_AOT], env=env, capture_output=True, text=True, timeout=600)
-    assert res.stdout.strip(), res.stderr[-3000:]
-    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    if version == "3.6" and not (TRITON36 / "triton").is_dir():
+        if os.environ.get("CI"):
+            pytest.fail(f"triton 3.6.0 is missing from {TRITON36}: ./run's set-up installs it")
+        pytest.skip(f"triton 3.6.0 not installed in {TRITON36} (./run's set-up installs it)")
+    _, rows = aot_rows(TRITON36 if version == "3.6" else None)
+    archs = ARCHS_36 if version == "3.6" else ARCHS_NEWEST
+    rows = [r for r in rows if r["kernel"].startswith("flow_") and r["label"].split()[0] in ("dpo", "dgpo")]
     # storages x archs x (forward, backward) x ((DPO, DGPO one / two references, DPO and DGPO (two
     # references) with Philox noise) x (tail, whole blocks, unpaired) + DPO and DGPO with Philox from an
     # unaligned offset)
-    assert len(rows) == 3 * 2 * 2 * (5 * 3 + 2)
+    assert len(rows) == 3 * len(archs) * 2 * (5 * 3 + 2)
     for r in rows:
         # unpaired: compiled without the alignment attributes (an odd count or misaligned rows)
         assert r["ok"] and r["spill_bytes"] == 0, r

@@ -119,7 +119,8 @@ def _check(rows, version):
 
 
 @needs_linux_x86
-@pytest.mark.slow  # the full AOT run (shared with tests/test_compile.py): minutes
+@pytest.mark.slow  # the full AOT run (tests/aot_runs.py, shared with tests/test_compile.py): minutes
+@pytest.mark.aot
 def test_hot_specializations_reach_their_roofline_with_the_installed_triton():
     rc, rows = _hot_rows()
     _check(rows, triton.__version__)
@@ -127,7 +128,8 @@ def test_hot_specializations_reach_their_roofline_with_the_installed_triton():
 
 
 @needs_linux_x86
-@pytest.mark.slow  # the full AOT run (shared with tests/test_compile.py): minutes
+@pytest.mark.slow  # the full AOT run (tests/aot_runs.py, shared with tests/test_compile.py): minutes
+@pytest.mark.aot
 def test_hot_specializations_reach_their_roofline_with_triton_3_6():
     if not (TRITON36 / "triton").is_dir():
         if os.environ.get("CI"):

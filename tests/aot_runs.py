@@ -1,0 +1,137 @@
+"""The full AOT runs that tests/test_compile.py, tests/test_roofline.py and tests/test_losses_dpo.py
+check: every kernel specialization compiled for real GPU targets (kernels/aot.py, ``--sass-hot``),
+with the installed triton for sm_90a and sm_80, and with triton 3.6.0 (the GPU machines' image, an
+H200) for sm_90a.
+
+The compile is most of CI's time and keeps every core busy while the rest of the suite runs one
+thread, so conftest.py starts these runs in a background thread as soon as the session's tests are
+chosen, and runs the tests that read them (marked ``aot``) last; ``rows`` waits for a run to finish.
+Each run is a subprocess without TRITON_INTERPRET (under it @triton.jit makes interpreted functions),
+in a fresh TRITON_CACHE_DIR (a cached build can hide a compile error), removed afterwards. Triton
+3.6.0 is installed by ``./run``'s set-up into ``.venv/triton-3.6`` (``pip install --no-deps
+--target``) and put first on PYTHONPATH; ``FLOWRL_TRITON36`` names another folder.
+
+Triton 3.6.0 for sm_80 was a quarter of CI's compile time (CI had reached its 30-minute line):
+``python -m flowrl.kernels.aot --update-docs`` and ``PYTHONPATH=.venv/triton-3.6 python -m
+flowrl.kernels.aot --arch 80`` compile it on demand.
+"""
+import atexit
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRITON36 = Path(os.environ.get("FLOWRL_TRITON36", ROOT / ".venv" / "triton-3.6"))
+ARCHS_NEWEST = ("90", "80")
+ARCHS_36 = ("90",)
+# triton's CUDA backend wheels (ptxas, nvdisasm) are Linux x86_64
+CAN_COMPILE = sys.platform == "linux" and platform.machine() == "x86_64"
+TIMEOUT_S = 2400
+
+_lock = threading.Lock()
+_done = {}  # str(pythonpath) -> threading.Event
+_results = {}  # str(pythonpath) -> (exit status or None, stdout, stderr)
+_running = []  # (Popen, folder) of the runs (each its own process group: the compile workers with it)
+_stopping = threading.Event()
+_thread = None
+
+
+def compile_env(tmp, pythonpath=None):
+    """The environment of a compile subprocess: no TRITON_INTERPRET, a fresh cache and temporary folder
+    under ``tmp``, and ``pythonpath`` (another triton) first on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(Path(tmp) / "triton-cache")
+    env["TMPDIR"] = str(tmp)  # the aot CLI's own cache folder too: removed with ``tmp`` even if it is killed
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def _runs():
+    """(pythonpath, archs) of each run: the installed triton, then triton 3.6.0 where it is installed."""
+    runs = [(None, ARCHS_NEWEST)]
+    if (TRITON36 / "triton").is_dir():
+        runs.append((TRITON36, ARCHS_36))
+    return runs
+
+
+def _run(pythonpath, archs):
+    tmp = tempfile.mkdtemp(prefix="flowrl-aot-test-")
+    try:
+        with _lock:
+            if _stopping.is_set():
+                return None, "", "the session ended before this run started"
+            proc = subprocess.Popen([sys.executable, "-m", "flowrl.kernels.aot", "--json", "--sass-hot", "--arch",
+                                     *archs, "--jobs", str(os.cpu_count() or 1)], cwd=tmp,
+                                    env=compile_env(tmp, pythonpath), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, start_new_session=True)
+            _running.append((proc, tmp))
+        try:
+            out, err = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            out, err = proc.communicate()
+            err += f"\n(killed after {TIMEOUT_S} s)"
+        return proc.returncode, out, err
+    except Exception as exc:  # reported by rows()
+        return None, "", f"{type(exc).__name__}: {exc}"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _kill(proc):
+    """The run and its compile workers (its process group)."""
+    try:
+        os.killpg(proc.pid, 9)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop():
+    """At exit (a session that ends early, -x): no new run starts and the ones running are stopped."""
+    with _lock:
+        _stopping.set()
+        for proc, tmp in _running:
+            if proc.poll() is None:
+                _kill(proc)
+                proc.wait()
+                shutil.rmtree(tmp, ignore_errors=True)  # the compile's own cache sits under it too
+
+
+def start():
+    """Start the runs one after the other in a background thread (once per session)."""
+    global _thread
+    with _lock:
+        if _thread is not None:
+            return
+        runs = _runs()
+        for pythonpath, _ in runs:
+            _done[str(pythonpath)] = threading.Event()
+
+        def work():
+            for pythonpath, archs in runs:
+                _results[str(pythonpath)] = _run(pythonpath, archs)
+                _done[str(pythonpath)].set()
+
+        atexit.register(_stop)
+        _thread = threading.Thread(target=work, name="flowrl-aot-runs", daemon=True)
+        _thread.start()
+
+
+def rows(pythonpath=None):
+    """(exit status, rows) of the run with the installed triton (``pythonpath`` None) or with triton
+    3.6.0 (``TRITON36``), waiting for it to finish."""
+    start()
+    key = str(pythonpath)
+    if key not in _done:
+        raise FileNotFoundError(f"no AOT run for {pythonpath}: triton 3.6.0 is not installed there")
+    _done[key].wait()
+    rc, out, err = _results[key]
+    assert out.strip(), err[-3000:]
+    return rc, json.loads(out.strip().splitlines()[-1])
