@@ -297,6 +297,16 @@ def chunk_tree_rows(t, ROWS: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.c
 
 
 @triton.jit
+def bf16_words_to_f32(words):
+    """bfloat16 pairs read as uint32 words, as float32 in element order: each half one integer op
+    (low << 16, high & 0xffff0000) where a bfloat16 load's conversion takes 1.5 per value; the same
+    bits. Little-endian: element 2i is word i's low half."""
+    low = (words << 16).to(tl.float32, bitcast=True)
+    high = (words & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.interleave(low, high)
+
+
+@triton.jit
 def round_to(x, DTYPE: tl.constexpr):
     """float32 ``x`` rounded to the storage dtype DTYPE, to nearest even (torch's ``.to``).
 

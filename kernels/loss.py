@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    chunk_tree_rows, mode_coefficients, ordinary_count, policy_difference, round_to, step_mean, total_grad,
+    bf16_words_to_f32, chunk_tree_rows, mode_coefficients, ordinary_count, policy_difference, round_to, step_mean,
+    total_grad,
 )
 from .common import KIND_KL
 from .step import _block_offsets, _element_terms, _philox_eps
@@ -241,8 +242,7 @@ def _flow_load(ptr, base, first, in_row, offs, mask, EVEN: tl.constexpr, PAIRED:
     bfloat16 with EVEN or PAIRED (an even ``n_per_sample``, 4-byte aligned rows: the launcher checks):
     uint32 pairs from the row's start, a tail's words masked whole."""
     if (EVEN or PAIRED) and ptr.dtype.element_ty == tl.bfloat16:
-        # bfloat16 pairs as uint32 words (the launcher checks the row starts are 4-byte aligned): each half
-        # is one integer op (low << 16, high & 0xffff0000), where the conversion takes 1.5 per element
+        # bfloat16 pairs as uint32 words (the launcher checks the row starts are 4-byte aligned)
         BLOCK: tl.constexpr = in_row.shape[0]
         word = first // 2 + tl.arange(0, BLOCK // 2)
         wptr = (ptr + base).to(tl.pointer_type(tl.uint32)) + word
@@ -250,9 +250,7 @@ def _flow_load(ptr, base, first, in_row, offs, mask, EVEN: tl.constexpr, PAIRED:
             words = tl.load(wptr)
         else:  # n_per_sample even: a word is whole or out
             words = tl.load(wptr, mask=word < n_per_sample // 2, other=0)
-        low = (words << 16).to(tl.float32, bitcast=True)
-        high = (words & 0xFFFF0000).to(tl.float32, bitcast=True)
-        u = tl.interleave(low, high)  # little-endian: element 2i is word i's low half
+        u = bf16_words_to_f32(words)
     elif EVEN:
         u = tl.load(ptr + base + in_row).to(tl.float32)
     else:

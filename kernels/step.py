@@ -46,10 +46,10 @@ import triton
 import triton.language as tl
 
 from .common import (
-    MODE_DDIM, NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, chunk_tree_rows, compact_index,
-    ddim_coefficients, ddim_mean, ddim_mean_grads, dpm_sde_coefficients, halving_tree_rows, mode_coefficients,
-    ordinary_count, philox_key, philox_normal_block, policy_difference, round_to, run_heads, run_spread, step_mean,
-    total_grad, value_from_total,
+    MODE_DDIM, NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, bf16_words_to_f32,
+    chunk_tree_rows, compact_index, ddim_coefficients, ddim_mean, ddim_mean_grads, dpm_sde_coefficients,
+    halving_tree_rows, mode_coefficients, ordinary_count, philox_key, philox_normal_block, policy_difference,
+    round_to, run_heads, run_spread, step_mean, total_grad, value_from_total,
 )
 from .token import FROZEN_MAGIC, RECORD, TABLE_HEADER
 
@@ -142,13 +142,9 @@ def _tile_offsets(row, first, n_per_sample, TILE: tl.constexpr, EVEN: tl.constex
 def _load_tile(ptr, offs, mask, row_start, TILE: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr = True):
     """A tile of the tensor at ``ptr`` as float32 (``row_start``: the tile's first element, int64).
     EVEN bfloat16 (whole tiles of 4-byte aligned rows: _triton_ops.step_switches) is read as uint32
-    words (unless WORDS is off), each half one integer op (low << 16, high & 0xffff0000) where the
-    conversion takes 1.5 instructions per value: the same bits."""
+    words (unless WORDS is off; ``bf16_words_to_f32``): the same bits."""
     if EVEN and WORDS and ptr.dtype.element_ty == tl.bfloat16:
-        words = tl.load((ptr + row_start).to(tl.pointer_type(tl.uint32)) + tl.arange(0, TILE // 2))
-        low = (words << 16).to(tl.float32, bitcast=True)
-        high = (words & 0xFFFF0000).to(tl.float32, bitcast=True)
-        return tl.interleave(low, high)  # little-endian: element 2i is word i's low half
+        return bf16_words_to_f32(tl.load((ptr + row_start).to(tl.pointer_type(tl.uint32)) + tl.arange(0, TILE // 2)))
     return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
 
