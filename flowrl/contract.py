@@ -220,11 +220,14 @@ STD_FLOOR = 2.0**-40
 # stream, element) ``noise_seed`` draws. Bumped whenever that function changes, so a record of seeds
 # (a branching trajectory's tree) drawn under another stream is refused, never replayed silently wrong.
 # 1: Box-Muller with the platforms' logf and a Taylor sin(pi u) / cos(pi u) (flowrl <= this change);
-# 2: the polynomial log and octant sin / cos below, the same bits on every backend.
-NOISE_STREAM_VERSION = 2
+# 2: the polynomial log and octant sin / cos below by separate multiplies and adds;
+# 3: the same polynomials by Horner with fused multiply-adds (one rounding each: about 8 fewer GPU
+#    instructions per normal); the same bits on every backend.
+NOISE_STREAM_VERSION = 3
 
-# Box-Muller (stream 2) in float32 adds and multiplies only (no FMA; no platform log / sin / cos, which
-# differ between backends), so the torch reference draws the kernels' bits. The coefficients are
+# Box-Muller (stream 3) in float32 multiplies, adds and fmas (no platform log / sin / cos, which differ
+# between backends; the torch reference rounds each fma once, as the GPU's FFMA does), so the torch
+# reference draws the kernels' bits. The coefficients are
 # minimax fits (Lawson's iteration) rounded to float32 once here, so both backends multiply by the
 # same values.
 # -2 ln(u) = e * NEG_2_LN2 + f * P(f) for u = 2**e * (1 + f), 1 + f in [sqrt(1/2), sqrt(2)):

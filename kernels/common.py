@@ -324,22 +324,26 @@ def round_to(x, DTYPE: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------------ Philox noise
-# In-kernel noise (``sde_step(noise_seed=...)``), stream version ``NOISE_STREAM_VERSION`` 2 (docs/
+# In-kernel noise (``sde_step(noise_seed=...)``), stream version ``NOISE_STREAM_VERSION`` 3 (docs/
 # contract.md, Noise): Philox4x32-10 (Salmon et al., SC'11; Random123), the same integer stream as
-# ``flowrl.reference.philox4x32_10`` bit for bit, then Box-Muller in float32 adds and multiplies only,
-# the reference's operations in its order, so the normals are the reference's bits too. Layout, shared
-# with the reference (``flowrl.reference.philox_normal``): element e of a flattened sample is lane
-# e % 4 of the call with counter (q low 32 bits, q high 32 bits, stream, 0), q = e // 4; lanes 0, 1
-# are the Box-Muller pair of the words (x0, x1), lanes 2, 3 that of (x2, x3); even lanes take the
-# cosine, odd lanes the sine. So eps[e] depends only on (key, stream, e), never on the launch.
+# ``flowrl.reference.philox4x32_10`` bit for bit, then Box-Muller in float32 multiplies, adds and
+# fused multiply-adds (tl.fma: one rounding, one FFMA where a multiply and an add take two; the
+# reference rounds its fmas once too), the reference's operations in its order, so the normals are the
+# reference's bits. Layout, shared with the reference (``flowrl.reference.philox_normal``): element e
+# of a flattened sample is lane e % 4 of the call with counter (q low 32 bits, q high 32 bits, stream,
+# 0), q = e // 4; lanes 0, 1 are the Box-Muller pair of the words (x0, x1), lanes 2, 3 that of (x2,
+# x3); even lanes take the cosine, odd lanes the sine. So eps[e] depends only on (key, stream, e),
+# never on the launch. Triton 3.6's interpreter runs tl.fma as a multiply and an add (two roundings;
+# the newest rounds once): under it the normals may differ from the reference's in the last bits.
 PHILOX_M0 = tl.constexpr(0xD2511F53)
 PHILOX_M1 = tl.constexpr(0xCD9E8D57)
 PHILOX_W0 = tl.constexpr(0x9E3779B9)
 PHILOX_W1 = tl.constexpr(0xBB67AE85)
-# exact float32 constants: 2**-32, 2**-29, 2**-30
+# exact float32 constants: 2**-32, 2**-29, 2**-30, 2**-33
 TWO_POW_M32 = tl.constexpr(2.3283064365386963e-10)
 TWO_POW_M29 = tl.constexpr(1.862645149230957e-09)
 TWO_POW_M30 = tl.constexpr(9.313225746154785e-10)
+TWO_POW_M33 = tl.constexpr(1.1641532182693481e-10)
 NEG_2_LN2 = tl.constexpr(_contract.NEG_2_LN2)
 R2_MIN = tl.constexpr(_contract.R2_MIN)
 LOG_SPLIT = tl.constexpr(_contract.LOG_SPLIT)
@@ -431,36 +435,38 @@ def sqrt_rn_nonneg(x):
 @triton.jit
 def box_muller_radius(x_radius):
     """sqrt(-2 ln u) in float32 for u = (x_radius + 1/2) / 2**32 in (0, 1] (never 0) of a uint32 word,
-    as flowrl.reference.box_muller_radius computes it: u = 2**e (1 + f) with 1 + f in [sqrt(1/2),
-    sqrt(2)) split from u's bits, -2 ln u = e NEG_2_LN2 + f P(f) (flowrl.contract's polynomial,
-    Horner), at least R2_MIN (it is 0 at u = 1), then the correctly rounded square root."""
-    u = (x_radius.to(tl.float32) + 0.5) * TWO_POW_M32
+    as flowrl.reference.box_muller_radius computes it: u = fma(x, 2**-32, 2**-33) (the same bits as
+    (x + 1/2) * 2**-32: scaling by 2**-32 is exact), u = 2**e (1 + f) with 1 + f in [sqrt(1/2),
+    sqrt(2)) split from u's bits, -2 ln u = fma(f, P(f), e NEG_2_LN2) (flowrl.contract's polynomial,
+    Horner by fmas), at least R2_MIN (it is 0 at u = 1), then the correctly rounded square root."""
+    u = tl.fma(x_radius.to(tl.float32), TWO_POW_M32, TWO_POW_M33)
     bits = u.to(tl.int32, bitcast=True)
     e = (bits - LOG_SPLIT) >> 23  # arithmetic: floor((bits - LOG_SPLIT) / 2**23), <= 0
     f = (bits - (e << 23)).to(tl.float32, bitcast=True) - 1.0
-    p = LOG_P6 + f * LOG_P7
-    p = LOG_P5 + f * p
-    p = LOG_P4 + f * p
-    p = LOG_P3 + f * p
-    p = LOG_P2 + f * p
-    p = LOG_P1 + f * p
-    p = LOG_P0 + f * p
-    return sqrt_rn_normal(tl.maximum(e.to(tl.float32) * NEG_2_LN2 + f * p, R2_MIN))
+    p = tl.fma(f, LOG_P7, LOG_P6)
+    p = tl.fma(f, p, LOG_P5)
+    p = tl.fma(f, p, LOG_P4)
+    p = tl.fma(f, p, LOG_P3)
+    p = tl.fma(f, p, LOG_P2)
+    p = tl.fma(f, p, LOG_P1)
+    p = tl.fma(f, p, LOG_P0)
+    return sqrt_rn_normal(tl.maximum(tl.fma(f, p, e.to(tl.float32) * NEG_2_LN2), R2_MIN))
 
 
 @triton.jit
 def box_muller(x_radius, x_angle):
     """Two standard normals (r cos(theta), r sin(theta)) in float32 from two uint32 words, as
     flowrl.reference.box_muller computes them: r = ``box_muller_radius(x_radius)``; the angle by
-    octant from x_angle's bits: t = (low 29 bits + 1/2) / 2**29 in (0, 1), phi = pi t / 4, its sine
-    t S(t^2) and cosine 1 + t^2 C(t^2) (flowrl.contract's polynomials), swapped when bit 29 is set
-    (theta = pi / 2 - phi), the cosine's sign from bit 31 and the sine's from bit 30: theta is uniform
-    over the circle (reflections of a uniform first-quadrant angle)."""
+    octant from x_angle's bits: t = (low 29 bits + 1/2) / 2**29 in (0, 1) (one fma, exact scaling),
+    phi = pi t / 4, its sine t S(t^2) and cosine 1 + t^2 C(t^2) (flowrl.contract's polynomials, Horner
+    by fmas), swapped when bit 29 is set (theta = pi / 2 - phi), the cosine's sign from bit 31 and the
+    sine's from bit 30: theta is uniform over the circle (reflections of a uniform first-quadrant
+    angle)."""
     r = box_muller_radius(x_radius)
-    t = (x_angle & 0x1FFFFFFF).to(tl.float32) * TWO_POW_M29 + TWO_POW_M30
+    t = tl.fma((x_angle & 0x1FFFFFFF).to(tl.float32), TWO_POW_M29, TWO_POW_M30)
     t2 = t * t
-    sin_p = t * (SIN_A0 + t2 * (SIN_A1 + t2 * (SIN_A2 + t2 * SIN_A3)))
-    cos_p = 1.0 + t2 * (COS_B0 + t2 * (COS_B1 + t2 * COS_B2))
+    sin_p = t * tl.fma(t2, tl.fma(t2, tl.fma(t2, SIN_A3, SIN_A2), SIN_A1), SIN_A0)
+    cos_p = tl.fma(t2, tl.fma(t2, tl.fma(t2, COS_B2, COS_B1), COS_B0), 1.0)
     swap = (x_angle & 0x20000000) != 0
     n_cos = r * tl.where(swap, sin_p, cos_p)
     n_sin = r * tl.where(swap, cos_p, sin_p)

@@ -437,25 +437,70 @@ def test_call_free_square_root_is_correctly_rounded_from_zero_up():
 
 # -------------------------------------------------------------------------- the stream's version
 
-# stream 2's first normals of seed 2024 (stream 0) and seed -7 (stream 1), float32 bits as hex: a
-# change of the noise function fails here, and must bump flowrl.contract.NOISE_STREAM_VERSION
-STREAM_2 = [
+# stream 3's first normals of seed 2024 (stream 0) and seed -7 (stream 1), float32 bits as hex: a
+# change of the noise function fails here, and must bump flowrl.contract.NOISE_STREAM_VERSION (stream 2
+# had -0x1.923996p-2 where stream 3 has -0x1.923998p-2: its unfused polynomials)
+STREAM_3 = [
     ["0x1.fee73p-1", "-0x1.dee4bcp-4", "0x1.38312ap-3", "0x1.69dd2p-4", "0x1.1662d2p-1", "-0x1.59dee8p+0",
      "0x1.f7e28p-3", "-0x1.92f9c6p-2"],
-    ["0x1.6e407p-1", "0x1.e95a7ep-1", "0x1.a81a8cp-4", "0x1.0c359ep+1", "-0x1.923996p-2", "-0x1.280c5ap-2",
+    ["0x1.6e407p-1", "0x1.e95a7ep-1", "0x1.a81a8cp-4", "0x1.0c359ep+1", "-0x1.923998p-2", "-0x1.280c5ap-2",
      "0x1.85ae84p+1", "0x1.bcef26p+0"],
 ]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_stream_version_2_known_answers(backend):
+def test_stream_version_3_known_answers(backend):
     from flowrl.contract import NOISE_STREAM_VERSION
 
-    assert NOISE_STREAM_VERSION == 2
-    want = torch.tensor([[float.fromhex(h) for h in row] for row in STREAM_2])
+    assert NOISE_STREAM_VERSION == 3
+    want = torch.tensor([[float.fromhex(h) for h in row] for row in STREAM_3])
     seed = NoiseSeed(torch.tensor([2024, -7], device=DEVICE), 1, 0)
     got = R.philox_normal(seed, 8) if backend == "torch" else _triton_stream(seed, 0, 1, 8)[1]
     assert torch.equal(got.cpu(), want)
+
+
+def _round_f32(q):
+    """A nonzero Fraction rounded to the nearest float32 (ties to even), exactly: its 24-bit
+    significand by Python's round() of a Fraction (half to even)."""
+    from fractions import Fraction
+
+    e = math.frexp(float(q))[1] - 24
+    while abs(q) / Fraction(2) ** e >= 2**24:
+        e += 1
+    while abs(q) / Fraction(2) ** e < 2**23:
+        e -= 1
+    return float(round(q / Fraction(2) ** e) * Fraction(2) ** e)
+
+
+def test_reference_fma_rounds_once():
+    """R.fma_f32 against exact rational arithmetic: random float32 triples over many exponents, their
+    cancellations, and sums a hair off a float32 midpoint, where rounding to float64 and then to
+    float32 (two roundings) picks the wrong neighbour: 2**24 + 2 + (1 - 2**-30) is 2**24 + 2, not + 4.
+    The kernels' tl.fma rounds once (test_box_muller_same_bits_on_both_backends)."""
+    from fractions import Fraction
+
+    g = torch.Generator().manual_seed(3)
+
+    def rand(n, lo, hi):
+        mant = torch.rand(n, generator=g, dtype=torch.float64) + 1
+        sign = torch.randint(0, 2, (n,), generator=g) * 2 - 1
+        return (sign * mant * 2.0 ** torch.randint(lo, hi, (n,), generator=g)).to(torch.float32)
+
+    a, b, c = rand(3000, -20, 20), rand(3000, -20, 20), rand(3000, -30, 30)
+    c = torch.cat([c, -(a * b)])  # the product's rounding error: all of it must survive
+    a, b = torch.cat([a, a]), torch.cat([b, b])
+    ties_a = torch.tensor([1 + 2.0**-15, 1 + 2.0**-15, 2 + 2.0**-14], dtype=torch.float32)
+    ties_b = torch.tensor([1 - 2.0**-15, -(1 - 2.0**-15), 2 - 2.0**-14], dtype=torch.float32)
+    ties_c = torch.tensor([2.0**24 + 2, -(2.0**24 + 2), 2.0**26 + 8], dtype=torch.float32)
+    a, b, c = torch.cat([a, ties_a]), torch.cat([b, ties_b]), torch.cat([c, ties_c])
+    got = R.fma_f32(a, b, c)
+    want = [_round_f32(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z))) if float(x) * float(y) + float(z) != 0
+            else 0.0 for x, y, z in zip(a, b, c)]
+    assert got.tolist() == want
+    assert got[-3:].tolist() == [2.0**24 + 2, -(2.0**24 + 2), 2.0**26 + 8]
+    twice = (a.double() * b.double() + c.double()).float()  # rounded twice
+    assert twice[-3:].tolist() != got[-3:].tolist()
+    assert R.fma_f32(torch.tensor([3.0]), 0.5, 0.25).tolist() == [1.75]  # Python float operands
 
 
 def test_branching_trees_record_the_stream_and_refuse_another():
@@ -476,7 +521,8 @@ def test_branching_trees_record_the_stream_and_refuse_another():
     wire = json.loads(json.dumps(traj.to_wire()))
     assert int(traj.tree.to_tensors()["noise_stream"]) == NOISE_STREAM_VERSION
     assert RolloutTrajectory.from_wire(wire).tree.seed == 5
-    for change, message in ((NOISE_STREAM_VERSION + 1, "noise stream 3"), (None, "noise stream 1 .no 'noise_stream'.")):
+    for change, message in ((NOISE_STREAM_VERSION + 1, f"noise stream {NOISE_STREAM_VERSION + 1}"),
+                            (2, "noise stream 2; flowrl draws stream 3"), (None, "noise stream 1 .no 'noise_stream'.")):
         tensors = dict(traj.tree.to_tensors())
         if change is None:
             del tensors["noise_stream"]

@@ -323,8 +323,8 @@ def scored_statistics(spec, sample_shape, dtype: torch.dtype):
 # Philox4x32-10 (Salmon et al., SC'11; Random123) in torch integer ops: int64 tensors holding uint32
 # values, every product split so it stays below 2**63. The same integer stream, bit for bit, as the
 # Triton helpers in flowrl/kernels/common.py; the float32 normals (stream version
-# C.NOISE_STREAM_VERSION) use the same IEEE float32 adds, multiplies and square root in the same order
-# (no platform log / sin / cos), so they are the kernels' bits too.
+# C.NOISE_STREAM_VERSION) use the same IEEE float32 multiplies, adds, fused multiply-adds and square
+# root in the same order (no platform log / sin / cos), so they are the kernels' bits too.
 PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57  # round multipliers
 PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85  # key bumps (Weyl sequence)
 _MASK32 = 0xFFFFFFFF
@@ -364,19 +364,38 @@ def philox_quads(seed: NoiseSeed, first_quad: int, n_quads: int):
     return philox4x32_10(quad & _MASK32, quad >> 32, stream, torch.zeros_like(quad), k0, k1)
 
 
+def fma_f32(a, b, c) -> torch.Tensor:
+    """a * b + c rounded once to float32 (IEEE fma, the kernels' ``tl.fma``), for float32 tensors or
+    float32-valued Python floats (at least one tensor; finite, no float32 overflow). The product is
+    exact in float64 (24 + 24 bits); the sum is rounded to odd in float64 (rounded to nearest, then one
+    ulp toward the exact sum when inexact and even, the exact error from TwoSum), and rounding that
+    once to float32 gives the correctly rounded fma (53 >= 24 + 2 bits: Boldo and Melquiond, IEEE TC
+    2008). Rounding the float64 sum to nearest instead would round twice, an ulp off now and then."""
+    a, b, c = (t.double() if isinstance(t, torch.Tensor) else float(t) for t in (a, b, c))
+    p = a * b
+    s = p + c
+    z = s - p
+    err = (p - (s - z)) + (c - z)  # p + c = s + err exactly (Knuth's TwoSum)
+    bits = s.view(torch.int64)
+    inexact_even = (err != 0) & ((bits & 1) == 0)  # an inexact sum is never 0
+    toward = torch.where((err > 0) == (s > 0), 1, -1)  # +1 on the bits moves away from zero
+    return (bits + toward * inexact_even).view(torch.float64).to(torch.float32)
+
+
 def box_muller_radius(x_radius: torch.Tensor) -> torch.Tensor:
     """float32 sqrt(-2 ln u) for u = (x_radius + 1/2) / 2**32 in (0, 1] of uint32 words (int64 tensor),
     the same float32 operations as the kernels' ``box_muller_radius``: u = 2**e (1 + f) with 1 + f in
-    [sqrt(1/2), sqrt(2)) split from u's bits, -2 ln u = e NEG_2_LN2 + f P(f) (flowrl.contract's
-    degree-7 polynomial by Horner), at least R2_MIN, then the correctly rounded square root."""
+    [sqrt(1/2), sqrt(2)) split from u's bits, -2 ln u = fma(f, P(f), e NEG_2_LN2) (flowrl.contract's
+    degree-7 polynomial, Horner by fmas), at least R2_MIN, then the correctly rounded square root."""
+    # the kernels' fma(x, 2**-32, 2**-33): the same bits, as scaling by a power of two is exact
     u = (x_radius.to(torch.float32) + 0.5) * 2.0**-32
     bits = u.view(torch.int32)
     e = (bits - C.LOG_SPLIT) >> 23  # arithmetic shift: floor division by 2**23
     f = (bits - e * (1 << 23)).view(torch.float32) - 1.0
-    p = C.LOG_P6 + f * C.LOG_P7
+    p = fma_f32(f, C.LOG_P7, C.LOG_P6)
     for coefficient in (C.LOG_P5, C.LOG_P4, C.LOG_P3, C.LOG_P2, C.LOG_P1, C.LOG_P0):
-        p = coefficient + f * p
-    r2 = torch.clamp_min(e.to(torch.float32) * C.NEG_2_LN2 + f * p, C.R2_MIN)
+        p = fma_f32(f, p, coefficient)
+    r2 = torch.clamp_min(fma_f32(f, p, e.to(torch.float32) * C.NEG_2_LN2), C.R2_MIN)
     # the correctly rounded float32 square root (the kernels'): float64's, rounded once more (exact
     # for sqrt: 53 >= 2 * 24 + 2 bits); torch's float32 sqrt on the CPU is not always rounded so
     return torch.sqrt(r2.double()).to(torch.float32)
@@ -386,13 +405,15 @@ def box_muller(x_radius: torch.Tensor, x_angle: torch.Tensor) -> Tuple[torch.Ten
     """Two float32 standard normals (r cos(theta), r sin(theta)) from uint32 words (int64 tensors), the
     same float32 operations as the kernels' ``box_muller``: r = ``box_muller_radius(x_radius)``; t =
     (x_angle's low 29 bits + 1/2) / 2**29, phi = pi t / 4 with sine t S(t^2) and cosine 1 + t^2 C(t^2)
-    (flowrl.contract's polynomials), swapped when bit 29 is set (theta = pi / 2 - phi), the cosine
-    negated when bit 31 is set and the sine when bit 30 is: theta uniform over the circle."""
+    (flowrl.contract's polynomials, Horner by fmas), swapped when bit 29 is set (theta = pi / 2 -
+    phi), the cosine negated when bit 31 is set and the sine when bit 30 is: theta uniform over the
+    circle."""
     r = box_muller_radius(x_radius)
+    # the kernels' fma(b, 2**-29, 2**-30): the same bits (the product is exact)
     t = (x_angle & 0x1FFFFFFF).to(torch.float32) * 2.0**-29 + 2.0**-30
     t2 = t * t
-    sin_p = t * (C.SIN_A0 + t2 * (C.SIN_A1 + t2 * (C.SIN_A2 + t2 * C.SIN_A3)))
-    cos_p = 1.0 + t2 * (C.COS_B0 + t2 * (C.COS_B1 + t2 * C.COS_B2))
+    sin_p = t * fma_f32(t2, fma_f32(t2, fma_f32(t2, C.SIN_A3, C.SIN_A2), C.SIN_A1), C.SIN_A0)
+    cos_p = fma_f32(t2, fma_f32(t2, fma_f32(t2, C.COS_B2, C.COS_B1), C.COS_B0), 1.0)
     swap = (x_angle & 0x20000000) != 0
     n_cos = r * torch.where(swap, sin_p, cos_p)
     n_sin = r * torch.where(swap, cos_p, sin_p)
