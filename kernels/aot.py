@@ -503,9 +503,11 @@ def compile_specialization(spec: Specialization, arch: int = 90, kernel=None):
     source = ASTSource(fn=kernel, signature=signature, constexprs=dict(spec.constexprs), attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
     backend = triton.compiler.make_backend(target)
-    from flowrl.backends._triton_ops import MAX_TILE_REGISTERS
+    from flowrl.backends._triton_ops import register_cap
 
-    cap = {"maxnreg": MAX_TILE_REGISTERS} if spec.constexprs.get("TILES", 1) > 1 else {}  # the launcher's step_switches
+    philox = spec.constexprs.get("NOISE") == NoiseSource.PHILOX.value  # a step kernel's rollout drawing Philox noise
+    cap = register_cap(spec.constexprs.get("TILES", 1), Mode(spec.constexprs["MODE"]) if philox else None,
+                       4 if spec.signature.get("x_ptr") == "*fp32" else 2)
     options = backend.parse_options({"num_warps": spec.num_warps, "enable_fp_fusion": False, **cap})
     return triton.compile(source, target=target, options=options.__dict__)
 

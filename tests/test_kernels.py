@@ -10,7 +10,7 @@ import torch
 
 import flowrl
 from flowrl import _dispatch, _triton_ops
-from flowrl.contract import Mode, Op
+from flowrl.contract import Mode, NoiseSource, Op
 from flowrl.step_spec import ShardContext
 
 MODES = ("ode", "sde", "dance", "cps")
@@ -433,6 +433,32 @@ def test_multi_tile_programs_give_the_same_bits(device, monkeypatch, n, dtype):
     assert {tiles for _, tiles in launches if tiles is not None} == {1}
     for k, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), k
+
+
+def test_philox_rollouts_launch_under_the_register_cap(device, monkeypatch):
+    """A one-tile rollout drawing Philox noise launches under maxnreg 128 (issue 21; unbounded, ptxas took
+    up to 132 registers with triton 3.6), as kernels/aot.py compiles it (register_cap); ddim's does not
+    (its sample-clip rollout spills under the cap), nor a rollout reading its noise or over float32
+    latents."""
+    caps = {}
+    real_launch = _triton_ops._launch
+
+    def record(kernel, grid, *args, **kwargs):
+        if "NOISE" in kwargs:
+            caps[Mode(kwargs["MODE"]), NoiseSource(kwargs["NOISE"])] = kwargs.get("maxnreg")
+        return real_launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_triton_ops, "_launch", record)
+    x, v, noise = inputs((2, 1024), torch.bfloat16, device, 3, third="noise")
+    flowrl.sde_step(x, v, schedule(device), steps_for(2, device), noise_seed=5, backend="triton")
+    flowrl.sde_step(x, v, schedule(device), steps_for(2, device), noise=noise, backend="triton")
+    table = torch.tensor([0.5, 0.7, 0.7, 0.9], device=device)  # ddim's alpha-bar pairs
+    flowrl.sde_step(x, v, table, 0, noise_seed=5, mode="ddim", backend="triton")
+    assert caps == {(Mode.SDE, NoiseSource.PHILOX): 128, (Mode.SDE, NoiseSource.TENSOR): None,
+                    (Mode.DDIM, NoiseSource.PHILOX): None}
+    caps.clear()  # float32 latents: theirs spill under the cap
+    flowrl.sde_step(x.float(), v.float(), schedule(device), steps_for(2, device), noise_seed=5, backend="triton")
+    assert caps == {(Mode.SDE, NoiseSource.PHILOX): None}
 
 
 def test_bf16_words_on_whole_blocks_give_the_masked_loads_bits(device, monkeypatch):

@@ -206,17 +206,30 @@ def element_tiles(group: int, num_warps: int) -> int:
     return max(1, group * CHUNK_SIZE // (32 * 32 * num_warps))
 
 
-def step_switches(group: int, num_warps: int, n_per_sample: int, elementwise: bool = False, loaded=()) -> dict:
+def register_cap(tiles: int, philox_mode: Optional[Mode] = None, latent_bytes: int = 2) -> dict:
+    """The ``maxnreg`` of a step launch (issue 21: <= 128 registers per thread), or none: a multi-tile
+    program's, and that of a rollout over 16-bit latents (``latent_bytes``) drawing Philox noise
+    (``philox_mode``: its mode; unbounded, ptxas took up to 132 with triton 3.6, and none spills at 128)
+    except ddim's, whose sample-clip rollout spills under the cap (96 bytes, triton 3.6). float32
+    latents' Philox rollouts spill under it (24-112 bytes) and keep theirs (about 150 registers)."""
+    if tiles > 1 or (philox_mode is not None and philox_mode is not Mode.DDIM and latent_bytes == 2):
+        return dict(maxnreg=MAX_TILE_REGISTERS)
+    return {}
+
+
+def step_switches(group: int, num_warps: int, n_per_sample: int, elementwise: bool = False, loaded=(),
+                  philox_mode: Optional[Mode] = None, latent_bytes: int = 2) -> dict:
     """The step kernels' TILES, EVEN (the sample size a multiple of a one-warp program's block: no
     masks, and bfloat16 read as 32-bit words, so every 16-bit tensor in ``loaded`` (the latents the
     kernel reads; None skipped) must start on 4 bytes; the multi-warp WIDE_CONFIG launches and
     elementwise steps stay masked, one variant each, as kernels/aot.py compiles them) and register cap
-    (``maxnreg``: MAX_TILE_REGISTERS for a multi-tile program) of a launch."""
+    (``register_cap``; ``philox_mode``: the mode of a rollout drawing Philox noise, ``latent_bytes``: its
+    latents' element size) of a launch."""
     tiles = element_tiles(group, num_warps)
     words = all(t.data_ptr() % 4 == 0 for t in loaded if t is not None and t.element_size() == 2)
     return dict(TILES=tiles, EVEN=(not elementwise and num_warps == 1 and n_per_sample % (group * CHUNK_SIZE) == 0
                                    and words),
-                **(dict(maxnreg=MAX_TILE_REGISTERS) if tiles > 1 else {}))
+                **register_cap(tiles, philox_mode, latent_bytes))
 
 
 # No FMA contraction: the kernels do the reference's roundings, and the rollout and recompute
@@ -334,7 +347,9 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
         mean_out if write_mean else partials, partials, ks.sigmas, ks.step_index,
         seeds, stream_stride, elem_offset, n, n_chunks, n_blocks, *ks.args, *ks.elementwise_args,
         MODE=int(spec.mode), OP=int(spec.op), WRITE_MEAN=write_mean, CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE,
-        GROUP=group, **ks.switches, **step_switches(group, num_warps, n, spec.elementwise, (x, v, third, ks.prev_x0)),
+        GROUP=group, **ks.switches,
+        **step_switches(group, num_warps, n, spec.elementwise, (x, v, third, ks.prev_x0), spec.mode if philox else None,
+                        x.element_size()),
         # CHUNK_SIZE is a multiple of 4: every block starts on a Philox quad when the offset does
         NOISE=int(noise_from), PHILOX_ALIGNED=philox and elem_offset % 4 == 0,
         num_warps=num_warps, **ks.ddim, **_second_order(ks, x), **_LAUNCH,
