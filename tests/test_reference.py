@@ -405,6 +405,31 @@ def test_log_prob_reduces_in_the_contract_order(n):
         assert lp[b].item() == -float(explicit_order(sq))
 
 
+def test_log_probs_of_the_order_before_the_leaves_recompute_within_float32_rounding():
+    """docs/contract.md, Reduction order: a log-prob reduced in the order before the leaves (the halving
+    tree over each chunk's 1024 elements, then the partials' tree) recomputes today within float32
+    rounding of itself, not bit for bit: both trees are ceil(log2 n) additions deep over nonnegative
+    squares, so each sum is within ceil(log2 n) * 2**-24 of the exact one, relative."""
+    g = torch.Generator().manual_seed(11)
+    n = 3 * R.CHUNK_SIZE + 40
+    prev = torch.randn(4, n, generator=g) * torch.logspace(-3, 3, n)
+    zero = torch.zeros(4, n)
+    lp = step_log_prob(zero, zero, prev, schedule(), 3, mode="sde", log_prob="sq_err", reduction="sum",
+                       backend="torch")
+    depth = math.ceil(math.log2(R.CHUNK_SIZE)) + math.ceil(math.log2(4))  # the chunk's tree, then 4 partials
+    differ = 0
+    for b in range(4):
+        sq = (prev[b] * prev[b]).numpy()
+        c = R.CHUNK_SIZE
+        old = tree_sum_f32([tree_sum_f32(list(sq[k:k + c]) + [np.float32(0)] * (c - len(sq[k:k + c])))
+                            for k in range(0, n, c)])
+        exact = float(np.sum(sq.astype(np.float64)))
+        assert abs(float(old) - exact) <= depth * 2.0**-24 * exact
+        assert abs(-lp[b].item() - exact) <= depth * 2.0**-24 * exact
+        differ += float(old) != -lp[b].item()
+    assert differ > 0  # not bit for bit
+
+
 @pytest.mark.parametrize("kind", KINDS + ("kl",))
 def test_shard_invariance_at_a_chunk_boundary(kind):
     """A sample split across two ranks on a chunk boundary: each rank reduces its shard to chunk
