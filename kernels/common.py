@@ -554,7 +554,9 @@ def philox_normal_block(k0, k1, stream, first, BLOCK: tl.constexpr, ALIGNED: tl.
 def ddim_coefficients(table_ptr, step, eta):
     """(sqrt(a_t), sqrt(1 - a_t), sqrt(a_prev), k, std) of a step, from the alpha-bar table [2T]
     (a_t = table[2 step], a_prev = table[2 step + 1]): variance = ((1 - a_prev) / (1 - a_t)) * (1 -
-    a_t / a_prev), std = eta * sqrt(variance), k = sqrt(max((1 - a_prev) - std^2, 0))."""
+    a_t / a_prev), std = eta * sqrt(variance), k = sqrt(max((1 - a_prev) - std^2, 0)). tl.sqrt_rn, not
+    the call-free ``sqrt_rn_nonneg``: with it the clipped Philox rollouts took 150-167 registers
+    (triton 3.6) for about 2 SASS per element less."""
     a_t = tl.load(table_ptr + 2 * step)
     a_prev = tl.load(table_ptr + 2 * step + 1)
     beta_t = 1.0 - a_t

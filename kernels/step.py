@@ -169,7 +169,8 @@ def step_partials_kernel(
     dpm_sde's second order, so ELEMENTWISE never meets MODE_DDIM or HAS_PREV)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
     TILE_CHUNKS: tl.constexpr = GROUP // TILES
-    WORDS: tl.constexpr = MODE != MODE_DDIM  # as step_backward_kernel's
+    # ddim reads bfloat16 per element: as words its v_prediction Philox rollout took 133 registers
+    WORDS: tl.constexpr = MODE != MODE_DDIM
     TILE: tl.constexpr = TILE_CHUNKS * CHUNK
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_blocks
@@ -297,10 +298,10 @@ def step_backward_kernel(
     mean is nonlinear (x0's clip), with per-element dmu/dx, dmu/dv (common.ddim_mean_grads)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
     TILE: tl.constexpr = BLOCK // TILES
-    # ddim reads bfloat16 per element: as words its clipped mean's grads spilled 40 bytes (ddim[sample
-    # clip], sm_80, triton 3.6) and its v_prediction Philox rollout took 133 registers, for under 1.5
-    # instructions per element
-    WORDS: tl.constexpr = MODE != MODE_DDIM
+    # clipped ddim reads bfloat16 per element: as words its clipped mean's grads spilled 40 bytes
+    # (ddim[sample clip], sm_80, triton 3.6); unclipped, words take 1-1.5 instructions per element off
+    # (ddim[v_prediction]'s KL backward 47.3 -> 46.1 SASS per element, bf16, sm_90a, triton 3.6)
+    WORDS: tl.constexpr = MODE != MODE_DDIM or not CLIP
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_blocks
     block_first = (pid - row * n_blocks) * BLOCK
