@@ -221,8 +221,8 @@ STD_FLOOR = 2.0**-40
 # (a branching trajectory's tree) drawn under another stream is refused, never replayed silently wrong.
 # 1: Box-Muller with the platforms' logf and a Taylor sin(pi u) / cos(pi u) (flowrl <= this change);
 # 2: the polynomial log and octant sin / cos below by separate multiplies and adds;
-# 3: the same polynomials by Horner with fused multiply-adds (one rounding each: about 8 fewer GPU
-#    instructions per normal); the same bits on every backend.
+# 3: the same polynomials by Horner with fused multiply-adds (one rounding each, and fewer GPU
+#    instructions: docs/kernels.md); the same bits on every backend.
 NOISE_STREAM_VERSION = 3
 
 # Box-Muller (stream 3) in float32 multiplies, adds and fmas (no platform log / sin / cos, which differ

@@ -439,7 +439,7 @@ def test_call_free_square_root_is_correctly_rounded_from_zero_up():
 
 # stream 3's first normals of seed 2024 (stream 0) and seed -7 (stream 1), float32 bits as hex: a
 # change of the noise function fails here, and must bump flowrl.contract.NOISE_STREAM_VERSION (stream 2
-# had -0x1.923996p-2 where stream 3 has -0x1.923998p-2: its unfused polynomials)
+# had -0x1.923996p-2 where stream 3 has -0x1.923998p-2: its unfused polynomials; checked below)
 STREAM_3 = [
     ["0x1.fee73p-1", "-0x1.dee4bcp-4", "0x1.38312ap-3", "0x1.69dd2p-4", "0x1.1662d2p-1", "-0x1.59dee8p+0",
      "0x1.f7e28p-3", "-0x1.92f9c6p-2"],
@@ -457,6 +457,20 @@ def test_stream_version_3_known_answers(backend):
     seed = NoiseSeed(torch.tensor([2024, -7], device=DEVICE), 1, 0)
     got = R.philox_normal(seed, 8) if backend == "torch" else _triton_stream(seed, 0, 1, 8)[1]
     assert torch.equal(got.cpu(), want)
+
+
+def test_stream_2_was_stream_3_with_unfused_multiply_adds(monkeypatch):
+    """docs/contract.md, Noise: stream 2 evaluated the same polynomials with a multiply and an add
+    (two roundings) where stream 3 has one fma; some normals differ in their last bits. The reference
+    with its fmas unfused draws stream 2's known answers: STREAM_3 but for one value."""
+    seed = NoiseSeed(torch.tensor([2024, -7]), 1, 0)
+    stream_3 = R.philox_normal(seed, 8)
+    monkeypatch.setattr(R, "fma_f32", lambda a, b, c: a * b + c)  # float32: rounded twice
+    stream_2 = R.philox_normal(seed, 8)
+    assert stream_2.dtype == torch.float32
+    assert (stream_2 != stream_3).nonzero().tolist() == [[1, 4]]
+    assert stream_2[1, 4].item() == float.fromhex("-0x1.923996p-2")
+    assert stream_3[1, 4].item() == float.fromhex("-0x1.923998p-2")
 
 
 def _round_f32(q):
