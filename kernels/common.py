@@ -568,14 +568,41 @@ def ddim_coefficients(table_ptr, step, eta):
 
 
 @triton.jit
-def ddim_x0_eps(x, v, sqrt_a, sqrt_b, PRED: tl.constexpr):
-    """(x0_hat, eps_hat) from the model output v (diffusers' prediction_type), before any clip."""
+def div_rn_by_scalar(a, b, b_inv):
+    """a / b correctly rounded (div.rn's bits) for a per-sample divisor b > 0 (normal, 1 / b normal) given
+    b_inv = tl.div_rn(1.0, b), computed once per program: q = a b_inv, then Markstein's correction
+    q - (b q - a) b_inv by two fmas (the residual b q - a is exact), 5 instructions per element where
+    div.rn issues 15 (its own reciprocal, FCHK and the branch to its slow path, per element). Proof and
+    exhaustive checks: docs/kernels.md ("Division by a per-sample scalar"); exact for numerators with
+    2**-100 <= |a| <= 2**100 and for zeros (signs kept); an infinite quotient (the residual inf - inf is
+    NaN) keeps q, as does NaN; smaller numerators may be an ulp off (tests/test_division.py)."""
+    q = a * b_inv
+    q1 = tl.fma(tl.fma(b, q, -a), -b_inv, q)
+    return tl.where(q1 == q1, q1, q)
+
+
+@triton.jit
+def div_rn_tile(a, b, FAST: tl.constexpr):
+    """a / b for a per-sample b, IEEE-rounded: div_rn_by_scalar (FAST) or tl.div_rn per element. ddim's
+    backward and Philox rollouts keep tl.div_rn: one-tile programs, where without div.rn's per-element
+    calls ptxas took up to 168 registers, and spilled under the 128 cap."""
+    if FAST:
+        q = div_rn_by_scalar(a, b, tl.div_rn(1.0, b))
+    else:
+        q = tl.div_rn(a, b)
+    return q
+
+
+@triton.jit
+def ddim_x0_eps(x, v, sqrt_a, sqrt_b, PRED: tl.constexpr, FAST_DIV: tl.constexpr):
+    """(x0_hat, eps_hat) from the model output v (diffusers' prediction_type), before any clip (IEEE
+    divisions either way, ``div_rn_tile``)."""
     if PRED == PRED_EPSILON:
-        x0 = tl.div_rn(x - sqrt_b * v, sqrt_a)
+        x0 = div_rn_tile(x - sqrt_b * v, sqrt_a, FAST_DIV)
         eps = v
     elif PRED == PRED_SAMPLE:
         x0 = v
-        eps = tl.div_rn(x - sqrt_a * x0, sqrt_b)
+        eps = div_rn_tile(x - sqrt_a * x0, sqrt_b, FAST_DIV)
     else:  # PRED_V
         x0 = sqrt_a * x - sqrt_b * v
         eps = sqrt_a * v + sqrt_b * x
@@ -583,9 +610,10 @@ def ddim_x0_eps(x, v, sqrt_a, sqrt_b, PRED: tl.constexpr):
 
 
 @triton.jit
-def ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED: tl.constexpr, CLIP: tl.constexpr):
+def ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED: tl.constexpr, CLIP: tl.constexpr,
+              FAST_DIV: tl.constexpr = False):
     """mu = sqrt(a_prev) * clip(x0_hat) + k * eps_hat (CLIP: x0_hat clamped to [-clip_range, clip_range])."""
-    x0, eps = ddim_x0_eps(x, v, sqrt_a, sqrt_b, PRED)
+    x0, eps = ddim_x0_eps(x, v, sqrt_a, sqrt_b, PRED, FAST_DIV)
     if CLIP:
         x0 = tl.minimum(tl.maximum(x0, -clip_range), clip_range)
     return sqrt_a_prev * x0 + k * eps
@@ -596,7 +624,7 @@ def ddim_mean_grads(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED: tl.c
     """(d mu / d x, d mu / d v) per element; the clip passes x0's derivative inside [-range, range]
     (bounds included, as torch.clamp's gradient) and 0 outside."""
     if CLIP:
-        x0, _ = ddim_x0_eps(x, v, sqrt_a, sqrt_b, PRED)
+        x0, _ = ddim_x0_eps(x, v, sqrt_a, sqrt_b, PRED, False)
         g0 = tl.where((x0 >= -clip_range) & (x0 <= clip_range), sqrt_a_prev, 0.0)
     else:
         g0 = sqrt_a_prev + x * 0.0

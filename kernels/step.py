@@ -169,8 +169,10 @@ def step_partials_kernel(
     dpm_sde's second order, so ELEMENTWISE never meets MODE_DDIM or HAS_PREV)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
     TILE_CHUNKS: tl.constexpr = GROUP // TILES
-    # ddim reads bfloat16 per element: as words its v_prediction Philox rollout took 133 registers
-    WORDS: tl.constexpr = MODE != MODE_DDIM
+    # ddim's Philox rollouts keep one tile (tiles_taken), tl.div_rn and bfloat16 element loads: as
+    # words its v_prediction rollout took 133 registers, with div_rn_by_scalar up to 168 (or spills)
+    FAST_DDIM: tl.constexpr = NOISE != NOISE_PHILOX
+    WORDS: tl.constexpr = MODE != MODE_DDIM or FAST_DDIM
     TILE: tl.constexpr = TILE_CHUNKS * CHUNK
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_blocks
@@ -202,7 +204,7 @@ def step_partials_kernel(
             third = _load_tile(third_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
         if MODE == MODE_DDIM:  # nonlinear in v (the clip): its KL reads x too
             x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
-            mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
+            mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP, FAST_DDIM)
         elif OP != OP_KL:  # the KL's mu - mu_ref = c v - c v_ref does not read x
             x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
             mu = step_mean(a, c, x, v)
@@ -223,7 +225,7 @@ def step_partials_kernel(
         elif OP == OP_LOG_PROB:
             r = third - mu
         elif MODE == MODE_DDIM:  # OP_KL
-            r = mu - ddim_mean(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
+            r = mu - ddim_mean(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP, FAST_DDIM)
         else:  # OP_KL
             r = policy_difference(c, v, third)
         if ELEMENTWISE:

@@ -291,3 +291,36 @@ def test_argument_checks():
     out = flowrl.sde_step(x, v, zero, 0, mode="ddim", noise_level=1.0, prediction_type="v_prediction",
                           noise=torch.zeros_like(x))
     assert bool(torch.isfinite(out.prev_sample).all() and torch.isfinite(out.log_prob).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prediction,clip", [("epsilon", 1.0), ("epsilon", None), ("sample", 1.5), ("v_prediction", None)])
+def test_triton_mean_is_diffusers_float32_operations_bit_for_bit(device, prediction, clip, monkeypatch):
+    """The Triton kernels' ddim mean as a rollout writes it (4-tile programs, the divisions by sqrt(a) or
+    sqrt(1 - a) through kernels.common.div_rn_by_scalar: a per-sample reciprocal and Markstein's
+    correction) is diffusers' float32 operations in their order (reference.ddim_mean) bit for bit, given
+    the same coefficients: correctly rounded square roots, the kernels' sqrt_rn (torch's CPU float32
+    sqrt is not always correctly rounded: the one difference docs/contract.md states)."""
+    from flowrl import reference as R
+    from flowrl.backends import _triton_ops
+
+    tiles = []
+    real_launch = _triton_ops._launch
+    monkeypatch.setattr(_triton_ops, "_launch", lambda kernel, grid, *a, **kw: (tiles.append(kw.get("TILES")),
+                                                                                 real_launch(kernel, grid, *a, **kw))[1])
+    x, v, noise, _ = inputs((3, 8192), torch.bfloat16, 11, device)
+    table, idx, eta = alpha_bar_table(device=device), torch.tensor([0, 2, 4], device=device), 0.8
+    out = flowrl.sde_step(x, v, table, idx, noise=noise, backend="triton", **opts(prediction, clip, eta))
+    assert tiles[0] == 4  # the rollout's partials (then its finalize)
+
+    def sqrt_rn(t):
+        return torch.sqrt(t.double()).float()
+
+    t = table.cpu()
+    a_t, a_prev = t[2 * idx.cpu()], t[2 * idx.cpu() + 1]
+    std = eta * sqrt_rn(((1 - a_prev) / (1 - a_t)) * (1 - a_t / a_prev))
+    k = sqrt_rn(torch.clamp((1 - a_prev) - std * std, min=0))
+    col = lambda c: c[:, None]  # noqa: E731
+    mu = R.ddim_mean(x.cpu().float(), v.cpu().float(), col(sqrt_rn(a_t)), col(sqrt_rn(1 - a_t)), col(sqrt_rn(a_prev)),
+                     col(k), R.C.Prediction[prediction.upper()], clip)
+    assert torch.equal(out.prev_sample_mean.cpu().view(torch.int32), mu.view(torch.int32))

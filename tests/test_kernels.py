@@ -435,6 +435,59 @@ def test_multi_tile_programs_give_the_same_bits(device, monkeypatch, n, dtype):
         assert torch.equal(a, b), k
 
 
+@pytest.mark.parametrize("opts", [dict(mode="ddim", prediction_type="epsilon", clip_sample_range=1.0),
+                                  dict(mode="ddim", prediction_type="sample", clip_sample_range=1.5),
+                                  dict(mode="ddim", prediction_type="v_prediction"),
+                                  dict(mode="dpm_sde", noise_level=1.0)])
+def test_multi_tile_ddim_and_second_order_kl_give_the_same_bits(device, monkeypatch, opts):
+    """ddim's log-prob and rollouts (their divisions through common.div_rn_by_scalar; its KL and backward
+    keep one tile) and dpm_sde's second-order KL backward (its x0_prev terms cancel: not read) run 4
+    tiles on aligned 16-bit latents of 8,192 elements: the same bits as the one-tile launch."""
+    n, ddim = 8 * 1024, opts["mode"] == "ddim"
+    x, v, noise = inputs((3, n), torch.bfloat16, device, 41, third="noise")
+    _, v_ref, prev_x0 = inputs((3, n), torch.bfloat16, device, 42, third="noise")
+    if ddim:
+        sigmas, step = torch.tensor([0.5, 0.7, 0.7, 0.9, 0.9, 0.95], device=device), torch.tensor([0, 1, 2], device=device)
+        extra = {}
+    else:
+        sigmas, step, extra = schedule(device), torch.tensor([1, T // 2, T - 1], device=device), dict(prev_x0_pred=prev_x0)
+    launches = []
+    real_launch = _triton_ops._launch
+
+    def record(kernel, grid, *args, **kwargs):
+        launches.append((kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), kwargs.get("IS_KL"),
+                         kwargs.get("TILES")))
+        return real_launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_triton_ops, "_launch", record)
+
+    def run():
+        out = flowrl.sde_step(x, v, sigmas, step, noise=noise, backend="triton", **opts, **extra)
+        leaves = [t.clone().requires_grad_(True) for t in (x, v, out.prev_sample)]
+        lp = flowrl.step_log_prob(*leaves, sigmas, step, backend="triton", **opts, **extra)
+        lp.sum().backward()
+        vk = v.clone().requires_grad_(True)
+        kl = flowrl.step_kl(x, vk, v_ref, sigmas, step, backend="triton", **opts, **extra)
+        kl.sum().backward()
+        outs = [out.prev_sample, out.log_prob, out.prev_sample_mean, lp, *(t.grad for t in leaves), kl, vk.grad]
+        if ddim:  # eta = 0: no noise, the mean rounded
+            outs.append(flowrl.sde_step(x, v, sigmas, step, backend="triton", **dict(opts, noise_level=0.0)).prev_sample)
+        return outs
+
+    want = run()
+    tiled = {(name, is_kl) for name, is_kl, tiles in launches if tiles == 4}
+    if ddim:
+        assert ("step_partials_kernel", None) in tiled and not any(name == "step_backward_kernel" for name, _ in tiled)
+    else:
+        assert ("step_backward_kernel", True) in tiled and ("step_backward_kernel", False) not in tiled
+    launches.clear()
+    monkeypatch.setattr(_triton_ops, "STEP_LAUNCH_TABLE", _triton_ops.LAUNCH_TABLE)  # one tile everywhere
+    got = run()
+    assert {tiles for _, _, tiles in launches if tiles is not None} == {1}
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), k
+
+
 def test_philox_rollouts_launch_under_the_register_cap(device, monkeypatch):
     """A one-tile rollout drawing Philox noise launches under maxnreg 128 (issue 21; unbounded, ptxas took
     up to 132 registers with triton 3.6), as kernels/aot.py compiles it (register_cap); ddim's does not

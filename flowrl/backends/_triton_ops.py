@@ -165,17 +165,21 @@ _TILE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def tiles_taken(mode: Mode, philox: bool, backward: bool, masked_rollout: bool = False,
-                second_order: bool = False) -> bool:
+                second_order: bool = False, kl: bool = False) -> bool:
     """Whether the step kernels of ``mode`` (a rollout drawing Philox noise: ``philox``; the backward:
     ``backward``) run STEP_LAUNCH_TABLE's multi-tile programs when their latents are 16-bit and 16-byte
     aligned; the others run LAUNCH_TABLE's one tile. Chosen per specialization from the AOT compile
     (kernels/aot.py; no spill on sm_90a or sm_80 with triton 3.6.0 or 3.9.0, tests/test_compile.py):
     at 4 tiles under the register cap the Philox rollouts spill 8-16 bytes (sm_90a, triton 3.9),
     ddim's clipped means 8-368 bytes, a masked rollout (``masked_rollout``: the sample size not a
-    multiple of 4,096) with the mean 8-40 bytes, and dpm_sde's second-order backward (``second_order``:
-    the extra x0_prev stream) 40-48 bytes in float16 with triton 3.6, so these keep one tile (its
-    forward takes tiles since the chunk's leaves-first tree and the word loads freed registers)."""
-    return not (philox or masked_rollout or (second_order and backward)) and mode is not Mode.DDIM
+    multiple of 4,096) with the mean 8-40 bytes, dpm_sde's second-order gaussian backward
+    (``second_order``: the extra x0_prev stream; the KL's cancels) 40-48 bytes in float16 with triton
+    3.6, and ddim's backward and KL
+    (``kl``; its clipped means, 56-672 bytes, and 72 on sm_80 for the KL), so these keep one tile
+    (dpm_sde's second-order forward takes tiles since the chunk's leaves-first tree and the word loads
+    freed registers, ddim's log-prob and rollouts since its divisions lost div.rn's per-element
+    slow-path calls: common.div_rn_by_scalar)."""
+    return not (philox or masked_rollout or (second_order and backward) or (mode is Mode.DDIM and (backward or kl)))
 
 
 def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = False, unaligned_philox: bool = False,
@@ -194,7 +198,8 @@ def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = Fal
     group, _ = launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
     masked_rollout = rollout and n_per_sample % (group * CHUNK_SIZE) != 0
     latents, extra = [t for t in latents if t is not None], [t for t in extra if t is not None]
-    if (tiles_taken(spec.mode, philox, backward, masked_rollout, second_order) and storage in _TILE_DTYPES and n_per_sample % 16 == 0
+    kl = not backward and spec.op is Op.KL
+    if (tiles_taken(spec.mode, philox, backward, masked_rollout, second_order, kl) and storage in _TILE_DTYPES and n_per_sample % 16 == 0
             and all(t.dtype == storage for t in latents) and all(t.data_ptr() % 16 == 0 for t in latents + extra)):
         return launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
     return element_config(spec, n_per_sample, storage=storage)
@@ -409,7 +414,7 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Op
     if any(kernel_needs):
         dummy = grad.new_empty(1)
         group, num_warps = step_config(spec, n, (x, v, third, grad_x, grad_v, grad_third, ks.prev_x0, grad_prev),
-                                       backward=True, second_order=ks.prev_x0 is not None)
+                                       backward=True, second_order=ks.prev_x0 is not None and not is_kl)
         block = group * CHUNK_SIZE
         n_blocks = triton.cdiv(n, block)
         _launch(
