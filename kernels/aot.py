@@ -58,13 +58,14 @@ def _launch_configs():
     return sorted({(group, warps) for _, group, warps in LAUNCH_TABLE})
 
 
-def _step_config(storage, mode, philox=False, backward=False, masked_rollout=False, second_order=False, kl=False):
+def _step_config(storage, mode, philox=False, backward=False, masked_rollout=False, second_order=False,
+                 clipped_kl=False):
     """The step kernels' launch configuration for large latents of ``storage`` (the launcher's
     step_config with 16-byte aligned latents): STEP_LAUNCH_TABLE's largest where tiles are taken
     (tiles_taken, bf16 / fp16), LAUNCH_TABLE's largest, one tile, elsewhere."""
     from flowrl.backends._triton_ops import STEP_LAUNCH_TABLE, tiles_taken
 
-    if storage in ("bf16", "fp16") and tiles_taken(mode, philox, backward, masked_rollout, second_order, kl):
+    if storage in ("bf16", "fp16") and tiles_taken(mode, philox, backward, masked_rollout, second_order, clipped_kl):
         return STEP_LAUNCH_TABLE[-1][1:]
     return _launch_configs()[-1]
 
@@ -353,7 +354,7 @@ def _ddim(storage) -> Iterator[Specialization]:
 
     fwd, philox, bwd = (_step_config(storage, Mode.DDIM, philox=p, backward=b) for p, b in
                         ((False, False), (True, False), (False, True)))
-    kl = _step_config(storage, Mode.DDIM, kl=True)
+    clipped_kl = _step_config(storage, Mode.DDIM, clipped_kl=True)
     wide = storage == "fp32"  # the launcher's element_config: ddim's float32 rollouts at WIDE_CONFIG
     rollout, philox = (WIDE_CONFIG, WIDE_CONFIG) if wide else (fwd, philox)
     for ddim in DDIM_VARIANTS.get(storage, DDIM_DEFAULT_VARIANTS):
@@ -362,7 +363,8 @@ def _ddim(storage) -> Iterator[Specialization]:
         yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.PHILOX, False, True, *philox, **rkw)
         yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.NONE, True, False, *rollout, **rkw)  # eta = 0
         yield _partials(storage, Mode.DDIM, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *fwd, **kw)
-        yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False, *kl, **kw)
+        yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False, *(clipped_kl if ddim[1] else fwd),
+                        **kw)
         yield _backward(storage, Mode.DDIM, LogProbKind.GAUSSIAN, True, (True, True, True), *bwd, **kw)
         yield _backward(storage, Mode.DDIM, LogProbKind.KL, True, (True, True, True), *bwd, **kw)
     # masked (a sample size not a multiple of the block), one variant per op
@@ -370,7 +372,8 @@ def _ddim(storage) -> Iterator[Specialization]:
     if not wide:
         yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.TENSOR, True, False,
                         *_step_config(storage, Mode.DDIM, masked_rollout=True), ddim=ddim)
-    yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False, *kl, ddim=ddim)
+    yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False, *(clipped_kl if ddim[1] else fwd),
+                    ddim=ddim)
     yield _backward(storage, Mode.DDIM, LogProbKind.KL, True, (True, True, True), *bwd, ddim=ddim)
     if storage == STORAGES[0]:
         yield _finalize(Mode.DDIM, LogProbKind.GAUSSIAN, True, 64)
@@ -668,7 +671,8 @@ def is_hot(spec: Specialization) -> bool:
     return cx["EVEN"] and config == tuple(_step_config(storage, Mode(cx["MODE"]), philox,
                                                        spec.kernel == "step_backward_kernel",
                                                        second_order=cx["HAS_PREV"] and not cx.get("IS_KL"),
-                                                       kl=spec.kernel == "step_partials_kernel" and cx["OP"] == int(Op.KL)))
+                                                       clipped_kl=(spec.kernel == "step_partials_kernel"
+                                                                   and cx["OP"] == int(Op.KL) and cx["CLIP"])))
 
 
 def roofline_target(spec: Specialization):
