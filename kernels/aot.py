@@ -511,8 +511,11 @@ def compile_specialization(spec: Specialization, arch: int = 90, kernel=None):
     from flowrl.backends._triton_ops import register_cap
 
     philox = spec.constexprs.get("NOISE") == NoiseSource.PHILOX.value  # a step kernel's rollout drawing Philox noise
-    cap = register_cap(spec.constexprs.get("TILES", 1), Mode(spec.constexprs["MODE"]) if philox else None,
-                       4 if spec.signature.get("x_ptr") == "*fp32" else 2)
+    cx = spec.constexprs
+    clipped_epsilon_backward = (spec.kernel == "step_backward_kernel" and cx["MODE"] == Mode.DDIM.value
+                                and not cx["IS_KL"] and cx["PRED"] == Prediction.EPSILON.value and cx["CLIP"])
+    cap = register_cap(cx.get("TILES", 1), Mode(cx["MODE"]) if philox else None,
+                       4 if spec.signature.get("x_ptr") == "*fp32" else 2, clipped_epsilon_backward)
     options = backend.parse_options({"num_warps": spec.num_warps, "enable_fp_fusion": False, **cap})
     return triton.compile(source, target=target, options=options.__dict__)
 

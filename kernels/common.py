@@ -584,8 +584,8 @@ def div_rn_by_scalar(a, b, b_inv):
 @triton.jit
 def div_rn_tile(a, b, FAST: tl.constexpr):
     """a / b for a per-sample b, IEEE-rounded: div_rn_by_scalar (FAST) or tl.div_rn per element. ddim's
-    backward and Philox rollouts keep tl.div_rn: one-tile programs, where without div.rn's per-element
-    calls ptxas took up to 168 registers, and spilled under the 128 cap."""
+    Philox rollouts keep tl.div_rn: one-tile programs, where without div.rn's per-element calls ptxas
+    took up to 168 registers, and spilled under the 128 cap."""
     if FAST:
         q = div_rn_by_scalar(a, b, tl.div_rn(1.0, b))
     else:
@@ -620,16 +620,20 @@ def ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED: tl.constex
 
 
 @triton.jit
-def ddim_mean_grads(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED: tl.constexpr, CLIP: tl.constexpr):
+def ddim_mean_grads(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED: tl.constexpr, CLIP: tl.constexpr,
+                    FAST_DIV: tl.constexpr = False):
     """(d mu / d x, d mu / d v) per element; the clip passes x0's derivative inside [-range, range]
     (bounds included, as torch.clamp's gradient) and 0 outside."""
     if CLIP:
-        x0, _ = ddim_x0_eps(x, v, sqrt_a, sqrt_b, PRED, False)
+        x0, _ = ddim_x0_eps(x, v, sqrt_a, sqrt_b, PRED, FAST_DIV)
         g0 = tl.where((x0 >= -clip_range) & (x0 <= clip_range), sqrt_a_prev, 0.0)
     else:
         g0 = sqrt_a_prev + x * 0.0
     if PRED == PRED_EPSILON:
-        gx0 = tl.div_rn(g0, sqrt_a)
+        if FAST_DIV and CLIP:  # g0 / sqrt_a is one of two per-sample quotients (0 / sqrt_a = +0)
+            gx0 = tl.where((x0 >= -clip_range) & (x0 <= clip_range), tl.div_rn(sqrt_a_prev, sqrt_a), 0.0)
+        else:
+            gx0 = tl.div_rn(g0, sqrt_a)
         dx = gx0
         dv = k - gx0 * sqrt_b
     elif PRED == PRED_SAMPLE:

@@ -10,7 +10,7 @@ import torch
 
 import flowrl
 from flowrl import _dispatch, _triton_ops
-from flowrl.contract import Mode, NoiseSource, Op
+from flowrl.contract import Mode, NoiseSource, Op, Prediction
 from flowrl.step_spec import ShardContext
 
 MODES = ("ode", "sde", "dance", "cps")
@@ -512,6 +512,34 @@ def test_philox_rollouts_launch_under_the_register_cap(device, monkeypatch):
     caps.clear()  # float32 latents: theirs spill under the cap
     flowrl.sde_step(x.float(), v.float(), schedule(device), steps_for(2, device), noise_seed=5, backend="triton")
     assert caps == {(Mode.SDE, NoiseSource.PHILOX): None}
+
+
+def test_clipped_epsilon_ddim_backward_launches_under_the_register_cap(device, monkeypatch):
+    """ddim[epsilon]'s gaussian backward with the clip over 16-bit latents launches under maxnreg 128
+    (its divisions by div_rn_by_scalar: unbounded, ptxas took 152-160 registers), as kernels/aot.py
+    compiles it (register_cap); without the clip it would spill under the cap and keeps none, as do
+    the KL's, the other predictions' and float32 latents' backward."""
+    caps = {}
+    real_launch = _triton_ops._launch
+
+    def record(kernel, grid, *args, **kwargs):
+        if "IS_KL" in kwargs:
+            caps[kwargs["PRED"], kwargs["CLIP"], kwargs["IS_KL"], x_now.dtype] = kwargs.get("maxnreg")
+        return real_launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_triton_ops, "_launch", record)
+    table = torch.tensor([0.5, 0.7, 0.7, 0.9], device=device)
+    for dtype in (torch.bfloat16, torch.float32):
+        x, v, prev = inputs((2, 1024), dtype, device, 5)
+        for prediction, clip in (("epsilon", 1.0), ("epsilon", None), ("sample", 1.0)):
+            kw = dict(mode="ddim", noise_level=0.8, prediction_type=prediction, clip_sample_range=clip, backend="triton")
+            x_now, vg = x, v.clone().requires_grad_(True)
+            flowrl.step_log_prob(x, vg, prev, table, 0, **kw).sum().backward()
+            flowrl.step_kl(x, vg, prev, table, 0, **kw).sum().backward()
+    eps, sample = int(Prediction.EPSILON), int(Prediction.SAMPLE)
+    capped = {key for key, cap in caps.items() if cap is not None}
+    assert capped == {(eps, True, False, torch.bfloat16)} and caps[eps, True, False, torch.bfloat16] == 128
+    assert (eps, False, False, torch.bfloat16) in caps and (sample, True, True, torch.float32) in caps
 
 
 def test_bf16_words_on_whole_blocks_give_the_masked_loads_bits(device, monkeypatch):

@@ -36,7 +36,7 @@ from flowrl.kernels.step import finalize_kernel, step_backward_kernel, step_part
 from flowrl.kernels.token import RECORD, TABLE_HEADER, token_table_kernel
 
 from . import reference
-from ..contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, SIGMA_ONE_TOL, LogProbKind, Mode, NoiseSource, Op, Reduction
+from ..contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, SIGMA_ONE_TOL, LogProbKind, Mode, NoiseSource, Op, Prediction, Reduction
 from ..core.step_spec import flat_layout
 
 # the pre-pass table's layout (kernels/token.py): header words, words per (sample, token) record
@@ -211,30 +211,35 @@ def element_tiles(group: int, num_warps: int) -> int:
     return max(1, group * CHUNK_SIZE // (32 * 32 * num_warps))
 
 
-def register_cap(tiles: int, philox_mode: Optional[Mode] = None, latent_bytes: int = 2) -> dict:
+def register_cap(tiles: int, philox_mode: Optional[Mode] = None, latent_bytes: int = 2,
+                 clipped_epsilon_backward: bool = False) -> dict:
     """The ``maxnreg`` of a step launch (issue 21: <= 128 registers per thread), or none: a multi-tile
-    program's, and that of a rollout over 16-bit latents (``latent_bytes``) drawing Philox noise
+    program's, that of a rollout over 16-bit latents (``latent_bytes``) drawing Philox noise
     (``philox_mode``: its mode; unbounded, ptxas took up to 132 with triton 3.6, and none spills at 128)
-    except ddim's, whose sample-clip rollout spills under the cap (96 bytes, triton 3.6). float32
-    latents' Philox rollouts spill under it (24-112 bytes) and keep theirs (about 150 registers)."""
-    if tiles > 1 or (philox_mode is not None and philox_mode is not Mode.DDIM and latent_bytes == 2):
+    except ddim's, whose sample-clip rollout spills under the cap (96 bytes, triton 3.6), and that of
+    ddim[epsilon]'s gaussian backward with the clip over 16-bit latents (``clipped_epsilon_backward``;
+    its divisions by common.div_rn_by_scalar: unbounded, ptxas took 152-160; without the clip it reads
+    bfloat16 as words and spills under the cap, 8-88 bytes). float32 latents' Philox rollouts spill
+    under it (24-112 bytes) and keep theirs (about 150 registers)."""
+    if tiles > 1 or (latent_bytes == 2 and (clipped_epsilon_backward or (philox_mode is not None
+                                                                      and philox_mode is not Mode.DDIM))):
         return dict(maxnreg=MAX_TILE_REGISTERS)
     return {}
 
 
 def step_switches(group: int, num_warps: int, n_per_sample: int, elementwise: bool = False, loaded=(),
-                  philox_mode: Optional[Mode] = None, latent_bytes: int = 2) -> dict:
+                  philox_mode: Optional[Mode] = None, latent_bytes: int = 2, clipped_epsilon_backward: bool = False) -> dict:
     """The step kernels' TILES, EVEN (the sample size a multiple of a one-warp program's block: no
     masks, and bfloat16 read as 32-bit words, so every 16-bit tensor in ``loaded`` (the latents the
     kernel reads; None skipped) must start on 4 bytes; the multi-warp WIDE_CONFIG launches and
     elementwise steps stay masked, one variant each, as kernels/aot.py compiles them) and register cap
     (``register_cap``; ``philox_mode``: the mode of a rollout drawing Philox noise, ``latent_bytes``: its
-    latents' element size) of a launch."""
+    latents' element size, ``clipped_epsilon_backward``: a clipped ddim[epsilon] gaussian backward) of a launch."""
     tiles = element_tiles(group, num_warps)
     words = all(t.data_ptr() % 4 == 0 for t in loaded if t is not None and t.element_size() == 2)
     return dict(TILES=tiles, EVEN=(not elementwise and num_warps == 1 and n_per_sample % (group * CHUNK_SIZE) == 0
                                    and words),
-                **register_cap(tiles, philox_mode, latent_bytes))
+                **register_cap(tiles, philox_mode, latent_bytes, clipped_epsilon_backward))
 
 
 # No FMA contraction: the kernels do the reference's roundings, and the rollout and recompute
@@ -426,7 +431,10 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Op
             MODE=int(spec.mode), KIND=int(kind), MEAN=spec.reduction is Reduction.MEAN, IS_KL=is_kl,
             NEED_X=kernel_needs[0], NEED_V=need_v, NEED_THIRD=need_third, BLOCK=block, **ks.switches,
             num_warps=num_warps, **ks.ddim, **_second_order(ks, x), grad_prev_ptr=grad_prev if need_prev else dummy,
-            NEED_PREV=need_prev, **step_switches(group, num_warps, n, spec.elementwise, (x, v, third, ks.prev_x0)),
+            NEED_PREV=need_prev, **step_switches(
+                group, num_warps, n, spec.elementwise, (x, v, third, ks.prev_x0), latent_bytes=x.element_size(),
+                clipped_epsilon_backward=(spec.mode is Mode.DDIM and not is_kl and spec.prediction is Prediction.EPSILON
+                                          and spec.clip_sample_range is not None)),
             **_LAUNCH,
         )
     return grad_x, grad_v, grad_third, grad_prev
