@@ -109,3 +109,43 @@ def test_kernel_helper_below_two_to_the_minus_100_is_within_an_ulp():
     ulps = (got.view(torch.int32) - want.view(torch.int32)).abs()
     assert ulps.max() <= 1
     assert ulps.sum() > 0  # the statement is about a real difference: a full ulp now and then
+
+
+_FMA_PROBE = """
+import torch, triton, triton.language as tl
+
+@triton.jit
+def fma_kernel(a_ptr, c_ptr, out_ptr):
+    a = tl.load(a_ptr)
+    tl.store(out_ptr, tl.fma(a, a, tl.load(c_ptr)))
+
+a, c, out = torch.tensor([1 + 2.0**-12]), torch.tensor([-(1 + 2.0**-11)]), torch.empty(1)
+fma_kernel[(1,)](a, c, out)
+print(triton.__version__, out.item().hex())
+"""
+
+
+@pytest.mark.parametrize("which", ["installed", "3.6"])
+def test_interpreters_fma(which):
+    """docs/contract.md and the helpers' docstrings: triton 3.9's interpreter rounds tl.fma once (the
+    kernels' div_rn_by_scalar and Box-Muller are the GPU's bits under it, as CI runs them), triton
+    3.6's runs it as a multiply and an add. (1 + 2**-12)**2 - (1 + 2**-11) is 2**-24 exactly; rounding
+    the product first loses it (a tie, to even)."""
+    import os
+    import subprocess
+    import sys
+
+    from aot_runs import TRITON36
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    if which == "3.6":
+        if not (TRITON36 / "triton").is_dir():
+            pytest.skip(f"triton 3.6.0 not installed in {TRITON36} (./run's set-up installs it)")
+        env["PYTHONPATH"] = os.pathsep.join([str(TRITON36), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", _FMA_PROBE], env=env, capture_output=True, text=True, check=True)
+    version, value = out.stdout.split()
+    major_minor = tuple(int(part) for part in version.split(".")[:2])
+    assert which == "installed" or major_minor == (3, 6)
+    if (3, 6) < major_minor < (3, 9):
+        pytest.skip(f"triton {version}'s interpreter fma is not stated")
+    assert float.fromhex(value) == (0.0 if major_minor == (3, 6) else 2.0**-24)
