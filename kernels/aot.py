@@ -510,12 +510,12 @@ def compile_specialization(spec: Specialization, arch: int = 90, kernel=None):
     backend = triton.compiler.make_backend(target)
     from flowrl.backends._triton_ops import register_cap
 
-    philox = spec.constexprs.get("NOISE") == NoiseSource.PHILOX.value  # a step kernel's rollout drawing Philox noise
     cx = spec.constexprs
-    clipped_epsilon_backward = (spec.kernel == "step_backward_kernel" and cx["MODE"] == Mode.DDIM.value
-                                and not cx["IS_KL"] and cx["PRED"] == Prediction.EPSILON.value and cx["CLIP"])
+    philox = cx.get("NOISE") == NoiseSource.PHILOX.value  # a step kernel's rollout drawing Philox noise
+    ddim_gaussian_backward = ((Prediction(cx["PRED"]), bool(cx["CLIP"])) if spec.kernel == "step_backward_kernel"
+                              and cx["MODE"] == Mode.DDIM.value and not cx["IS_KL"] else None)
     cap = register_cap(cx.get("TILES", 1), Mode(cx["MODE"]) if philox else None,
-                       4 if spec.signature.get("x_ptr") == "*fp32" else 2, clipped_epsilon_backward)
+                       4 if spec.signature.get("x_ptr") == "*fp32" else 2, ddim_gaussian_backward)
     options = backend.parse_options({"num_warps": spec.num_warps, "enable_fp_fusion": False, **cap})
     return triton.compile(source, target=target, options=options.__dict__)
 

@@ -571,8 +571,8 @@ def ddim_coefficients(table_ptr, step, eta):
 def div_rn_by_scalar(a, b, b_inv):
     """a / b correctly rounded (div.rn's bits) for a per-sample divisor b > 0 (normal, 1 / b normal) given
     b_inv = tl.div_rn(1.0, b), computed once per program: q = a b_inv, then Markstein's correction
-    q - (b q - a) b_inv by two fmas (the residual b q - a is exact), 5 instructions per element where
-    div.rn issues 15 (its own reciprocal, FCHK and the branch to its slow path, per element). Proof and
+    q - (b q - a) b_inv by two fmas (the residual b q - a is exact), 5-6 SASS per element where div.rn
+    issues 14 (its own reciprocal, FCHK and the branch to its slow path, per element). Proof and
     exhaustive checks: docs/kernels.md ("Division by a per-sample scalar"); exact for numerators with
     2**-100 <= |a| <= 2**100 and for zeros (signs kept); an infinite quotient (the residual inf - inf is
     NaN) keeps q, as does NaN; smaller numerators may be an ulp off (tests/test_division.py). Triton
@@ -612,7 +612,7 @@ def ddim_x0_eps(x, v, sqrt_a, sqrt_b, PRED: tl.constexpr, FAST_DIV: tl.constexpr
 
 @triton.jit
 def ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED: tl.constexpr, CLIP: tl.constexpr,
-              FAST_DIV: tl.constexpr = False):
+              FAST_DIV: tl.constexpr):
     """mu = sqrt(a_prev) * clip(x0_hat) + k * eps_hat (CLIP: x0_hat clamped to [-clip_range, clip_range])."""
     x0, eps = ddim_x0_eps(x, v, sqrt_a, sqrt_b, PRED, FAST_DIV)
     if CLIP:
@@ -621,20 +621,22 @@ def ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED: tl.constex
 
 
 @triton.jit
-def ddim_mean_grads(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED: tl.constexpr, CLIP: tl.constexpr,
-                    FAST_DIV: tl.constexpr = False):
+def ddim_mean_grads(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED: tl.constexpr, CLIP: tl.constexpr):
     """(d mu / d x, d mu / d v) per element; the clip passes x0's derivative inside [-range, range]
-    (bounds included, as torch.clamp's gradient) and 0 outside."""
+    (bounds included, as torch.clamp's gradient) and 0 outside. x0's divisions are div_rn_by_scalar's
+    (the backward's), and g0 / sqrt(a) is one of two per-sample quotients (0 / sqrt(a) = +0): selected,
+    the same bits as dividing per element."""
     if CLIP:
-        x0, _ = ddim_x0_eps(x, v, sqrt_a, sqrt_b, PRED, FAST_DIV)
-        g0 = tl.where((x0 >= -clip_range) & (x0 <= clip_range), sqrt_a_prev, 0.0)
+        x0, _ = ddim_x0_eps(x, v, sqrt_a, sqrt_b, PRED, True)
+        inside = (x0 >= -clip_range) & (x0 <= clip_range)
+        g0 = tl.where(inside, sqrt_a_prev, 0.0)
     else:
         g0 = sqrt_a_prev + x * 0.0
     if PRED == PRED_EPSILON:
-        if FAST_DIV and CLIP:  # g0 / sqrt_a is one of two per-sample quotients (0 / sqrt_a = +0)
-            gx0 = tl.where((x0 >= -clip_range) & (x0 <= clip_range), tl.div_rn(sqrt_a_prev, sqrt_a), 0.0)
+        if CLIP:
+            gx0 = tl.where(inside, tl.div_rn(sqrt_a_prev, sqrt_a), 0.0)
         else:
-            gx0 = tl.div_rn(g0, sqrt_a)
+            gx0 = tl.div_rn(sqrt_a_prev, sqrt_a) + x * 0.0
         dx = gx0
         dv = k - gx0 * sqrt_b
     elif PRED == PRED_SAMPLE:

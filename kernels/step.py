@@ -338,10 +338,10 @@ def step_backward_kernel(
             # 128-register cap (register_cap; unbounded, ptxas took 152-160); the others are over 128 with
             # div.rn too
             mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP, True)
-            a, c = ddim_mean_grads(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP, True)  # dmu/dx, dmu/dv
+            a, c = ddim_mean_grads(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)  # dmu/dx, dmu/dv
             if IS_KL:
                 r = mu - ddim_mean(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP, True)
-                a_ref, c_ref = ddim_mean_grads(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP, True)
+                a_ref, c_ref = ddim_mean_grads(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
                 a = a - a_ref
             else:
                 r = third - mu

@@ -313,14 +313,12 @@ def test_triton_mean_is_diffusers_float32_operations_bit_for_bit(device, predict
     out = flowrl.sde_step(x, v, table, idx, noise=noise, backend="triton", **opts(prediction, clip, eta))
     assert tiles[0] == 4  # the rollout's partials (then its finalize)
 
-    def sqrt_rn(t):
-        return torch.sqrt(t.double()).float()
-
-    t = table.cpu()
-    a_t, a_prev = t[2 * idx.cpu()], t[2 * idx.cpu() + 1]
-    std = eta * sqrt_rn(((1 - a_prev) / (1 - a_t)) * (1 - a_t / a_prev))
-    k = sqrt_rn(torch.clamp((1 - a_prev) - std * std, min=0))
-    col = lambda c: c[:, None]  # noqa: E731
-    mu = R.ddim_mean(x.cpu().float(), v.cpu().float(), col(sqrt_rn(a_t)), col(sqrt_rn(1 - a_t)), col(sqrt_rn(a_prev)),
-                     col(k), R.C.Prediction[prediction.upper()], clip)
+    # the reference's coefficients with the kernels' correctly rounded square root (float64's, rounded)
+    real_sqrt = torch.sqrt
+    monkeypatch.setattr(torch, "sqrt", lambda t: real_sqrt(t.double()).to(t.dtype))
+    coefficients = R.ddim_coefficients(table.cpu(), idx.cpu(), eta, torch.float32)
+    monkeypatch.setattr(torch, "sqrt", real_sqrt)
+    sqrt_a, sqrt_b, sqrt_a_prev, k, _ = (c[:, None] for c in coefficients)
+    mu = R.ddim_mean(x.cpu().float(), v.cpu().float(), sqrt_a, sqrt_b, sqrt_a_prev, k,
+                     R.C.Prediction[prediction.upper()], clip)
     assert torch.equal(out.prev_sample_mean.cpu().view(torch.int32), mu.view(torch.int32))

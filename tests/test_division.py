@@ -149,3 +149,56 @@ def test_interpreters_fma(which):
     if (3, 6) < major_minor < (3, 9):
         pytest.skip(f"triton {version}'s interpreter fma is not stated")
     assert float.fromhex(value) == (0.0 if major_minor == (3, 6) else 2.0**-24)
+
+
+_SASS_PROBE = """
+import os, subprocess, sys, tempfile
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from flowrl.kernels import aot
+from flowrl.kernels.common import div_rn_tile
+
+@triton.jit
+def divide_tile(a_ptr, b_ptr, out_ptr, N: tl.constexpr, FAST: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, div_rn_tile(tl.load(a_ptr + i), tl.load(b_ptr), FAST))
+
+def count(n, fast):
+    signature = {"a_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*fp32", "N": "constexpr", "FAST": "constexpr"}
+    aligned = {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
+    source = ASTSource(fn=divide_tile, signature=signature, constexprs={"N": n, "FAST": fast}, attrs=aligned)
+    target = GPUTarget("cuda", 90, 32)
+    options = triton.compiler.make_backend(target).parse_options({"num_warps": 1, "enable_fp_fusion": False})
+    compiled = triton.compile(source, target=target, options=options.__dict__)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        listing = subprocess.run([aot._tool("nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
+    return aot.sass_count(listing)[0]
+
+for fast in (False, True):
+    print((count(512, fast) - count(256, fast)) / 8)  # per element: 8 more per thread at one warp
+"""
+
+
+def test_division_by_a_per_sample_scalar_issues_a_third_of_div_rn_instructions(tmp_path):
+    """The docstring's and docs/kernels.md's count, compiled for sm_90a (no GPU needed): per element,
+    div.rn issues 14 SASS instructions, div_rn_by_scalar 5 with triton 3.9 (5.9 with 3.6), each besides
+    half an instruction of 128-bit loads and stores; the per-sample reciprocal is not per element."""
+    import os
+    import subprocess
+    import sys
+
+    from aot_runs import CAN_COMPILE
+
+    if not CAN_COMPILE:
+        pytest.skip("triton's CUDA backend wheels are Linux x86_64")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    probe = tmp_path / "probe.py"  # a file: triton.jit reads the kernel's source
+    probe.write_text(_SASS_PROBE)
+    out = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True, check=True)
+    div_rn, by_scalar = (float(line) - 0.5 for line in out.stdout.split())
+    assert div_rn == 14 and 5 <= by_scalar <= 6

@@ -25,7 +25,7 @@ move a rollout and its recompute onto different backends and break their bitwise
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -212,15 +212,17 @@ def element_tiles(group: int, num_warps: int) -> int:
 
 
 def register_cap(tiles: int, philox_mode: Optional[Mode] = None, latent_bytes: int = 2,
-                 clipped_epsilon_backward: bool = False) -> dict:
+                 ddim_gaussian_backward: Optional[Tuple[Prediction, bool]] = None) -> dict:
     """The ``maxnreg`` of a step launch (issue 21: <= 128 registers per thread), or none: a multi-tile
     program's, that of a rollout over 16-bit latents (``latent_bytes``) drawing Philox noise
     (``philox_mode``: its mode; unbounded, ptxas took up to 132 with triton 3.6, and none spills at 128)
     except ddim's, whose sample-clip rollout spills under the cap (96 bytes, triton 3.6), and that of
-    ddim[epsilon]'s gaussian backward with the clip over 16-bit latents (``clipped_epsilon_backward``;
-    its divisions by common.div_rn_by_scalar: unbounded, ptxas took 152-160; without the clip it reads
-    bfloat16 as words and spills under the cap, 8-88 bytes). float32 latents' Philox rollouts spill
-    under it (24-112 bytes) and keep theirs (about 150 registers)."""
+    ddim[epsilon]'s gaussian backward with the clip over 16-bit latents (``ddim_gaussian_backward``:
+    (prediction, clipped) of a ddim gaussian backward; its divisions by common.div_rn_by_scalar:
+    unbounded, ptxas took 152-160; without the clip it reads bfloat16 as words and spills under the
+    cap, 8-88 bytes; the other predictions' are over 128 with div.rn too, and spill under it). float32
+    latents' Philox rollouts spill under it (24-112 bytes) and keep theirs (about 150 registers)."""
+    clipped_epsilon_backward = ddim_gaussian_backward == (Prediction.EPSILON, True)
     if tiles > 1 or (latent_bytes == 2 and (clipped_epsilon_backward or (philox_mode is not None
                                                                       and philox_mode is not Mode.DDIM))):
         return dict(maxnreg=MAX_TILE_REGISTERS)
@@ -228,18 +230,20 @@ def register_cap(tiles: int, philox_mode: Optional[Mode] = None, latent_bytes: i
 
 
 def step_switches(group: int, num_warps: int, n_per_sample: int, elementwise: bool = False, loaded=(),
-                  philox_mode: Optional[Mode] = None, latent_bytes: int = 2, clipped_epsilon_backward: bool = False) -> dict:
+                  philox_mode: Optional[Mode] = None, latent_bytes: int = 2,
+                  ddim_gaussian_backward: Optional[Tuple[Prediction, bool]] = None) -> dict:
     """The step kernels' TILES, EVEN (the sample size a multiple of a one-warp program's block: no
     masks, and bfloat16 read as 32-bit words, so every 16-bit tensor in ``loaded`` (the latents the
     kernel reads; None skipped) must start on 4 bytes; the multi-warp WIDE_CONFIG launches and
     elementwise steps stay masked, one variant each, as kernels/aot.py compiles them) and register cap
     (``register_cap``; ``philox_mode``: the mode of a rollout drawing Philox noise, ``latent_bytes``: its
-    latents' element size, ``clipped_epsilon_backward``: a clipped ddim[epsilon] gaussian backward) of a launch."""
+    latents' element size, ``ddim_gaussian_backward``: (prediction, clipped) of a ddim gaussian backward) of
+    a launch."""
     tiles = element_tiles(group, num_warps)
     words = all(t.data_ptr() % 4 == 0 for t in loaded if t is not None and t.element_size() == 2)
     return dict(TILES=tiles, EVEN=(not elementwise and num_warps == 1 and n_per_sample % (group * CHUNK_SIZE) == 0
                                    and words),
-                **register_cap(tiles, philox_mode, latent_bytes, clipped_epsilon_backward))
+                **register_cap(tiles, philox_mode, latent_bytes, ddim_gaussian_backward))
 
 
 # No FMA contraction: the kernels do the reference's roundings, and the rollout and recompute
@@ -433,8 +437,8 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Op
             num_warps=num_warps, **ks.ddim, **_second_order(ks, x), grad_prev_ptr=grad_prev if need_prev else dummy,
             NEED_PREV=need_prev, **step_switches(
                 group, num_warps, n, spec.elementwise, (x, v, third, ks.prev_x0), latent_bytes=x.element_size(),
-                clipped_epsilon_backward=(spec.mode is Mode.DDIM and not is_kl and spec.prediction is Prediction.EPSILON
-                                          and spec.clip_sample_range is not None)),
+                ddim_gaussian_backward=((spec.prediction, spec.clip_sample_range is not None)
+                                        if spec.mode is Mode.DDIM and not is_kl else None)),
             **_LAUNCH,
         )
     return grad_x, grad_v, grad_third, grad_prev
