@@ -59,13 +59,13 @@ def _launch_configs():
 
 
 def _step_config(storage, mode, philox=False, backward=False, masked_rollout=False, second_order=False,
-                 clipped_kl=False):
+                 ddim_kl=None):
     """The step kernels' launch configuration for large latents of ``storage`` (the launcher's
     step_config with 16-byte aligned latents): STEP_LAUNCH_TABLE's largest where tiles are taken
     (tiles_taken, bf16 / fp16), LAUNCH_TABLE's largest, one tile, elsewhere."""
     from flowrl.backends._triton_ops import STEP_LAUNCH_TABLE, tiles_taken
 
-    if storage in ("bf16", "fp16") and tiles_taken(mode, philox, backward, masked_rollout, second_order, clipped_kl):
+    if storage in ("bf16", "fp16") and tiles_taken(mode, philox, backward, masked_rollout, second_order, ddim_kl):
         return STEP_LAUNCH_TABLE[-1][1:]
     return _launch_configs()[-1]
 
@@ -220,12 +220,13 @@ def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind
 
 
 def _flow_loss(storage, loss, has_ref, group, warps, backward=False, even=False, philox=False, aligned=True,
-               paired=True):
+               paired=True, noise_div=1):
     """flowrl.losses' forward-process element pass (loss 0 DiffusionNFT, 1 AWM, 2 Diffusion-DPO, 3 DGPO)
     or its backward; even: whole blocks (EVEN, no masks); philox: DPO / DGPO's eps drawn in the kernel
     (aligned: from an element offset that is a multiple of 4); paired: bfloat16 read as uint32 pairs
     (PAIRED: an even element count, 4-byte aligned rows); unpaired: an odd count or misaligned rows,
-    compiled without the JIT's alignment attributes (as the launch sees them)."""
+    compiled without the JIT's alignment attributes (as the launch sees them); noise_div: the Philox
+    row's NOISE_DIV (1: DPO's "halves" pairs and DGPO; 2: "interleaved" pairs; 0: any (div, mod))."""
     sig = {k: "*" + storage for k in ("xt_ptr", "v_ptr", "other_ptr", "x0_ptr", "ref_ptr")}
     sig["t_ptr"] = "*fp32"
     sig.update({"grad_ptr": "*fp32", "grad_v_ptr": "*" + storage} if backward else {"partials_ptr": "*fp32"})
@@ -235,13 +236,14 @@ def _flow_loss(storage, loss, has_ref, group, warps, backward=False, even=False,
     sig.update({"seeds_ptr": "*i64", "stream_stride": "i32", "elem_offset": "i32", "noise_div": "i32",
                 "noise_mod": "i32"})
     cx = {"LOSS": loss, "HAS_REF": has_ref, "EVEN": even, "PHILOX": philox, "PHILOX_ALIGNED": philox and aligned,
-          "PAIRED": paired}
+          "PAIRED": paired, "NOISE_DIV": noise_div if philox else 0}
     cx.update({"BLOCK": group * CHUNK_SIZE} if backward else {"CHUNK": CHUNK_SIZE, "LOG2_CHUNK": LOG2_CHUNK_SIZE,
                                                               "GROUP": group})
     ptrs = tuple(k for k in sig if k.endswith("_ptr"))
     name = "flow_backward_kernel" if backward else "flow_partials_kernel"
     label = f"{('nft', 'awm', 'dpo', 'dgpo')[loss]} ref={has_ref}" + (" noise=philox" if philox else "") + (
-        " unaligned" if philox and not aligned else "") + (" even" if even else "") + f" g{group}w{warps}" + (
+        " unaligned" if philox and not aligned else "") + (f" div{noise_div}" if philox and noise_div != 1 else "") + (
+        " even" if even else "") + f" g{group}w{warps}" + (
         "" if paired else " unaligned-tensors")
     return Specialization(name, sig, cx, ptrs + ("n_per_sample",) if paired else (), warps, label, group * CHUNK_SIZE)
 
@@ -297,6 +299,9 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
             yield _flow_loss(storage, 3, True, *config, **kw)  # DGPO, both references
             yield _flow_loss(storage, 2, False, *config, philox=True, **kw)
             yield _flow_loss(storage, 3, True, *config, philox=True, **kw)
+        # DPO's "interleaved" pairs (NOISE_DIV 2) and any other (div, mod) (NOISE_DIV 0), on whole blocks
+        for noise_div in (2, 0):
+            yield _flow_loss(storage, 2, False, *largest, backward=backward, even=True, philox=True, noise_div=noise_div)
         # Philox from an unaligned offset (a sequence-parallel shard cut mid-quad): WIDE_CONFIG, unpaired
         # and never EVEN (flowrl/backends/_triton_losses.py)
         for loss, has_ref in ((2, False), (3, True)):
@@ -340,10 +345,14 @@ def _mode_label(mode, ddim, has_prev=False):
         " 2nd-order" if has_prev else "")
 
 
-# ddim's (prediction, clip) switch pairs: epsilon with the clip (Stable Diffusion's config) for every
-# storage, v- and sample-prediction for bf16 only (the same code with other per-element formulas).
-DDIM_VARIANTS = {"bf16": ((Prediction.EPSILON, True), (Prediction.V_PREDICTION, False), (Prediction.SAMPLE, True))}
-DDIM_DEFAULT_VARIANTS = ((Prediction.EPSILON, True),)
+# ddim's (prediction, clip) switch pairs: epsilon without the clip (Stable Diffusion's scheduler config,
+# which DDPO's DDIMScheduler.from_config keeps: kvablack/ddpo-pytorch scripts/train.py @ 18294d8) and
+# with it (DDIMScheduler's default) for every storage, v- and sample-prediction for bf16 only (the
+# same code with other per-element formulas). The masked specializations take MASKED_DDIM_VARIANT.
+DDIM_VARIANTS = {"bf16": ((Prediction.EPSILON, False), (Prediction.EPSILON, True), (Prediction.V_PREDICTION, False),
+                          (Prediction.SAMPLE, True))}
+DDIM_DEFAULT_VARIANTS = ((Prediction.EPSILON, False), (Prediction.EPSILON, True))
+MASKED_DDIM_VARIANT = (Prediction.EPSILON, True)
 
 
 def _ddim(storage) -> Iterator[Specialization]:
@@ -354,7 +363,6 @@ def _ddim(storage) -> Iterator[Specialization]:
 
     fwd, philox, bwd = (_step_config(storage, Mode.DDIM, philox=p, backward=b) for p, b in
                         ((False, False), (True, False), (False, True)))
-    clipped_kl = _step_config(storage, Mode.DDIM, clipped_kl=True)
     wide = storage == "fp32"  # the launcher's element_config: ddim's float32 rollouts at WIDE_CONFIG
     rollout, philox = (WIDE_CONFIG, WIDE_CONFIG) if wide else (fwd, philox)
     for ddim in DDIM_VARIANTS.get(storage, DDIM_DEFAULT_VARIANTS):
@@ -363,17 +371,17 @@ def _ddim(storage) -> Iterator[Specialization]:
         yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.PHILOX, False, True, *philox, **rkw)
         yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.NONE, True, False, *rollout, **rkw)  # eta = 0
         yield _partials(storage, Mode.DDIM, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *fwd, **kw)
-        yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False, *(clipped_kl if ddim[1] else fwd),
-                        **kw)
+        yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False,
+                        *_step_config(storage, Mode.DDIM, ddim_kl=ddim), **kw)
         yield _backward(storage, Mode.DDIM, LogProbKind.GAUSSIAN, True, (True, True, True), *bwd, **kw)
         yield _backward(storage, Mode.DDIM, LogProbKind.KL, True, (True, True, True), *bwd, **kw)
     # masked (a sample size not a multiple of the block), one variant per op
-    ddim = DDIM_DEFAULT_VARIANTS[0]
+    ddim = MASKED_DDIM_VARIANT
     if not wide:
         yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.TENSOR, True, False,
                         *_step_config(storage, Mode.DDIM, masked_rollout=True), ddim=ddim)
-    yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False, *(clipped_kl if ddim[1] else fwd),
-                    ddim=ddim)
+    yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False,
+                    *_step_config(storage, Mode.DDIM, ddim_kl=ddim), ddim=ddim)
     yield _backward(storage, Mode.DDIM, LogProbKind.KL, True, (True, True, True), *bwd, ddim=ddim)
     if storage == STORAGES[0]:
         yield _finalize(Mode.DDIM, LogProbKind.GAUSSIAN, True, 64)
@@ -649,7 +657,8 @@ def is_hot(spec: Specialization) -> bool:
     latent has them): the step kernels on whole blocks (EVEN) at the launcher's step_config
     (``_step_config``), the elementwise steps, Philox from an unaligned offset and flowrl.losses'
     kernels (the replaying backward at REPLAY_BACKWARD_CONFIG) at theirs, masked; elementwise steps with
-    a token run of a 16-byte vector (RUN 1, an odd per-token ``inner``, is reported only)."""
+    a token run of a 16-byte vector (RUN 1, an odd per-token ``inner``, is reported only); DPO / DGPO's
+    Philox rows of any (div, mod) (NOISE_DIV 0, a layout flowrl.losses never makes) are reported only."""
     from flowrl.backends._triton_losses import REPLAY_BACKWARD_CONFIG
 
     if spec.kernel in ("finalize_kernel", "token_table_kernel") or not spec.aligned:
@@ -666,6 +675,8 @@ def is_hot(spec: Specialization) -> bool:
         return config == tuple(_unaligned_philox_config())
     if spec.kernel == "grpo_backward_kernel" and cx["TRUST"] == 2:  # replaying from an unaligned offset: rare
         return config == tuple(REPLAY_BACKWARD_CONFIG) and cx["PHILOX_ALIGNED"]
+    if spec.kernel.startswith("flow") and cx["PHILOX"] and cx["NOISE_DIV"] == 0:  # no layout flowrl.losses makes
+        return False
     if spec.kernel.startswith(("grpo", "flow")):
         return config == _launch_configs()[-1]
     storage = spec.signature["v_ptr"][1:]
@@ -674,8 +685,10 @@ def is_hot(spec: Specialization) -> bool:
     return cx["EVEN"] and config == tuple(_step_config(storage, Mode(cx["MODE"]), philox,
                                                        spec.kernel == "step_backward_kernel",
                                                        second_order=cx["HAS_PREV"] and not cx.get("IS_KL"),
-                                                       clipped_kl=(spec.kernel == "step_partials_kernel"
-                                                                   and cx["OP"] == int(Op.KL) and cx["CLIP"])))
+                                                       ddim_kl=((Prediction(cx["PRED"]), cx["CLIP"])
+                                                                if spec.kernel == "step_partials_kernel"
+                                                                and cx["OP"] == int(Op.KL)
+                                                                and cx["MODE"] == int(Mode.DDIM) else None)))
 
 
 def roofline_target(spec: Specialization):

@@ -117,6 +117,13 @@ def test_the_specializations_cover_every_switch_the_launchers_use():
     # ddim: every prediction type, with and without the clip, and its deterministic (eta = 0) rollout
     ddim = [c for c in partials if c["MODE"] == int(Mode.DDIM)]
     assert {c["PRED"] for c in ddim} == {0, 1, 2} and {c["CLIP"] for c in ddim} == {True, False}
+    # epsilon with and without the clip in every storage (DDIMScheduler's default; Stable Diffusion's
+    # config, DDPO's), with every op
+    for storage in aot.STORAGES:
+        eps = {(c["CLIP"], c["OP"]) for s in specs if s.kernel == "step_partials_kernel"
+               and s.signature["v_ptr"] == "*" + storage for c in [s.constexprs]
+               if c["MODE"] == int(Mode.DDIM) and c["PRED"] == 0}
+        assert eps == {(clip, int(op)) for clip in (False, True) for op in Op}, storage
     assert any(c["NOISE"] == int(NoiseSource.NONE) for c in ddim)
     assert {c["WIDTH"] for c in finalize} >= {2, 64, 1024, _triton_ops.MAX_FINALIZE_WIDTH}
     # the one-tile table, the step kernels' multi-tile table (step_config) and the elementwise steps'

@@ -165,7 +165,7 @@ _TILE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def tiles_taken(mode: Mode, philox: bool, backward: bool, masked_rollout: bool = False,
-                second_order: bool = False, clipped_kl: bool = False) -> bool:
+                second_order: bool = False, ddim_kl: Optional[Tuple[Prediction, bool]] = None) -> bool:
     """Whether the step kernels of ``mode`` (a rollout drawing Philox noise: ``philox``; the backward:
     ``backward``) run STEP_LAUNCH_TABLE's multi-tile programs when their latents are 16-bit and 16-byte
     aligned; the others run LAUNCH_TABLE's one tile. Chosen per specialization from the AOT compile
@@ -174,12 +174,14 @@ def tiles_taken(mode: Mode, philox: bool, backward: bool, masked_rollout: bool =
     ddim's clipped means 8-368 bytes, a masked rollout (``masked_rollout``: the sample size not a
     multiple of 4,096) with the mean 8-40 bytes, dpm_sde's second-order gaussian backward
     (``second_order``: the extra x0_prev stream; the KL's cancels) 40-48 bytes in float16 with triton
-    3.6, and ddim's backward and clipped KL
-    (``clipped_kl``; 56-672 bytes, and 72 on sm_80 for the KL), so these keep one tile
-    (dpm_sde's second-order forward takes tiles since the chunk's leaves-first tree and the word loads
-    freed registers, ddim's log-prob and rollouts since its divisions lost div.rn's per-element
-    slow-path calls: common.div_rn_by_scalar)."""
-    return not (philox or masked_rollout or (second_order and backward) or (mode is Mode.DDIM and (backward or clipped_kl)))
+    3.6, and ddim's backward and its KL but v-prediction's unclipped one (``ddim_kl``: (prediction,
+    clipped) of a ddim KL; 56-672 bytes, and 72 on sm_80 for the clipped KL and epsilon's unclipped
+    one, triton 3.9), so these keep one tile (dpm_sde's second-order forward takes tiles since the
+    chunk's leaves-first tree and the word loads freed registers, ddim's log-prob and rollouts since its
+    divisions lost div.rn's per-element slow-path calls: common.div_rn_by_scalar)."""
+    ddim_kl_one_tile = ddim_kl is not None and ddim_kl != (Prediction.V_PREDICTION, False)
+    return not (philox or masked_rollout or (second_order and backward)
+                or (mode is Mode.DDIM and (backward or ddim_kl_one_tile)))
 
 
 def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = False, unaligned_philox: bool = False,
@@ -198,8 +200,9 @@ def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = Fal
     group, _ = launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
     masked_rollout = rollout and n_per_sample % (group * CHUNK_SIZE) != 0
     latents, extra = [t for t in latents if t is not None], [t for t in extra if t is not None]
-    clipped_kl = not backward and spec.op is Op.KL and spec.clip_sample_range is not None
-    if (tiles_taken(spec.mode, philox, backward, masked_rollout, second_order, clipped_kl) and storage in _TILE_DTYPES and n_per_sample % 16 == 0
+    ddim_kl = ((spec.prediction, spec.clip_sample_range is not None)
+               if not backward and spec.op is Op.KL and spec.mode is Mode.DDIM else None)
+    if (tiles_taken(spec.mode, philox, backward, masked_rollout, second_order, ddim_kl) and storage in _TILE_DTYPES and n_per_sample % 16 == 0
             and all(t.dtype == storage for t in latents) and all(t.data_ptr() % 16 == 0 for t in latents + extra)):
         return launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
     return element_config(spec, n_per_sample, storage=storage)
