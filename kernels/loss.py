@@ -261,13 +261,19 @@ def _flow_load(ptr, base, first, in_row, offs, mask, EVEN: tl.constexpr, PAIRED:
 @triton.jit
 def _flow_noise(other_ptr, base, in_row, offs, mask, row, first, seeds_ptr, stream_stride, elem_offset, noise_div,
                 noise_mod, BLOCK: tl.constexpr, EVEN: tl.constexpr, PHILOX: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
-                PAIRED: tl.constexpr, n_per_sample):
+                PAIRED: tl.constexpr, n_per_sample, NOISE_DIV: tl.constexpr):
     """The block's eps: loaded from ``other_ptr`` (``_flow_load``), or (PHILOX) drawn in the kernel from
     Philox row (row // noise_div) % noise_mod of ``seeds_ptr`` (its seed; its stream that row times
     stream_stride): a Diffusion-DPO pair's two samples, a row each, draw their pair's row
-    (flowrl.losses.dpo: the noise seed's layout)."""
+    (flowrl.losses.dpo: the noise seed's layout). NOISE_DIV 1 or 2: noise_div, with row // noise_div <
+    2 noise_mod (every layout flowrl.losses makes; the launcher checks), so the modulo is one wrap and
+    the two integer divisions (about 50 SASS per program) are a shift and a select; 0: any."""
     if PHILOX:
-        noise_row = (row // noise_div) % noise_mod
+        if NOISE_DIV == 0:
+            noise_row = (row // noise_div) % noise_mod
+        else:  # row >= 0
+            noise_row = row >> (NOISE_DIV // 2)
+            noise_row = tl.where(noise_row >= noise_mod, noise_row - noise_mod, noise_row)
         eps = _philox_eps(seeds_ptr, noise_row, first, stream_stride, elem_offset, BLOCK, PHILOX_ALIGNED)
         if not EVEN:  # a tail's masked-off elements: 0, as a loaded eps (the rows need no select)
             eps = tl.where(mask, eps, 0.0)
@@ -283,10 +289,11 @@ def flow_partials_kernel(
     LOSS: tl.constexpr, HAS_REF: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, GROUP: tl.constexpr,
     seeds_ptr=None, stream_stride=0, elem_offset=0, noise_div=1, noise_mod=1, EVEN: tl.constexpr = False,
     PHILOX: tl.constexpr = False, PHILOX_ALIGNED: tl.constexpr = False, PAIRED: tl.constexpr = False,
+    NOISE_DIV: tl.constexpr = 0,
 ):
     """Chunk partials [K, B, n_chunks] (K stacked sums, each [B, n_chunks]). LOSS_NFT (other = v_old):
     |e+|, e+^2, |e-|, e-^2 and, with HAS_REF, (v - v_ref)^2. LOSS_AWM (other = eps; xt unused): e^2.
-    LOSS_DPO / LOSS_DGPO: eps from other, or (PHILOX) drawn here (``_flow_noise``). EVEN: n_per_sample
+    LOSS_DPO / LOSS_DGPO: eps from other, or (PHILOX) drawn here (``_flow_noise``, NOISE_DIV). EVEN: n_per_sample
     is a multiple of the block (every block whole: no masks); PAIRED (implied by EVEN): bfloat16 read
     as uint32 pairs (``_flow_load``)."""
     BLOCK: tl.constexpr = GROUP * CHUNK
@@ -316,7 +323,8 @@ def flow_partials_kernel(
                        LOG2_CHUNK, BARE)
     else:  # LOSS_AWM: v - (eps - x0), the target formed first as AWM does
         eps = _flow_noise(other_ptr, base, in_row, offs, mask, row, first, seeds_ptr, stream_stride, elem_offset,
-                          noise_div, noise_mod, BLOCK, EVEN, PHILOX, PHILOX_ALIGNED, PAIRED, n_per_sample)
+                          noise_div, noise_mod, BLOCK, EVEN, PHILOX, PHILOX_ALIGNED, PAIRED, n_per_sample,
+                          NOISE_DIV)
         u = eps - x0
         e = v - u
         _store_partials(e * e, mask, partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK, BARE)
@@ -346,6 +354,7 @@ def flow_backward_kernel(
     LOSS: tl.constexpr, HAS_REF: tl.constexpr, BLOCK: tl.constexpr,
     seeds_ptr=None, stream_stride=0, elem_offset=0, noise_div=1, noise_mod=1, EVEN: tl.constexpr = False,
     PHILOX: tl.constexpr = False, PHILOX_ALIGNED: tl.constexpr = False, PAIRED: tl.constexpr = False,
+    NOISE_DIV: tl.constexpr = 0,
 ):
     """d loss / d v from grad [K, B], the per-sample grads of the squared sums (NFT: rows 1 and 3 for
     e+^2 and e-^2, row 4 for (v - v_ref)^2; AWM: row 0). d(e^2) = 2 e de; de+/dv = -t beta,
@@ -369,7 +378,8 @@ def flow_backward_kernel(
             grad_v = grad_v + g_ref * (d + d)
     else:  # AWM, DPO: row 0 alone; DGPO adds rows 2 (and 4): (v - R)^2
         eps = _flow_noise(other_ptr, base, in_row, offs, mask, row, first, seeds_ptr, stream_stride, elem_offset,
-                          noise_div, noise_mod, BLOCK, EVEN, PHILOX, PHILOX_ALIGNED, PAIRED, n_per_sample)
+                          noise_div, noise_mod, BLOCK, EVEN, PHILOX, PHILOX_ALIGNED, PAIRED, n_per_sample,
+                          NOISE_DIV)
         e = v - (eps - x0)
         grad_v = tl.load(grad_ptr + row) * (e + e)
         if LOSS == LOSS_DGPO:

@@ -567,6 +567,10 @@ def test_aot_lists_every_preference_specialization():
                             for philox, aligned, even in ((False, False, False), (False, False, True),
                                                           (True, True, False), (True, True, True),
                                                           (True, False, False))}
+        # the Philox row's layout (kernels/loss.py's NOISE_DIV): halves and DGPO, interleaved pairs, any
+        assert {(s.kernel, s.constexprs["NOISE_DIV"]) for s in aot.loss_specializations(storage)
+                if s.kernel.startswith("flow_") and s.constexprs["PHILOX"]} == {
+            (k, d) for k in ("flow_partials_kernel", "flow_backward_kernel") for d in (0, 1, 2)}
         paired = {(s.kernel, s.constexprs["LOSS"], s.constexprs["PAIRED"], s.constexprs["EVEN"])
                   for s in aot.loss_specializations(storage) if s.kernel.startswith("flow_")}
         assert paired >= {(k, loss, p, even) for k in ("flow_partials_kernel", "flow_backward_kernel")

@@ -260,3 +260,42 @@ def test_seeded_preference_losses_compile_with_no_graph_break_and_eager_bits():
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     for a, b in zip(results[0][0] + (results[0][1],), results[1][0] + (results[1][1],)):
         assert torch.equal(a, b)
+
+
+@needs_triton
+def test_triton_noise_rows_for_any_div_and_mod(monkeypatch):
+    """Sample b draws Philox row (b // noise_div) % noise_mod on the Triton backend as on the torch one,
+    bit for bit, forward and backward: the layouts flowrl.losses makes (NOISE_DIV 1 or 2, one wrap:
+    kernels/loss.py's _flow_noise) and others (NOISE_DIV 0, the general modulo)."""
+    from flowrl.backends import _triton_losses
+
+    seen = []
+    real_launch = _triton_losses._launch
+
+    def record(kernel, grid, *args, **kwargs):
+        seen.append(kwargs.get("NOISE_DIV"))
+        return real_launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_triton_losses, "_launch", record)
+    shape = (4, 16, 32)
+    # (batch, div, mod, NOISE_DIV): DPO halves and DGPO (1), interleaved (2); a wrap past 2 mod, div 3 (0)
+    for batch, div, mod, want in ((6, 1, 3, 1), (6, 2, 3, 2), (5, 1, 5, 1), (7, 1, 2, 0), (7, 3, 2, 0), (9, 2, 2, 0)):
+        v, v_ref, _, x0 = _inputs(batch, shape, seed=batch + div)
+        seeds = torch.arange(11, 11 + mod, device=DEVICE)
+        noise_seed = (seeds, 1, 0, div, mod)
+        t = torch.zeros(batch, device=DEVICE)
+        seen.clear()
+        outs = {}
+        for name, fn in (("triton", _triton_losses.flow_sums), ("torch", reference_losses.flow_sums)):
+            vv = v.clone().requires_grad_()
+            sums = fn(FlowLoss.DPO, 2, v_ref, vv, None, x0, None, t, (0.0, 0.0, 0.0), noise_seed=noise_seed)
+            w = torch.linspace(-1.0, 1.0, 2 * batch, device=DEVICE).reshape(2, batch)
+            outs[name] = (sums, torch.autograd.grad((sums * w).sum(), vv)[0])
+        assert seen == [want, want], (batch, div, mod, seen)
+        assert torch.equal(outs["triton"][0], outs["torch"][0]), (batch, div, mod)
+        assert torch.equal(outs["triton"][1], outs["torch"][1]), (batch, div, mod)
+        # each sample's row: its error sum equals that of the noise drawn for row (b // div) % mod
+        rows = reference.philox_normal(NoiseSeed(seeds, 1, 0), shape[0] * shape[1] * shape[2]).reshape((mod,) + shape)
+        eps = rows[(torch.arange(batch, device=DEVICE) // div) % mod]
+        direct = reference_losses.flow_sums(FlowLoss.DPO, 2, v_ref, v, eps, x0, None, t, (0.0, 0.0, 0.0))
+        assert torch.equal(outs["triton"][0], direct), (batch, div, mod)

@@ -155,12 +155,14 @@ def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed, kl_space=KLSpace.T
 # ------------------------------------------------------------------------- forward-process losses
 
 
-def _flow_noise_args(noise_seed, n, tensors):
+def _flow_noise_args(noise_seed, n, tensors, batch):
     """The flow kernels' launch configuration and switches: ((group, num_warps), keyword arguments).
     ``noise_seed``: None (eps read from ``other``) or (seeds, stream_stride, elem_offset, noise_div,
-    noise_mod) (flow_sums). PAIRED (kernels/loss.py: bfloat16 read as uint32 pairs): an even element
-    count and 4-byte aligned rows; EVEN: PAIRED and whole blocks. Philox from an unaligned offset is
-    neither (kernels/aot.py lists each launch)."""
+    noise_mod) (flow_sums) for ``batch`` samples; NOISE_DIV (kernels/loss.py's _flow_noise) is noise_div
+    where it is 1 or 2 and the last sample's row // noise_div is below 2 noise_mod (one wrap: every
+    layout flowrl.losses makes), else 0 (the general modulo). PAIRED (kernels/loss.py: bfloat16 read
+    as uint32 pairs): an even element count and 4-byte aligned rows; EVEN: PAIRED and whole blocks.
+    Philox from an unaligned offset is neither (kernels/aot.py lists each launch)."""
     philox = noise_seed is not None
     aligned = philox and noise_seed[2] % 4 == 0
     paired = n % 2 == 0 and not (philox and not aligned) and all(
@@ -171,8 +173,9 @@ def _flow_noise_args(noise_seed, n, tensors):
     even = paired and n % (group * CHUNK_SIZE) == 0
     if philox:
         seeds, stride, offset, div, mod = noise_seed
+        one_wrap = int(div) in (1, 2) and (batch - 1) // int(div) < 2 * int(mod)
         kw = dict(seeds_ptr=seeds, stream_stride=int(stride), elem_offset=int(offset), noise_div=int(div),
-                  noise_mod=int(mod))
+                  noise_mod=int(mod), NOISE_DIV=int(div) if one_wrap else 0)
     else:
         kw = {}
     return (group, num_warps), dict(kw, EVEN=even, PHILOX=philox, PHILOX_ALIGNED=aligned, PAIRED=paired)
@@ -181,7 +184,7 @@ def _flow_noise_args(noise_seed, n, tensors):
 def _flow_forward(kind, count, xt, v, other, x0, ref, t, coefs, shard=None, noise_seed=None):
     b, n = v.shape[0], v.numel() // v.shape[0]
     n_chunks = triton.cdiv(n, CHUNK_SIZE)
-    (group, num_warps), noise_kw = _flow_noise_args(noise_seed, n, (xt, v, other, x0, ref))
+    (group, num_warps), noise_kw = _flow_noise_args(noise_seed, n, (xt, v, other, x0, ref), b)
     n_blocks = triton.cdiv(n_chunks, group)
     partials = torch.empty((count, b, n_chunks), dtype=torch.float32, device=v.device)
     _launch(
@@ -215,7 +218,7 @@ class _FlowSums(torch.autograd.Function):
         b, n = v.shape[0], v.numel() // v.shape[0]
         grad_v = torch.empty_like(v)
         noise_seed = None if ctx.noise_seed is None else (seeds, *ctx.noise_seed)
-        (group, num_warps), noise_kw = _flow_noise_args(noise_seed, n, (xt, v, other, x0, ref, grad_v))
+        (group, num_warps), noise_kw = _flow_noise_args(noise_seed, n, (xt, v, other, x0, ref, grad_v), b)
         block = group * CHUNK_SIZE
         n_blocks = triton.cdiv(n, block)
         _launch(
