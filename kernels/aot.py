@@ -340,6 +340,12 @@ def _ddim_cx(mode, ddim):
     return {"PRED": int(prediction), "CLIP": clip}
 
 
+def _ddim_variant(cx):
+    """(prediction, clipped) of a ddim specialization's constexprs (``_ddim_cx``'s inverse), None for
+    the other modes: the pair flowrl.backends._triton_ops.ddim_variant gives the launch rules."""
+    return (Prediction(cx["PRED"]), bool(cx["CLIP"])) if cx.get("MODE") == int(Mode.DDIM) else None
+
+
 def _mode_label(mode, ddim, has_prev=False):
     return mode.label + (f"[{ddim[0].label}{' clip' if ddim[1] else ''}]" if mode is Mode.DDIM else "") + (
         " 2nd-order" if has_prev else "")
@@ -520,8 +526,8 @@ def compile_specialization(spec: Specialization, arch: int = 90, kernel=None):
 
     cx = spec.constexprs
     philox = cx.get("NOISE") == NoiseSource.PHILOX.value  # a step kernel's rollout drawing Philox noise
-    ddim_gaussian_backward = ((Prediction(cx["PRED"]), bool(cx["CLIP"])) if spec.kernel == "step_backward_kernel"
-                              and cx["MODE"] == Mode.DDIM.value and not cx["IS_KL"] else None)
+    ddim_gaussian_backward = (_ddim_variant(cx) if spec.kernel == "step_backward_kernel" and not cx["IS_KL"]
+                              else None)
     cap = register_cap(cx.get("TILES", 1), Mode(cx["MODE"]) if philox else None,
                        4 if spec.signature.get("x_ptr") == "*fp32" else 2, ddim_gaussian_backward)
     options = backend.parse_options({"num_warps": spec.num_warps, "enable_fp_fusion": False, **cap})
@@ -685,10 +691,8 @@ def is_hot(spec: Specialization) -> bool:
     return cx["EVEN"] and config == tuple(_step_config(storage, Mode(cx["MODE"]), philox,
                                                        spec.kernel == "step_backward_kernel",
                                                        second_order=cx["HAS_PREV"] and not cx.get("IS_KL"),
-                                                       ddim_kl=((Prediction(cx["PRED"]), cx["CLIP"])
-                                                                if spec.kernel == "step_partials_kernel"
-                                                                and cx["OP"] == int(Op.KL)
-                                                                and cx["MODE"] == int(Mode.DDIM) else None)))
+                                                       ddim_kl=(_ddim_variant(cx) if spec.kernel == "step_partials_kernel"
+                                                                and cx["OP"] == int(Op.KL) else None)))
 
 
 def roofline_target(spec: Specialization):

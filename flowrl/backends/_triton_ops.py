@@ -164,6 +164,12 @@ def launch_config(n_per_sample: int, unaligned_philox: bool = False, table=LAUNC
 _TILE_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def ddim_variant(spec) -> Optional[Tuple[Prediction, bool]]:
+    """(prediction, clipped) of a ddim step spec, None for the other modes: the pair the launch rules
+    (``tiles_taken``, ``register_cap``) and kernels/aot.py's ``_ddim_cx`` switches read."""
+    return (spec.prediction, spec.clip_sample_range is not None) if spec.mode is Mode.DDIM else None
+
+
 def tiles_taken(mode: Mode, philox: bool, backward: bool, masked_rollout: bool = False,
                 second_order: bool = False, ddim_kl: Optional[Tuple[Prediction, bool]] = None) -> bool:
     """Whether the step kernels of ``mode`` (a rollout drawing Philox noise: ``philox``; the backward:
@@ -200,8 +206,7 @@ def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = Fal
     group, _ = launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
     masked_rollout = rollout and n_per_sample % (group * CHUNK_SIZE) != 0
     latents, extra = [t for t in latents if t is not None], [t for t in extra if t is not None]
-    ddim_kl = ((spec.prediction, spec.clip_sample_range is not None)
-               if not backward and spec.op is Op.KL and spec.mode is Mode.DDIM else None)
+    ddim_kl = ddim_variant(spec) if not backward and spec.op is Op.KL else None
     if (tiles_taken(spec.mode, philox, backward, masked_rollout, second_order, ddim_kl) and storage in _TILE_DTYPES and n_per_sample % 16 == 0
             and all(t.dtype == storage for t in latents) and all(t.data_ptr() % 16 == 0 for t in latents + extra)):
         return launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
@@ -440,8 +445,7 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Op
             num_warps=num_warps, **ks.ddim, **_second_order(ks, x), grad_prev_ptr=grad_prev if need_prev else dummy,
             NEED_PREV=need_prev, **step_switches(
                 group, num_warps, n, spec.elementwise, (x, v, third, ks.prev_x0), latent_bytes=x.element_size(),
-                ddim_gaussian_backward=((spec.prediction, spec.clip_sample_range is not None)
-                                        if spec.mode is Mode.DDIM and not is_kl else None)),
+                ddim_gaussian_backward=None if is_kl else ddim_variant(spec)),
             **_LAUNCH,
         )
     return grad_x, grad_v, grad_third, grad_prev
