@@ -220,22 +220,24 @@ STD_FLOOR = 2.0**-40
 # stream, element) ``noise_seed`` draws. Bumped whenever that function changes, so a record of seeds
 # (a branching trajectory's tree) drawn under another stream is refused, never replayed silently wrong.
 # 1: Box-Muller with the platforms' logf and a Taylor sin(pi u) / cos(pi u) (flowrl <= this change);
-# 2: the polynomial log and octant sin / cos below by separate multiplies and adds;
-# 3: the same polynomials by Horner with fused multiply-adds (one rounding each, and fewer GPU
-#    instructions: docs/kernels.md); the same bits on every backend.
-NOISE_STREAM_VERSION = 3
+# 2: the polynomial log and octant sin / cos by separate multiplies and adds;
+# 3: the same polynomials by Horner with fused multiply-adds (one rounding each);
+# 4: u scaled to stay below 1 (no clamp), a half-circle angle from 23 bits (sin / cos of pi t / 2 by
+#    longer polynomials) and one sign for both outputs: about 5 GPU instructions fewer per pair
+#    (docs/kernels.md). The same bits on every backend.
+NOISE_STREAM_VERSION = 4
 
-# Box-Muller (stream 3) in float32 multiplies, adds and fmas (no platform log / sin / cos, which differ
+# Box-Muller (stream 4) in float32 multiplies, adds and fmas (no platform log / sin / cos, which differ
 # between backends; the torch reference rounds each fma once, as the GPU's FFMA does), so the torch
-# reference draws the kernels' bits. The coefficients are
-# minimax fits (Lawson's iteration) rounded to float32 once here, so both backends multiply by the
-# same values.
+# reference draws the kernels' bits. The coefficients are minimax fits (Lawson's iteration) rounded to
+# float32 once here, so both backends multiply by the same values.
+# u = fma(word, U_SCALE, 2**-33) lies in [2**-33, 1 - 2**-24] (never 0 or 1, so -2 ln u > 0 always)
+U_SCALE = (1.0 - 2.0**-24) * 2.0**-32  # exact in float32
 # -2 ln(u) = e * NEG_2_LN2 + f * P(f) for u = 2**e * (1 + f), 1 + f in [sqrt(1/2), sqrt(2)):
-# P(f) ~ -2 ln(1 + f) / f, degree 7, relative error 1.7e-7 (before float32 rounding)
+# P(f) ~ -2 ln(1 + f) / f, degree 7, relative error 1.7e-7 (before float32 rounding); the kernels
+# multiply e * 2**23 (the exponent field as an integer) by NEG_2_LN2 * 2**-23: the same product
 NEG_2_LN2 = -1.3862943649291992
-# -2 ln u is clamped to at least R2_MIN = 2**-100 (it is 0 at u = 1, 128 words in 2**32): a normal float32,
-# so the square root needs no zero or subnormal case; r is then 2**-50 instead of 0
-R2_MIN = 7.888609052210118e-31
+NEG_2_LN2_M23 = NEG_2_LN2 * 2.0**-23  # exact: a power of two
 LOG_SPLIT = 0x3F3504F3  # float32 bits of sqrt(1/2): where the mantissa range [sqrt(1/2), sqrt(2)) starts
 LOG_P0 = -1.9999998807907104
 LOG_P1 = 1.0000072717666626
@@ -245,15 +247,17 @@ LOG_P4 = -0.39800316095352173
 LOG_P5 = 0.34501683712005615
 LOG_P6 = -0.3244529366493225
 LOG_P7 = 0.20213879644870758
-# sin(pi t / 4) = t * S(t^2), cos(pi t / 4) = 1 + t^2 * C(t^2) for t in [0, 1] (an octant): S relative
-# error 3.2e-9, C absolute error 3.2e-8 (both below float32's half ulp there)
-SIN_A0 = 0.7853981852531433
-SIN_A1 = -0.08074543625116348
-SIN_A2 = 0.00249000103212893
-SIN_A3 = -3.59504520019982e-05
-COS_B0 = -0.3084245026111603
-COS_B1 = 0.01585039682686329
-COS_B2 = -0.00031916017178446054
+# sin(pi t / 2) = t * S(t^2), cos(pi t / 2) = 1 + t^2 * C(t^2) for t in [-1, 1] (a half circle): S
+# relative error 5.3e-9, C's cosine absolute error 5.3e-8 (below float32's half ulp at 1)
+SIN_A0 = 1.5707963705062866
+SIN_A1 = -0.645963728427887
+SIN_A2 = 0.07968968152999878
+SIN_A3 = -0.004673766437917948
+SIN_A4 = 0.00015148513193707913
+COS_B0 = -1.233698844909668
+COS_B1 = 0.2536531984806061
+COS_B2 = -0.020813966169953346
+COS_B3 = 0.0008596900734119117
 
 __all__ = [
     "Mode", "ModeRules", "MODE_RULES", "Schedule", "Variants", "Prediction", "LogProbKind", "LOG_PROB_KINDS", "Reduction", "Op", "NoiseSource", "TrustSource", "FlowLoss",

@@ -58,14 +58,15 @@ def _launch_configs():
     return sorted({(group, warps) for _, group, warps in LAUNCH_TABLE})
 
 
-def _step_config(storage, mode, philox=False, backward=False, masked_rollout=False, second_order=False,
-                 ddim_kl=None):
+def _step_config(storage, mode, backward=False, masked_rollout=False, second_order=False, ddim_kl=None,
+                 philox=False, philox_mean=False):
     """The step kernels' launch configuration for large latents of ``storage`` (the launcher's
     step_config with 16-byte aligned latents): STEP_LAUNCH_TABLE's largest where tiles are taken
     (tiles_taken, bf16 / fp16), LAUNCH_TABLE's largest, one tile, elsewhere."""
     from flowrl.backends._triton_ops import STEP_LAUNCH_TABLE, tiles_taken
 
-    if storage in ("bf16", "fp16") and tiles_taken(mode, philox, backward, masked_rollout, second_order, ddim_kl):
+    if storage in ("bf16", "fp16") and tiles_taken(mode, backward, masked_rollout, second_order, ddim_kl,
+                                                      storage if philox else None, philox_mean):
         return STEP_LAUNCH_TABLE[-1][1:]
     return _launch_configs()[-1]
 
@@ -320,8 +321,8 @@ def _few(storage, mode) -> Iterator[Specialization]:
     configuration: the rollout (torch noise with the mean, Philox), the log-prob, the KL, their
     backward (gaussian mean) and finalize; dpm_sde's second order (HAS_PREV) for each op as well."""
     for has_prev in ((False, True) if mode is Mode.DPM_SDE else (False,)):
-        fwd, philox, bwd = (_step_config(storage, mode, philox=p, backward=b, second_order=has_prev) for p, b in
-                            ((False, False), (True, False), (False, True)))
+        fwd, philox, bwd = (_step_config(storage, mode, philox=p, backward=b, second_order=has_prev)
+                            for p, b in ((False, False), (True, False), (False, True)))
         kw = dict(has_prev=has_prev, even=True)
         yield _partials(storage, mode, Op.ROLLOUT, NoiseSource.TENSOR, True, False, *fwd, **kw)
         yield _partials(storage, mode, Op.ROLLOUT, NoiseSource.PHILOX, False, True, *philox, **kw)
@@ -367,8 +368,8 @@ def _ddim(storage) -> Iterator[Specialization]:
     and their backward (gaussian mean, KL); one finalize (ddim's finalize reads only the std)."""
     from flowrl.backends._triton_ops import WIDE_CONFIG
 
-    fwd, philox, bwd = (_step_config(storage, Mode.DDIM, philox=p, backward=b) for p, b in
-                        ((False, False), (True, False), (False, True)))
+    fwd, philox, bwd = (_step_config(storage, Mode.DDIM, philox=p, backward=b)
+                        for p, b in ((False, False), (True, False), (False, True)))
     wide = storage == "fp32"  # the launcher's element_config: ddim's float32 rollouts at WIDE_CONFIG
     rollout, philox = (WIDE_CONFIG, WIDE_CONFIG) if wide else (fwd, philox)
     for ddim in DDIM_VARIANTS.get(storage, DDIM_DEFAULT_VARIANTS):
@@ -416,7 +417,7 @@ def _specializations(storage, quick) -> Iterator[Specialization]:
     sde = _step_config(storage, Mode.SDE)
     if quick:  # masked: heavier than whole blocks
         yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True,
-                        *_step_config(storage, Mode.SDE, philox=True))
+                        *_step_config(storage, Mode.SDE, philox=True, philox_mean=True))
         yield _finalize(Mode.CPS, LogProbKind.GAUSSIAN, True, 64)
         yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (True, True, True),
                         *_step_config(storage, Mode.SDE, backward=True))
@@ -440,7 +441,9 @@ def _specializations(storage, quick) -> Iterator[Specialization]:
                     if even:
                         yield _partials(storage, mode, Op.ROLLOUT, noise, write_mean, False, *_unaligned_philox_config())
                     continue
-                config = _step_config(storage, mode, philox=noise is NoiseSource.PHILOX, masked_rollout=not even)
+                philox = noise is NoiseSource.PHILOX
+                config = _step_config(storage, mode, masked_rollout=not even, philox=philox,
+                                      philox_mean=philox and write_mean)
                 yield _partials(storage, mode, Op.ROLLOUT, noise, write_mean, philox_aligned, *config, even=even)
             yield _partials(storage, mode, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *fwd, even=even)
             yield _partials(storage, mode, Op.KL, NoiseSource.TENSOR, False, False, *fwd, even=even)
@@ -686,11 +689,11 @@ def is_hot(spec: Specialization) -> bool:
     if spec.kernel.startswith(("grpo", "flow")):
         return config == _launch_configs()[-1]
     storage = spec.signature["v_ptr"][1:]
-    philox = spec.kernel == "step_partials_kernel" and cx["NOISE"] == int(NoiseSource.PHILOX)
     # large latents fill whole blocks (EVEN)
-    return cx["EVEN"] and config == tuple(_step_config(storage, Mode(cx["MODE"]), philox,
-                                                       spec.kernel == "step_backward_kernel",
+    philox = spec.kernel == "step_partials_kernel" and cx["NOISE"] == int(NoiseSource.PHILOX)
+    return cx["EVEN"] and config == tuple(_step_config(storage, Mode(cx["MODE"]), spec.kernel == "step_backward_kernel",
                                                        second_order=cx["HAS_PREV"] and not cx.get("IS_KL"),
+                                                       philox=philox, philox_mean=philox and cx["WRITE_MEAN"],
                                                        ddim_kl=(_ddim_variant(cx) if spec.kernel == "step_partials_kernel"
                                                                 and cx["OP"] == int(Op.KL) else None)))
 

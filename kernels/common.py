@@ -184,6 +184,14 @@ def dpm_sde_coefficients(sigmas_ptr, step, SECOND_ORDER: tl.constexpr):
 
 
 @triton.jit
+def neg(x):
+    """-x exactly (IEEE negation, -0.0 for +0.0). Triton 3.6 lowers unary minus to 0 - x: an FADD the
+    consumer cannot absorb (and +0.0 for +0.0), where a multiply by -1.0 becomes LLVM's fneg, which an
+    FFMA or FMUL takes as an operand modifier, free."""
+    return x * -1.0
+
+
+@triton.jit
 def step_mean(a, c, x, v):
     """mu = a * x + c * v in float32 (x, v already upcast)."""
     return a * x + c * v
@@ -310,8 +318,8 @@ def bf16_words_to_f32(words):
 def round_to(x, DTYPE: tl.constexpr):
     """float32 ``x`` rounded to the storage dtype DTYPE, to nearest even (torch's ``.to``).
 
-    Compiled, the conversion is the hardware's round-to-nearest-even (cvt.rn.bf16x2.f32 /
-    cvt.rn.f16x2.f32: one instruction per pair of values). Triton's interpreter truncates float32 ->
+    Compiled, the conversion is the hardware's round-to-nearest-even (cvt.rn.bf16.f32 / cvt.rn.f16.f32,
+    one per value; ``round_pairs`` converts a pair at once). Triton's interpreter truncates float32 ->
     bfloat16, so there (INTERPRETED) bfloat16 is rounded with integer ops first: the same bits for
     finite values (an overflow carries into the exponent and gives inf, as the hardware does); the
     integer form costs 3-4 instructions per value, which the compiled kernels do not pay."""
@@ -323,8 +331,38 @@ def round_to(x, DTYPE: tl.constexpr):
     return x.to(DTYPE)
 
 
+@triton.jit
+def round_pairs(x, DTYPE: tl.constexpr):
+    """float32 ``x`` (1-D, even length) rounded to 16-bit DTYPE (bfloat16 / float16) to nearest even,
+    as ``round_to``, two values per uint32 word as memory holds them (element 2i in word i's low
+    half). Compiled, one cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32 per word (the PTX ISA's packed
+    conversion: its first source goes to the upper half), where Triton converts each value apart and
+    then packs the halves; interpreted, ``round_to`` on each value."""
+    even, odd = tl.split(tl.reshape(x, (x.shape[0] // 2, 2)))
+    if INTERPRETED:
+        low = round_to(even, DTYPE).to(tl.uint16, bitcast=True).to(tl.uint32)
+        high = round_to(odd, DTYPE).to(tl.uint16, bitcast=True).to(tl.uint32)
+        return low | (high << 16)
+    elif DTYPE == tl.bfloat16:
+        return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def words_to_f32(words, DTYPE: tl.constexpr):
+    """16-bit DTYPE pairs held as uint32 words (``round_pairs``' layout), as float32 in element order."""
+    if DTYPE == tl.bfloat16:
+        return bf16_words_to_f32(words)
+    low = (words & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = (words >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.interleave(low, high)
+
+
 # ------------------------------------------------------------------------------------ Philox noise
-# In-kernel noise (``sde_step(noise_seed=...)``), stream version ``NOISE_STREAM_VERSION`` 3 (docs/
+# In-kernel noise (``sde_step(noise_seed=...)``), stream version ``NOISE_STREAM_VERSION`` 4 (docs/
 # contract.md, Noise): Philox4x32-10 (Salmon et al., SC'11; Random123), the same integer stream as
 # ``flowrl.reference.philox4x32_10`` bit for bit, then Box-Muller in float32 multiplies, adds and
 # fused multiply-adds (tl.fma: one rounding, one FFMA where a multiply and an add take two; the
@@ -339,13 +377,10 @@ PHILOX_M0 = tl.constexpr(0xD2511F53)
 PHILOX_M1 = tl.constexpr(0xCD9E8D57)
 PHILOX_W0 = tl.constexpr(0x9E3779B9)
 PHILOX_W1 = tl.constexpr(0xBB67AE85)
-# exact float32 constants: 2**-32, 2**-29, 2**-30, 2**-33
-TWO_POW_M32 = tl.constexpr(2.3283064365386963e-10)
-TWO_POW_M29 = tl.constexpr(1.862645149230957e-09)
-TWO_POW_M30 = tl.constexpr(9.313225746154785e-10)
-TWO_POW_M33 = tl.constexpr(1.1641532182693481e-10)
+TWO_POW_M33 = tl.constexpr(1.1641532182693481e-10)  # exact
+U_SCALE = tl.constexpr(_contract.U_SCALE)
 NEG_2_LN2 = tl.constexpr(_contract.NEG_2_LN2)
-R2_MIN = tl.constexpr(_contract.R2_MIN)
+NEG_2_LN2_M23 = tl.constexpr(_contract.NEG_2_LN2_M23)
 LOG_SPLIT = tl.constexpr(_contract.LOG_SPLIT)
 LOG_P0 = tl.constexpr(_contract.LOG_P0)
 LOG_P1 = tl.constexpr(_contract.LOG_P1)
@@ -359,9 +394,11 @@ SIN_A0 = tl.constexpr(_contract.SIN_A0)
 SIN_A1 = tl.constexpr(_contract.SIN_A1)
 SIN_A2 = tl.constexpr(_contract.SIN_A2)
 SIN_A3 = tl.constexpr(_contract.SIN_A3)
+SIN_A4 = tl.constexpr(_contract.SIN_A4)
 COS_B0 = tl.constexpr(_contract.COS_B0)
 COS_B1 = tl.constexpr(_contract.COS_B1)
 COS_B2 = tl.constexpr(_contract.COS_B2)
+COS_B3 = tl.constexpr(_contract.COS_B3)
 
 
 @triton.jit
@@ -417,7 +454,7 @@ def sqrt_rn_normal(x):
     Triton 3.6's interpreter does not fuse tl.fma (an ulp off there, now and then)."""
     y = tl.math.rsqrt(x)
     s = x * y
-    return tl.fma(tl.fma(-s, s, x), y * 0.5, s)
+    return tl.fma(tl.fma(neg(s), s, x), y * 0.5, s)
 
 
 @triton.jit
@@ -434,15 +471,15 @@ def sqrt_rn_nonneg(x):
 
 @triton.jit
 def box_muller_radius(x_radius):
-    """sqrt(-2 ln u) in float32 for u = (x_radius + 1/2) / 2**32 in (0, 1] (never 0) of a uint32 word,
-    as flowrl.reference.box_muller_radius computes it: u = fma(x, 2**-32, 2**-33) (the same bits as
-    (x + 1/2) * 2**-32: scaling by 2**-32 is exact), u = 2**e (1 + f) with 1 + f in [sqrt(1/2),
-    sqrt(2)) split from u's bits, -2 ln u = fma(f, P(f), e NEG_2_LN2) (flowrl.contract's polynomial,
-    Horner by fmas), at least R2_MIN (it is 0 at u = 1), then the correctly rounded square root."""
-    u = tl.fma(x_radius.to(tl.float32), TWO_POW_M32, TWO_POW_M33)
+    """sqrt(-2 ln u) in float32 for u in (0, 1) of a uint32 word, as flowrl.reference.box_muller_radius
+    computes it: u = fma(x, U_SCALE, 2**-33) in [2**-33, 1 - 2**-24], u = 2**e (1 + f) with 1 + f in
+    [sqrt(1/2), sqrt(2)) split from u's bits (e * 2**23 by a mask, no shift), -2 ln u = fma(f, P(f),
+    e NEG_2_LN2) (flowrl.contract's polynomial, Horner by fmas; at least 1.19e-7 since u < 1), then the
+    correctly rounded square root (``sqrt_rn_normal``)."""
+    u = tl.fma(x_radius.to(tl.float32), U_SCALE, TWO_POW_M33)
     bits = u.to(tl.int32, bitcast=True)
-    e = (bits - LOG_SPLIT) >> 23  # arithmetic: floor((bits - LOG_SPLIT) / 2**23), <= 0
-    f = (bits - (e << 23)).to(tl.float32, bitcast=True) - 1.0
+    e_bits = (bits - LOG_SPLIT) & -8388608  # 0xFF800000: e * 2**23, e = floor((bits - LOG_SPLIT) / 2**23)
+    f = (bits - e_bits).to(tl.float32, bitcast=True) - 1.0
     p = tl.fma(f, LOG_P7, LOG_P6)
     p = tl.fma(f, p, LOG_P5)
     p = tl.fma(f, p, LOG_P4)
@@ -450,30 +487,24 @@ def box_muller_radius(x_radius):
     p = tl.fma(f, p, LOG_P2)
     p = tl.fma(f, p, LOG_P1)
     p = tl.fma(f, p, LOG_P0)
-    return sqrt_rn_normal(tl.maximum(tl.fma(f, p, e.to(tl.float32) * NEG_2_LN2), R2_MIN))
+    return sqrt_rn_normal(tl.fma(f, p, e_bits.to(tl.float32) * NEG_2_LN2_M23))
 
 
 @triton.jit
 def box_muller(x_radius, x_angle):
     """Two standard normals (r cos(theta), r sin(theta)) in float32 from two uint32 words, as
-    flowrl.reference.box_muller computes them: r = ``box_muller_radius(x_radius)``; the angle by
-    octant from x_angle's bits: t = (low 29 bits + 1/2) / 2**29 in (0, 1) (one fma, exact scaling),
-    phi = pi t / 4, its sine t S(t^2) and cosine 1 + t^2 C(t^2) (flowrl.contract's polynomials, Horner
-    by fmas), swapped when bit 29 is set (theta = pi / 2 - phi), the cosine's sign from bit 31 and the
-    sine's from bit 30: theta is uniform over the circle (reflections of a uniform first-quadrant
-    angle)."""
+    flowrl.reference.box_muller computes them: r = ``box_muller_radius(x_radius)``, negated when bit 31
+    of x_angle is set (theta + pi: an xor into the sign bit); t = m - 3 in [-1, 1) for the float m in
+    [2, 4) whose mantissa is x_angle's low 23 bits; phi = pi t / 2 with sine t S(t^2) and cosine 1 +
+    t^2 C(t^2) (flowrl.contract's polynomials, Horner by fmas). theta takes 2**24 equally spaced values
+    over the circle."""
     r = box_muller_radius(x_radius)
-    t = tl.fma((x_angle & 0x1FFFFFFF).to(tl.float32), TWO_POW_M29, TWO_POW_M30)
+    r = (r.to(tl.uint32, bitcast=True) ^ (x_angle & 0x80000000)).to(tl.float32, bitcast=True)
+    t = ((x_angle & 0x007FFFFF) | 0x40000000).to(tl.float32, bitcast=True) - 3.0  # exact
     t2 = t * t
-    sin_p = t * tl.fma(t2, tl.fma(t2, tl.fma(t2, SIN_A3, SIN_A2), SIN_A1), SIN_A0)
-    cos_p = tl.fma(t2, tl.fma(t2, tl.fma(t2, COS_B2, COS_B1), COS_B0), 1.0)
-    swap = (x_angle & 0x20000000) != 0
-    n_cos = r * tl.where(swap, sin_p, cos_p)
-    n_sin = r * tl.where(swap, cos_p, sin_p)
-    # the signs: xor into the sign bit (exactly a negation)
-    n_cos = (n_cos.to(tl.uint32, bitcast=True) ^ ((x_angle >> 31) << 31)).to(tl.float32, bitcast=True)
-    n_sin = (n_sin.to(tl.uint32, bitcast=True) ^ (((x_angle >> 30) & 1) << 31)).to(tl.float32, bitcast=True)
-    return n_cos, n_sin
+    sin_p = t * tl.fma(t2, tl.fma(t2, tl.fma(t2, tl.fma(t2, SIN_A4, SIN_A3), SIN_A2), SIN_A1), SIN_A0)
+    cos_p = tl.fma(t2, tl.fma(t2, tl.fma(t2, tl.fma(t2, COS_B3, COS_B2), COS_B1), COS_B0), 1.0)
+    return r * cos_p, r * sin_p
 
 
 @triton.jit
@@ -578,7 +609,7 @@ def div_rn_by_scalar(a, b, b_inv):
     NaN) keeps q, as does NaN; smaller numerators may be an ulp off (tests/test_division.py). Triton
     3.6's interpreter runs tl.fma unfused: an ulp off there now and then."""
     q = a * b_inv
-    q1 = tl.fma(tl.fma(b, q, -a), -b_inv, q)
+    q1 = tl.fma(tl.fma(b, q, neg(a)), neg(b_inv), q)
     return tl.where(q1 == q1, q1, q)
 
 

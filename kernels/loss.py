@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    bf16_words_to_f32, chunk_tree_rows, mode_coefficients, ordinary_count, policy_difference, round_to, step_mean,
+    bf16_words_to_f32, chunk_tree_rows, mode_coefficients, neg, ordinary_count, policy_difference, round_to, step_mean,
     total_grad,
 )
 from .common import KIND_KL
@@ -63,13 +63,25 @@ def _store_partials(t, mask, partials_ptr, row, first, n_chunks, GROUP: tl.const
 
 
 @triton.jit
-def _old_mean(old_mean_ptr, prev, std, offs, mask, seeds_ptr, row, first, stream_stride, elem_offset,
-              TRUST: tl.constexpr, BLOCK: tl.constexpr, PHILOX_ALIGNED: tl.constexpr):
-    """mu_old: loaded (TRUST_GIVEN), or x' - std * eps with the rollout's Philox eps (TRUST_REPLAY)."""
+def _replayed_noise(seeds_ptr, row, first, stream_stride, elem_offset, TRUST: tl.constexpr, BLOCK: tl.constexpr,
+                    PHILOX_ALIGNED: tl.constexpr):
+    """TRUST_REPLAY: the rollout's Philox eps of this block, drawn before the latents load (a barrier
+    after it keeps ptxas from hoisting the loads above the noise's ~30 SASS per element: registers;
+    triton 3.6 spilled the partials under its own 128 otherwise); 0.0 (unused) for the other TRUSTs."""
+    eps = 0.0
+    if TRUST == TRUST_REPLAY:
+        eps = _philox_eps(seeds_ptr, row, first, stream_stride, elem_offset, BLOCK, PHILOX_ALIGNED)
+        tl.debug_barrier()
+    return eps
+
+
+@triton.jit
+def _old_mean(old_mean_ptr, prev, std, eps, offs, mask, TRUST: tl.constexpr):
+    """mu_old: loaded (TRUST_GIVEN), or x' - std * eps with the rollout's Philox eps (TRUST_REPLAY,
+    ``_replayed_noise``)."""
     if TRUST == TRUST_GIVEN:
         old = tl.load(old_mean_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     else:
-        eps = _philox_eps(seeds_ptr, row, first, stream_stride, elem_offset, BLOCK, PHILOX_ALIGNED)
         old = prev - std * eps
     return old
 
@@ -134,6 +146,7 @@ def grpo_partials_kernel(
             a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
             frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index,
             PER_TOKEN, HAS_FROZEN, PER_TOKEN, RUN)
+    eps = _replayed_noise(seeds_ptr, row, first, stream_stride, elem_offset, TRUST, GROUP * CHUNK, PHILOX_ALIGNED)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     prev = tl.load(prev_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -152,8 +165,7 @@ def grpo_partials_kernel(
         _store_partials(_element_square(rk, scored, weight, ELEMENTWISE, PER_TOKEN), mask, kl_partials_ptr, row,
                         first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
     if TRUST != TRUST_NONE:
-        old = _old_mean(old_mean_ptr, prev, std, offs, mask, seeds_ptr, row, first, stream_stride, elem_offset,
-                        TRUST, GROUP * CHUNK, PHILOX_ALIGNED)
+        old = _old_mean(old_mean_ptr, prev, std, eps, offs, mask, TRUST)
         rt = mu - old
         _store_partials(_element_square(rt, scored, weight, ELEMENTWISE, PER_TOKEN), mask, tr_partials_ptr, row,
                         first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
@@ -191,6 +203,7 @@ def grpo_backward_kernel(
             PER_TOKEN, HAS_FROZEN, PER_TOKEN, RUN)
     else:
         count = ordinary_count(std, numel_f)  # 0 on a deterministic step: no gradient
+    eps = _replayed_noise(seeds_ptr, row, first, stream_stride, elem_offset, TRUST, BLOCK, PHILOX_ALIGNED)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     prev = tl.load(prev_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -198,10 +211,9 @@ def grpo_backward_kernel(
     coef_lp = _element_coef(total_grad(tl.load(grad_lp_ptr + row), std_ref, count, KIND, MEAN), scored, weight,
                             ELEMENTWISE, WEIGHTED)
     cr = coef_lp * (prev - mu)
-    grad_mu = -(cr + cr)
+    grad_mu = neg(cr + cr)
     if TRUST != TRUST_NONE:
-        old = _old_mean(old_mean_ptr, prev, std, offs, mask, seeds_ptr, row, first, stream_stride, elem_offset,
-                        TRUST, BLOCK, PHILOX_ALIGNED)
+        old = _old_mean(old_mean_ptr, prev, std, eps, offs, mask, TRUST)
         coef_tr = _element_coef(total_grad(tl.load(grad_tr_ptr + row), std_ref, count, KIND_KL, True), scored, weight,
                                 ELEMENTWISE, PER_TOKEN)
         ct = coef_tr * (mu - old)

@@ -48,8 +48,8 @@ import triton.language as tl
 from .common import (
     MODE_DDIM, NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, bf16_words_to_f32,
     chunk_tree_rows, compact_index, ddim_coefficients, ddim_mean, ddim_mean_grads, dpm_sde_coefficients,
-    halving_tree_rows, mode_coefficients, ordinary_count, philox_key, philox_normal_block, policy_difference,
-    round_to, run_heads, run_spread, step_mean, total_grad, value_from_total,
+    halving_tree_rows, mode_coefficients, neg, ordinary_count, philox_key, philox_normal_block, policy_difference,
+    round_pairs, round_to, run_heads, run_spread, step_mean, total_grad, value_from_total, words_to_f32,
 )
 from .token import FROZEN_MAGIC, RECORD, TABLE_HEADER
 
@@ -149,6 +149,23 @@ def _load_tile(ptr, offs, mask, row_start, TILE: tl.constexpr, EVEN: tl.constexp
 
 
 @triton.jit
+def _store_rounded(ptr, offs, mask, row_start, x, TILE: tl.constexpr, WORDS: tl.constexpr):
+    """Store float32 ``x`` rounded to ``ptr``'s dtype (``round_to``) and return the stored values as
+    float32. WORDS (a whole tile, 4-byte aligned: the kernels' EVEN) over 16-bit storage: written as
+    uint32 words of rounded pairs (``round_pairs``: one conversion per pair) and the float32 values
+    read off the words (one integer op each for bfloat16), where a per-value conversion, the packing
+    and the unpacking took 2.5 instructions per value."""
+    DTYPE: tl.constexpr = ptr.dtype.element_ty
+    if WORDS and (DTYPE == tl.bfloat16 or DTYPE == tl.float16):
+        words = round_pairs(x, DTYPE)
+        tl.store((ptr + row_start).to(tl.pointer_type(tl.uint32)) + tl.arange(0, TILE // 2), words)
+        return words_to_f32(words, DTYPE)
+    rounded = round_to(x, DTYPE)
+    tl.store(ptr + offs, rounded, mask=mask)
+    return rounded.to(tl.float32)
+
+
+@triton.jit
 def step_partials_kernel(
     x_ptr, v_ptr, third_ptr, prev_out_ptr, mean_out_ptr, partials_ptr, sigmas_ptr, step_ptr,
     seeds_ptr, stream_stride, elem_offset,
@@ -169,10 +186,13 @@ def step_partials_kernel(
     dpm_sde's second order, so ELEMENTWISE never meets MODE_DDIM or HAS_PREV)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
     TILE_CHUNKS: tl.constexpr = GROUP // TILES
-    # ddim's Philox rollouts keep one tile (tiles_taken), tl.div_rn and bfloat16 element loads: as
-    # words its v_prediction rollout took 133 registers, with div_rn_by_scalar up to 168 (or spills)
+    # ddim's Philox rollouts keep tl.div_rn and bfloat16 element loads: as words its v_prediction
+    # rollout took 133 registers (one tile), with div_rn_by_scalar up to 168 (or spills)
     FAST_DDIM: tl.constexpr = NOISE != NOISE_PHILOX
     WORDS: tl.constexpr = MODE != MODE_DDIM or FAST_DDIM
+    # x' stored as words of rounded pairs on whole blocks; ddim's per value (its 4-tile rollout with the
+    # mean spilled 72 bytes as words, triton 3.6)
+    WORD_STORE: tl.constexpr = EVEN and MODE != MODE_DDIM
     TILE: tl.constexpr = TILE_CHUNKS * CHUNK
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_blocks
@@ -197,10 +217,13 @@ def step_partials_kernel(
                     a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr,
                     frozen_inner, frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta,
                     MODE, last_index, PER_TOKEN, HAS_FROZEN, WEIGHTED, RUN)
-        v = _load_tile(v_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
         if NOISE == NOISE_PHILOX:  # rollout only: the noise never touches memory
             third = philox_normal_block(k0, k1, stream, elem_offset + first, TILE, PHILOX_ALIGNED)
-        elif NOISE == NOISE_TENSOR:
+            # the latents load after the noise (registers: ptxas would hoist them above its ~30 SASS
+            # per element, and the next tile's too, and spill under the cap)
+            tl.debug_barrier()
+        v = _load_tile(v_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
+        if NOISE == NOISE_TENSOR:
             third = _load_tile(third_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
         if MODE == MODE_DDIM:  # nonlinear in v (the clip): its KL reads x too
             x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
@@ -212,14 +235,13 @@ def step_partials_kernel(
                 mu = mu + p * _load_tile(prev_x0_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
         if OP == OP_ROLLOUT:
             if NOISE == NOISE_NONE:  # deterministic: std is 0, and mu + 0 * eps is mu
-                prev = round_to(mu, prev_out_ptr.dtype.element_ty)
+                prev = mu
             else:
-                prev = round_to(mu + std * third, prev_out_ptr.dtype.element_ty)
+                prev = mu + std * third
             if ELEMENTWISE:  # frozen and held elements emit x' = x, their mean is x
-                prev = tl.where(keep, round_to(x, prev_out_ptr.dtype.element_ty), prev)
+                prev = tl.where(keep, x, prev)
                 mu = tl.where(keep, x, mu)
-            tl.store(prev_out_ptr + offs, prev, mask=mask)
-            r = prev.to(tl.float32) - mu
+            r = _store_rounded(prev_out_ptr, offs, mask, row_start, prev, TILE, WORD_STORE) - mu
             if WRITE_MEAN:
                 tl.store(mean_out_ptr + offs, mu, mask=mask)
         elif OP == OP_LOG_PROB:
@@ -300,6 +322,9 @@ def step_backward_kernel(
     mean is nonlinear (x0's clip), with per-element dmu/dx, dmu/dv (common.ddim_mean_grads)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
     TILE: tl.constexpr = BLOCK // TILES
+    # the grads stored as words of rounded pairs on whole blocks; ddim's per value (as words its KL
+    # backward took 0.7-3.2 more SASS per element)
+    WORD_STORE: tl.constexpr = EVEN and MODE != MODE_DDIM
     # clipped ddim reads bfloat16 per element: as words its clipped mean's grads spilled 40 bytes
     # (ddim[sample clip], sm_80, triton 3.6); unclipped, words take 1-1.5 instructions per element off
     # (ddim[v_prediction]'s KL backward 47.3 -> 46.1 SASS per element, bf16, sm_90a, triton 3.6)
@@ -358,17 +383,17 @@ def step_backward_kernel(
         if IS_KL:
             grad_mu = grad_r
             if MODE == MODE_DDIM:
-                grad_third = -grad_r * c_ref
+                grad_third = neg(grad_r) * c_ref
             else:
-                grad_third = -grad_r * c
+                grad_third = neg(grad_r) * c
         else:
-            grad_mu = -grad_r
+            grad_mu = neg(grad_r)
             grad_third = grad_r
         if NEED_X:
-            tl.store(grad_x_ptr + offs, round_to(grad_mu * a, grad_x_ptr.dtype.element_ty), mask=mask)
+            _store_rounded(grad_x_ptr, offs, mask, row_start, grad_mu * a, TILE, WORD_STORE)
         if NEED_V:
-            tl.store(grad_v_ptr + offs, round_to(grad_mu * c, grad_v_ptr.dtype.element_ty), mask=mask)
+            _store_rounded(grad_v_ptr, offs, mask, row_start, grad_mu * c, TILE, WORD_STORE)
         if NEED_THIRD:
-            tl.store(grad_third_ptr + offs, round_to(grad_third, grad_third_ptr.dtype.element_ty), mask=mask)
+            _store_rounded(grad_third_ptr, offs, mask, row_start, grad_third, TILE, WORD_STORE)
         if NEED_PREV:  # dmu/dx0_prev = p
-            tl.store(grad_prev_ptr + offs, round_to(grad_mu * p, grad_prev_ptr.dtype.element_ty), mask=mask)
+            _store_rounded(grad_prev_ptr, offs, mask, row_start, grad_mu * p, TILE, WORD_STORE)

@@ -403,7 +403,7 @@ def test_multi_tile_programs_give_the_same_bits(device, monkeypatch, n, dtype):
     spec = type("Spec", (), {"elementwise": False, "mode": Mode.SDE, "op": Op.LOG_PROB})
     group, warps = _triton_ops.step_config(spec, n, (x, v))
     assert (group, warps) == (4, 1)
-    assert _triton_ops.step_switches(group, warps, n, loaded=(x, v)) == dict(TILES=4, EVEN=n % 4096 == 0, maxnreg=128)
+    assert _triton_ops.step_switches(group, warps, n, accessed=(x, v)) == dict(TILES=4, EVEN=n % 4096 == 0, maxnreg=128)
     launches = []
     real_launch = _triton_ops._launch
 
@@ -519,6 +519,32 @@ def test_philox_rollouts_launch_under_the_register_cap(device, monkeypatch):
     assert caps == {(Mode.SDE, NoiseSource.PHILOX): None}
 
 
+def test_philox_rollouts_take_tiles_where_they_compile_without_spills():
+    """tiles_taken: a rollout drawing Philox noise over bfloat16 latents runs 4 tiles above 4,096
+    elements (its latents load after the noise, behind a barrier); over float16, in ddim or dpm_sde,
+    or writing its mean it keeps one tile (at 4 tiles those spill 8-40 bytes: kernels/aot.py's compile,
+    docs/kernels.md), as kernels/aot.py's hot specializations assume."""
+    n = 8 * 1024
+
+    def config(mode, dtype, write_mean=False):
+        spec = type("Spec", (), {"elementwise": False, "mode": mode, "op": Op.ROLLOUT,
+                                 "noise_source": NoiseSource.PHILOX})
+        x = torch.zeros(2, n, dtype=dtype)
+        return _triton_ops.step_config(spec, n, (x, x, None, x, None), (None, x.float() if write_mean else None),
+                                       write_mean=write_mean)
+
+    tiled, one = (4, 1), _triton_ops.LAUNCH_TABLE[-1][1:]
+    for mode in (Mode.SDE, Mode.ODE, Mode.DANCE, Mode.CPS, Mode.FLASH_SDE):
+        assert config(mode, torch.bfloat16) == tiled, mode
+        assert config(mode, torch.float16) == one and config(mode, torch.bfloat16, write_mean=True) == one, mode
+    assert config(Mode.DDIM, torch.bfloat16) == one and config(Mode.DPM_SDE, torch.bfloat16) == one
+    from flowrl.kernels import aot
+
+    labels = {s.label for s in aot.hot_specializations("bf16")} | {s.label for s in aot.hot_specializations("fp16")}
+    assert {"sde rollout noise=philox g4w1 even", "sde rollout noise=philox g1w1 even",
+            "sde rollout noise=philox +mean g1w1 even"} <= labels and "sde rollout noise=philox +mean g4w1 even" not in labels
+
+
 def test_clipped_epsilon_ddim_backward_launches_under_the_register_cap(device, monkeypatch):
     """ddim[epsilon]'s gaussian backward with the clip over 16-bit latents launches under maxnreg 128
     (its divisions by div_rn_by_scalar: unbounded, ptxas took 152-160 registers), as kernels/aot.py
@@ -547,11 +573,13 @@ def test_clipped_epsilon_ddim_backward_launches_under_the_register_cap(device, m
     assert (eps, False, False, torch.bfloat16) in caps and (sample, True, True, torch.float32) in caps
 
 
-def test_bf16_words_on_whole_blocks_give_the_masked_loads_bits(device, monkeypatch):
-    """On whole blocks (EVEN) the step kernels read bfloat16 latents as 32-bit words (a 4-byte aligned
-    row start: step_switches); a copy of the same values starting 2 bytes off a 4-byte boundary takes
-    the masked element loads instead: rollout, recompute, KL and every backward grad are the same bits."""
-    n, dtype = 2048, torch.bfloat16
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_words_on_whole_blocks_give_the_masked_accesses_bits(device, monkeypatch, dtype):
+    """On whole blocks (EVEN) the step kernels read bfloat16 latents as 32-bit words and store a 16-bit
+    rollout's x' as words of rounded pairs (a 4-byte aligned row start: step_switches); a copy of the
+    same values starting 2 bytes off a 4-byte boundary takes the masked element loads and stores
+    instead: rollout, recompute, KL and every backward grad are the same bits."""
+    n = 2048
     sigmas = schedule(device)
     x, v, noise = inputs((2, n), dtype, device, 31, third="noise")
     _, _, v_ref = inputs((2, n), dtype, device, 32, third="noise")
@@ -587,7 +615,7 @@ def test_bf16_words_on_whole_blocks_give_the_masked_loads_bits(device, monkeypat
     want = run(torch.clone)
     assert set(evens) == {True}
     evens.clear()
-    assert _triton_ops.step_switches(1, 1, n, loaded=(shifted(x), v))["EVEN"] is False
+    assert _triton_ops.step_switches(1, 1, n, accessed=(shifted(x), v))["EVEN"] is False
     got = run(shifted)
     assert set(evens) == {False}  # the shifted reads were all masked
     for k, (a, b) in enumerate(zip(got, want)):

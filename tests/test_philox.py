@@ -346,52 +346,63 @@ def test_noise_seed_argument_errors():
 
 
 def _words(n=1 << 16):
-    """uint32 words (int64): evenly spaced over [0, 2**32), the ends, and the octant and sign edges of
-    the angle word and the mantissa split of the radius word, each with its neighbours."""
+    """uint32 words (int64): evenly spaced over [0, 2**32), the ends, the angle word's mantissa and sign
+    edges and the radius word's mantissa split and top (where u nears 1), each with its neighbours."""
     words = torch.linspace(0, 2**32 - 1, n, dtype=torch.float64).round().to(torch.int64)
-    edges = torch.tensor([0, 2**29, 2**30, 2**31, 3 * 2**30, 2**32 - 1, 0x1FFFFFFF, 0x3F3504F3, 0xB504F333, 2**32 - 128])
+    edges = torch.tensor([0, 2**22, 2**23, 2**31, 2**31 + 2**22, 2**31 + 2**23, 2**32 - 1, 0x3F3504F3, 0xB504F333,
+                          2**32 - 128, 2**32 - 256])
     edges = torch.cat([edges, (edges + 1) % 2**32, (edges - 1) % 2**32])
     return torch.cat([words, edges])
 
 
+def _theta(x):
+    """The angle of word x (float64): -pi / 2 + k pi / 2**23 for k = bit 31 * 2**23 + the low 23 bits."""
+    return -math.pi / 2 + (((x >> 31) & 1) * 2**23 + (x & 0x7FFFFF)).double() * (math.pi / 2**23)
+
+
 def test_box_muller_is_accurate_to_a_few_ulps():
-    """The polynomial radius and octant sine / cosine against float64 over the words."""
+    """The polynomial radius and half-circle sine / cosine against float64 over the words."""
+    from flowrl.contract import U_SCALE
+
     x = _words()
-    u = ((x.to(torch.float32) + 0.5) * 2.0**-32).double()  # the float32 uniform both backends form
+    u = R.fma_f32(x.to(torch.float32), U_SCALE, 2.0**-33).double()  # the float32 uniform both backends form
+    assert float(u.min()) == 2.0**-33 and float(u.max()) == 1 - 2.0**-24  # never 0 or 1
     exact_r = torch.sqrt(-2 * torch.log(u))
     r = R.box_muller_radius(x).double()
-    assert bool((r[exact_r == 0] == 2.0**-50).all()) and float(r.min()) >= 0  # u = 1: -2 ln u clamped to 2**-100
-    assert float(((r - exact_r).abs() / exact_r)[exact_r > 0].max()) < 3e-7
-    assert float(r.max()) <= math.sqrt(-2 * math.log(2.0**-33)) + 1e-6  # u >= 2**-33
+    assert float(((r - exact_r).abs() / exact_r).max()) < 2e-7
+    assert float(r.min()) > 3.4e-4 and float(r.max()) <= math.sqrt(-2 * math.log(2.0**-33)) + 1e-6
     half = torch.full_like(x, 2**31)  # u = 1/2: r = sqrt(2 ln 2)
     n_cos, n_sin = R.box_muller(half, x)
     r_half = R.box_muller_radius(half).double()
-    phi = (math.pi / 4) * ((x & 0x1FFFFFFF).double() + 0.5) / 2**29
-    theta = torch.where((x & 2**29) != 0, math.pi / 2 - phi, phi)
-    cos_t = torch.where((x & 2**31) != 0, -torch.cos(theta), torch.cos(theta))
-    sin_t = torch.where((x & 2**30) != 0, -torch.sin(theta), torch.sin(theta))
-    assert float((n_cos.double() / r_half - cos_t).abs().max()) < 3e-7
-    assert float((n_sin.double() / r_half - sin_t).abs().max()) < 3e-7
-    assert float(((n_sin.double() / r_half - sin_t) / sin_t).abs().max()) < 4e-7  # relative, small angles too
-    assert float(((n_cos.double() / r_half) ** 2 + (n_sin.double() / r_half) ** 2 - 1).abs().max()) < 5e-7
+    theta = _theta(x)
+    assert float((n_cos.double() / r_half - torch.cos(theta)).abs().max()) < 1.6e-7
+    assert float((n_sin.double() / r_half - torch.sin(theta)).abs().max()) < 2.1e-7
+    nonzero = torch.sin(theta).abs() > 1e-12  # sin(pi) is 1.2e-16 in float64; ours is 0 there
+    assert float(((n_sin.double() / r_half - torch.sin(theta)) / torch.sin(theta))[nonzero].abs().max()) < 2.1e-7
+    assert float(((n_cos.double() / r_half) ** 2 + (n_sin.double() / r_half) ** 2 - 1).abs().max()) < 4.1e-7
 
 
 def test_box_muller_angle_covers_the_circle_uniformly():
-    """Each of the 8 octants (bits 31, 30, 29) gets its eighth of the angles, in order: the swap maps
-    phi in (0, pi / 4) onto (pi / 4, pi / 2) and the signs reflect into the four quadrants."""
-    x = torch.arange(8, dtype=torch.int64) * 2**29 + 12345
+    """The angle word maps onto 2**24 equally spaced angles: k = bit 31 * 2**23 + the low 23 bits gives
+    theta = -pi / 2 + k pi / 2**23 (the sign of both outputs turns the half circle into the other), so
+    each quadrant gets a quarter of the words, in order; bits 23 .. 30 do not move it."""
+    k = torch.arange(0, 2**24, 2**24 // 64, dtype=torch.int64) + 12345
+    x = ((k >> 23) << 31) | (k & 0x7FFFFF)
     n_cos, n_sin = R.box_muller(torch.full_like(x, 2**31), x)
-    theta = torch.atan2(n_sin.double(), n_cos.double()) % (2 * math.pi)
-    octant = (theta / (math.pi / 4)).floor().long().tolist()
-    # bits (31, 30, 29) -> octant: signs pick the quadrant, the swap the half of it
-    assert octant == [0, 1, 7, 6, 3, 2, 4, 5]
+    theta = torch.atan2(n_sin.double(), n_cos.double())
+    lattice = -math.pi / 2 + k.double() * (math.pi / 2**23)
+    assert float(torch.remainder(theta - lattice + math.pi, 2 * math.pi).sub(math.pi).abs().max()) < 3e-7
+    quadrant = (torch.remainder(theta + math.pi / 2, 2 * math.pi) / (math.pi / 2)).floor().long()
+    assert quadrant.tolist() == [q for q in range(4) for _ in range(16)]
+    moved = R.box_muller(torch.full_like(x, 2**31), x | (0x7F << 23))
+    assert torch.equal(moved[0], n_cos) and torch.equal(moved[1], n_sin)
 
 
 @needs_triton
 def test_box_muller_same_bits_on_both_backends():
     """Only IEEE adds, multiplies and square root: the kernels' box_muller equals the reference's bit
     for bit (unlike the platforms' logf / sinf / cosf)."""
-    x = _words(4096 - 30)
+    x = _words(4096 - 33)
     angle = x.flip(0).contiguous()
     radius, angle = x.to(DEVICE), angle.to(DEVICE)
     n_cos, n_sin = torch.empty(x.shape, device=DEVICE), torch.empty(x.shape, device=DEVICE)
@@ -437,9 +448,16 @@ def test_call_free_square_root_is_correctly_rounded_from_zero_up():
 
 # -------------------------------------------------------------------------- the stream's version
 
-# stream 3's first normals of seed 2024 (stream 0) and seed -7 (stream 1), float32 bits as hex: a
-# change of the noise function fails here, and must bump flowrl.contract.NOISE_STREAM_VERSION (stream 2
-# had -0x1.923996p-2 where stream 3 has -0x1.923998p-2: its unfused polynomials; checked below)
+# stream 4's first normals of seed 2024 (stream 0) and seed -7 (stream 1), float32 bits as hex: a
+# change of the noise function fails here, and must bump flowrl.contract.NOISE_STREAM_VERSION
+STREAM_4 = [
+    ["0x1.012ca8p+0", "0x1.c75b56p-7", "0x1.a60bbp-4", "0x1.24b1cep-3", "0x1.8b524ep-1", "-0x1.3c1e92p+0",
+     "0x1.d90874p-2", "0x1.6efa2ep-5"],
+    ["0x1.12c6b2p+0", "-0x1.0b94acp-1", "0x1.3a8ce0p-3", "-0x1.0bd0eep+1", "-0x1.90c15cp-2", "-0x1.2a08f4p-2",
+     "0x1.5184e6p+1", "-0x1.27ad0ep+1"],
+]
+# stream 3's (flowrl before stream 4): the same Philox words, another Box-Muller (below); stream 2 had
+# -0x1.923996p-2 where stream 3 has -0x1.923998p-2 (its unfused polynomials)
 STREAM_3 = [
     ["0x1.fee73p-1", "-0x1.dee4bcp-4", "0x1.38312ap-3", "0x1.69dd2p-4", "0x1.1662d2p-1", "-0x1.59dee8p+0",
      "0x1.f7e28p-3", "-0x1.92f9c6p-2"],
@@ -449,28 +467,55 @@ STREAM_3 = [
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_stream_version_3_known_answers(backend):
+def test_stream_version_4_known_answers(backend):
     from flowrl.contract import NOISE_STREAM_VERSION
 
-    assert NOISE_STREAM_VERSION == 3
-    want = torch.tensor([[float.fromhex(h) for h in row] for row in STREAM_3])
+    assert NOISE_STREAM_VERSION == 4
+    want = torch.tensor([[float.fromhex(h) for h in row] for row in STREAM_4])
     seed = NoiseSeed(torch.tensor([2024, -7], device=DEVICE), 1, 0)
     got = R.philox_normal(seed, 8) if backend == "torch" else _triton_stream(seed, 0, 1, 8)[1]
     assert torch.equal(got.cpu(), want)
 
 
-def test_stream_2_was_stream_3_with_unfused_multiply_adds(monkeypatch):
-    """docs/contract.md, Noise: stream 2 evaluated the same polynomials with a multiply and an add
-    (two roundings) where stream 3 has one fma; some normals differ in their last bits. The reference
-    with its fmas unfused draws stream 2's known answers: STREAM_3 but for one value."""
+def _stream_3_box_muller(a, b, fma):
+    """Stream 3's Box-Muller (docs/contract.md, Noise: what stream 4 changed), transcribed here with its
+    constants: u = (a + 1/2) 2**-32, -2 ln u clamped to 2**-100, and an octant angle from b's low 29
+    bits (bit 29 swaps sine and cosine, bit 31 negates the cosine, bit 30 the sine)."""
+    from flowrl import contract as C
+
+    u = (a.to(torch.float32) + 0.5) * 2.0**-32
+    bits = u.view(torch.int32)
+    e = (bits - C.LOG_SPLIT) >> 23
+    f = (bits - e * (1 << 23)).view(torch.float32) - 1.0
+    p = fma(f, C.LOG_P7, C.LOG_P6)
+    for coefficient in (C.LOG_P5, C.LOG_P4, C.LOG_P3, C.LOG_P2, C.LOG_P1, C.LOG_P0):
+        p = fma(f, p, coefficient)
+    r = torch.sqrt(torch.clamp_min(fma(f, p, e.to(torch.float32) * C.NEG_2_LN2), 2.0**-100).double()).float()
+    t = (b & 0x1FFFFFFF).to(torch.float32) * 2.0**-29 + 2.0**-30
+    t2 = t * t
+    sin_p = t * fma(t2, fma(t2, fma(t2, -3.59504520019982e-05, 0.00249000103212893), -0.08074543625116348),
+                    0.7853981852531433)
+    cos_p = fma(t2, fma(t2, fma(t2, -0.00031916017178446054, 0.01585039682686329), -0.3084245026111603), 1.0)
+    swap = (b & 2**29) != 0
+    n_cos, n_sin = r * torch.where(swap, sin_p, cos_p), r * torch.where(swap, cos_p, sin_p)
+    return torch.where((b >> 31) & 1 == 1, -n_cos, n_cos), torch.where((b >> 30) & 1 == 1, -n_sin, n_sin)
+
+
+def test_streams_3_and_2_drew_the_same_words_through_another_box_muller():
+    """docs/contract.md, Noise: stream 3 took stream 4's Philox words and log polynomial with u = (a +
+    1/2) 2**-32 clamped at 2**-100 and an octant angle; stream 2 was stream 3 with its fmas unfused (a
+    multiply and an add, two roundings). Their known answers from the shared words."""
     seed = NoiseSeed(torch.tensor([2024, -7]), 1, 0)
-    stream_3 = R.philox_normal(seed, 8)
-    monkeypatch.setattr(R, "fma_f32", lambda a, b, c: a * b + c)  # float32: rounded twice
-    stream_2 = R.philox_normal(seed, 8)
-    assert stream_2.dtype == torch.float32
-    assert (stream_2 != stream_3).nonzero().tolist() == [[1, 4]]
-    assert stream_2[1, 4].item() == float.fromhex("-0x1.923996p-2")
-    assert stream_3[1, 4].item() == float.fromhex("-0x1.923998p-2")
+    x0, x1, x2, x3 = R.philox_quads(seed, 0, 2)
+    stream = {}
+    for version, fma in ((3, R.fma_f32), (2, lambda a, b, c: a * b + c)):
+        n0, n1 = _stream_3_box_muller(x0, x1, fma)
+        n2, n3 = _stream_3_box_muller(x2, x3, fma)
+        stream[version] = torch.stack((n0, n1, n2, n3), dim=-1).reshape(2, 8)
+    assert torch.equal(stream[3], torch.tensor([[float.fromhex(h) for h in row] for row in STREAM_3]))
+    assert (stream[2] != stream[3]).nonzero().tolist() == [[1, 4]]
+    assert stream[2][1, 4].item() == float.fromhex("-0x1.923996p-2")
+    assert not torch.equal(stream[3], R.philox_normal(seed, 8))
 
 
 def _round_f32(q):
@@ -536,7 +581,7 @@ def test_branching_trees_record_the_stream_and_refuse_another():
     assert int(traj.tree.to_tensors()["noise_stream"]) == NOISE_STREAM_VERSION
     assert RolloutTrajectory.from_wire(wire).tree.seed == 5
     for change, message in ((NOISE_STREAM_VERSION + 1, f"noise stream {NOISE_STREAM_VERSION + 1}"),
-                            (2, "noise stream 2; flowrl draws stream 3"), (None, "noise stream 1 .no 'noise_stream'.")):
+                            (3, "noise stream 3; flowrl draws stream 4"), (None, "noise stream 1 .no 'noise_stream'.")):
         tensors = dict(traj.tree.to_tensors())
         if change is None:
             del tensors["noise_stream"]

@@ -170,34 +170,40 @@ def ddim_variant(spec) -> Optional[Tuple[Prediction, bool]]:
     return (spec.prediction, spec.clip_sample_range is not None) if spec.mode is Mode.DDIM else None
 
 
-def tiles_taken(mode: Mode, philox: bool, backward: bool, masked_rollout: bool = False,
-                second_order: bool = False, ddim_kl: Optional[Tuple[Prediction, bool]] = None) -> bool:
-    """Whether the step kernels of ``mode`` (a rollout drawing Philox noise: ``philox``; the backward:
-    ``backward``) run STEP_LAUNCH_TABLE's multi-tile programs when their latents are 16-bit and 16-byte
+def tiles_taken(mode: Mode, backward: bool, masked_rollout: bool = False, second_order: bool = False,
+                ddim_kl: Optional[Tuple[Prediction, bool]] = None, philox: Optional[str] = None,
+                philox_mean: bool = False) -> bool:
+    """Whether the step kernels of ``mode`` (the backward: ``backward``; a rollout drawing Philox noise:
+    ``philox``, its latents' storage, "bf16" or "fp16") run STEP_LAUNCH_TABLE's multi-tile programs when their latents are 16-bit and 16-byte
     aligned; the others run LAUNCH_TABLE's one tile. Chosen per specialization from the AOT compile
     (kernels/aot.py; no spill on sm_90a or sm_80 with triton 3.6.0 or 3.9.0, tests/test_compile.py):
-    at 4 tiles under the register cap the Philox rollouts spill 8-16 bytes (sm_90a, triton 3.9),
-    ddim's clipped means 8-368 bytes, a masked rollout (``masked_rollout``: the sample size not a
-    multiple of 4,096) with the mean 8-40 bytes, dpm_sde's second-order gaussian backward
-    (``second_order``: the extra x0_prev stream; the KL's cancels) 40-48 bytes in float16 with triton
-    3.6, and ddim's backward and its KL but v-prediction's unclipped one (``ddim_kl``: (prediction,
-    clipped) of a ddim KL; 56-672 bytes, and 72 on sm_80 for the clipped KL and epsilon's unclipped
-    one, triton 3.9), so these keep one tile (dpm_sde's second-order forward takes tiles since the
-    chunk's leaves-first tree and the word loads freed registers, ddim's log-prob and rollouts since its
-    divisions lost div.rn's per-element slow-path calls: common.div_rn_by_scalar)."""
+    at 4 tiles under the register cap ddim's clipped means spill 8-368 bytes, a masked rollout
+    (``masked_rollout``: the sample size not a multiple of 4,096) with the mean 8-40 bytes, the Philox
+    rollouts 8-40 bytes where they write the mean (``philox_mean``), over float16 latents, and ddim's and
+    dpm_sde's (triton 3.6 or 3.9, sm_90a or sm_80), dpm_sde's
+    second-order gaussian backward (``second_order``: the extra x0_prev stream; the KL's cancels) 40-48
+    bytes in float16 with triton 3.6, and ddim's backward and its KL but v-prediction's unclipped one
+    (``ddim_kl``: (prediction, clipped) of a ddim KL; 56-672 bytes, and 72 on sm_80 for the clipped KL
+    and epsilon's unclipped one, triton 3.9), so these keep one tile (dpm_sde's second-order forward
+    takes tiles since the chunk's leaves-first tree and the word loads freed registers, ddim's log-prob
+    and rollouts since its divisions lost div.rn's per-element slow-path calls:
+    common.div_rn_by_scalar; the other bfloat16 Philox rollouts since their latents load after the
+    noise, behind a barrier: ptxas hoisted them, and the next tile's, and spilled 8-16 bytes)."""
     ddim_kl_one_tile = ddim_kl is not None and ddim_kl != (Prediction.V_PREDICTION, False)
-    return not (philox or masked_rollout or (second_order and backward)
+    philox_one_tile = philox is not None and (philox_mean or philox != "bf16" or mode in (Mode.DDIM, Mode.DPM_SDE))
+    return not (masked_rollout or philox_one_tile or (second_order and backward)
                 or (mode is Mode.DDIM and (backward or ddim_kl_one_tile)))
 
 
 def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = False, unaligned_philox: bool = False,
-                second_order: bool = False, run=None):
+                second_order: bool = False, run=None, write_mean: bool = False):
     """(chunks per program, num_warps) of the step kernels for ``spec``'s samples of ``n_per_sample``.
     Tiles are taken (STEP_LAUNCH_TABLE) when ``tiles_taken`` says so for the spec, every per-element
     tensor in ``latents`` is bf16, or every one fp16, and their addresses and those of ``extra`` (a
     rollout's float32 noise and mean) are 16-byte aligned with the sample size a multiple of 16 (the
     JIT's divisibility specialization: the unaligned variants keep one tile); None entries are
-    skipped. Otherwise ``element_config``'s one tile (``run``: an elementwise forward's RUN)."""
+    skipped. Otherwise ``element_config``'s one tile (``run``: an elementwise forward's RUN;
+    ``write_mean``: a rollout that writes its mean)."""
     storage = latents[0].dtype
     if spec.elementwise or unaligned_philox:
         return element_config(spec, n_per_sample, unaligned_philox=unaligned_philox, storage=storage, run=run)
@@ -207,8 +213,9 @@ def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = Fal
     masked_rollout = rollout and n_per_sample % (group * CHUNK_SIZE) != 0
     latents, extra = [t for t in latents if t is not None], [t for t in extra if t is not None]
     ddim_kl = ddim_variant(spec) if not backward and spec.op is Op.KL else None
-    if (tiles_taken(spec.mode, philox, backward, masked_rollout, second_order, ddim_kl) and storage in _TILE_DTYPES and n_per_sample % 16 == 0
-            and all(t.dtype == storage for t in latents) and all(t.data_ptr() % 16 == 0 for t in latents + extra)):
+    philox_storage = ({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(storage, "fp32") if philox else None)
+    if (tiles_taken(spec.mode, backward, masked_rollout, second_order, ddim_kl, philox_storage, write_mean)
+            and storage in _TILE_DTYPES and n_per_sample % 16 == 0 and all(t.dtype == storage for t in latents) and all(t.data_ptr() % 16 == 0 for t in latents + extra)):
         return launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
     return element_config(spec, n_per_sample, storage=storage)
 
@@ -237,18 +244,18 @@ def register_cap(tiles: int, philox_mode: Optional[Mode] = None, latent_bytes: i
     return {}
 
 
-def step_switches(group: int, num_warps: int, n_per_sample: int, elementwise: bool = False, loaded=(),
+def step_switches(group: int, num_warps: int, n_per_sample: int, elementwise: bool = False, accessed=(),
                   philox_mode: Optional[Mode] = None, latent_bytes: int = 2,
                   ddim_gaussian_backward: Optional[Tuple[Prediction, bool]] = None) -> dict:
     """The step kernels' TILES, EVEN (the sample size a multiple of a one-warp program's block: no
-    masks, and bfloat16 read as 32-bit words, so every 16-bit tensor in ``loaded`` (the latents the
-    kernel reads; None skipped) must start on 4 bytes; the multi-warp WIDE_CONFIG launches and
-    elementwise steps stay masked, one variant each, as kernels/aot.py compiles them) and register cap
-    (``register_cap``; ``philox_mode``: the mode of a rollout drawing Philox noise, ``latent_bytes``: its
-    latents' element size, ``ddim_gaussian_backward``: (prediction, clipped) of a ddim gaussian backward) of
-    a launch."""
+    masks, bfloat16 read and 16-bit results written as 32-bit words, so every 16-bit tensor in
+    ``accessed`` (the latents the kernel reads or writes; None skipped) must start on 4 bytes; the
+    multi-warp WIDE_CONFIG launches and elementwise steps stay masked, one variant each, as
+    kernels/aot.py compiles them) and register cap (``register_cap``; ``philox_mode``: the mode of a
+    rollout drawing Philox noise, ``latent_bytes``: its latents' element size,
+    ``ddim_gaussian_backward``: (prediction, clipped) of a ddim gaussian backward) of a launch."""
     tiles = element_tiles(group, num_warps)
-    words = all(t.data_ptr() % 4 == 0 for t in loaded if t is not None and t.element_size() == 2)
+    words = all(t.data_ptr() % 4 == 0 for t in accessed if t is not None and t.element_size() == 2)
     return dict(TILES=tiles, EVEN=(not elementwise and num_warps == 1 and n_per_sample % (group * CHUNK_SIZE) == 0
                                    and words),
                 **register_cap(tiles, philox_mode, latent_bytes, ddim_gaussian_backward))
@@ -360,7 +367,7 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
     rollout = spec.op is Op.ROLLOUT  # its noise and mean are float32
     group, num_warps = step_config(spec, n, (x, v, None if rollout else third, prev_out, ks.prev_x0),
                                    (third if rollout else None, mean_out), unaligned_philox=philox and elem_offset % 4 != 0,
-                                   second_order=ks.prev_x0 is not None, run=ks.switches.get("RUN"))
+                                   second_order=ks.prev_x0 is not None, run=ks.switches.get("RUN"), write_mean=write_mean)
     n_blocks = triton.cdiv(n_chunks, group)
     partials = torch.empty((b, n_chunks), dtype=torch.float32, device=x.device)
     _launch(
@@ -370,8 +377,8 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
         seeds, stream_stride, elem_offset, n, n_chunks, n_blocks, *ks.args, *ks.elementwise_args,
         MODE=int(spec.mode), OP=int(spec.op), WRITE_MEAN=write_mean, CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE,
         GROUP=group, **ks.switches,
-        **step_switches(group, num_warps, n, spec.elementwise, (x, v, third, ks.prev_x0), spec.mode if philox else None,
-                        x.element_size()),
+        **step_switches(group, num_warps, n, spec.elementwise, (x, v, third, ks.prev_x0, prev_out),
+                        spec.mode if philox else None, x.element_size()),
         # CHUNK_SIZE is a multiple of 4: every block starts on a Philox quad when the offset does
         NOISE=int(noise_from), PHILOX_ALIGNED=philox and elem_offset % 4 == 0,
         num_warps=num_warps, **ks.ddim, **_second_order(ks, x), **_LAUNCH,
@@ -444,7 +451,8 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Op
             NEED_X=kernel_needs[0], NEED_V=need_v, NEED_THIRD=need_third, BLOCK=block, **ks.switches,
             num_warps=num_warps, **ks.ddim, **_second_order(ks, x), grad_prev_ptr=grad_prev if need_prev else dummy,
             NEED_PREV=need_prev, **step_switches(
-                group, num_warps, n, spec.elementwise, (x, v, third, ks.prev_x0), latent_bytes=x.element_size(),
+                group, num_warps, n, spec.elementwise, (x, v, third, ks.prev_x0, grad_x, grad_v, grad_third, grad_prev),
+                latent_bytes=x.element_size(),
                 ddim_gaussian_backward=None if is_kl else ddim_variant(spec)),
             **_LAUNCH,
         )

@@ -383,19 +383,19 @@ def fma_f32(a, b, c) -> torch.Tensor:
 
 
 def box_muller_radius(x_radius: torch.Tensor) -> torch.Tensor:
-    """float32 sqrt(-2 ln u) for u = (x_radius + 1/2) / 2**32 in (0, 1] of uint32 words (int64 tensor),
-    the same float32 operations as the kernels' ``box_muller_radius``: u = 2**e (1 + f) with 1 + f in
-    [sqrt(1/2), sqrt(2)) split from u's bits, -2 ln u = fma(f, P(f), e NEG_2_LN2) (flowrl.contract's
-    degree-7 polynomial, Horner by fmas), at least R2_MIN, then the correctly rounded square root."""
-    # the kernels' fma(x, 2**-32, 2**-33): the same bits, as scaling by a power of two is exact
-    u = (x_radius.to(torch.float32) + 0.5) * 2.0**-32
+    """float32 sqrt(-2 ln u) for u = fma(x_radius, U_SCALE, 2**-33) in [2**-33, 1 - 2**-24] of uint32
+    words (int64 tensor), the same float32 operations as the kernels' ``box_muller_radius``: u = 2**e (1
+    + f) with 1 + f in [sqrt(1/2), sqrt(2)) split from u's bits, -2 ln u = fma(f, P(f), e NEG_2_LN2)
+    (flowrl.contract's degree-7 polynomial, Horner by fmas; positive since u < 1), then the correctly
+    rounded square root."""
+    u = fma_f32(x_radius.to(torch.float32), C.U_SCALE, 2.0**-33)
     bits = u.view(torch.int32)
     e = (bits - C.LOG_SPLIT) >> 23  # arithmetic shift: floor division by 2**23
     f = (bits - e * (1 << 23)).view(torch.float32) - 1.0
     p = fma_f32(f, C.LOG_P7, C.LOG_P6)
     for coefficient in (C.LOG_P5, C.LOG_P4, C.LOG_P3, C.LOG_P2, C.LOG_P1, C.LOG_P0):
         p = fma_f32(f, p, coefficient)
-    r2 = torch.clamp_min(fma_f32(f, p, e.to(torch.float32) * C.NEG_2_LN2), C.R2_MIN)
+    r2 = fma_f32(f, p, e.to(torch.float32) * C.NEG_2_LN2)
     # the correctly rounded float32 square root (the kernels'): float64's, rounded once more (exact
     # for sqrt: 53 >= 2 * 24 + 2 bits); torch's float32 sqrt on the CPU is not always rounded so
     return torch.sqrt(r2.double()).to(torch.float32)
@@ -403,24 +403,20 @@ def box_muller_radius(x_radius: torch.Tensor) -> torch.Tensor:
 
 def box_muller(x_radius: torch.Tensor, x_angle: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Two float32 standard normals (r cos(theta), r sin(theta)) from uint32 words (int64 tensors), the
-    same float32 operations as the kernels' ``box_muller``: r = ``box_muller_radius(x_radius)``; t =
-    (x_angle's low 29 bits + 1/2) / 2**29, phi = pi t / 4 with sine t S(t^2) and cosine 1 + t^2 C(t^2)
-    (flowrl.contract's polynomials, Horner by fmas), swapped when bit 29 is set (theta = pi / 2 -
-    phi), the cosine negated when bit 31 is set and the sine when bit 30 is: theta uniform over the
-    circle."""
+    same float32 operations as the kernels' ``box_muller``: r = ``box_muller_radius(x_radius)``, negated
+    when bit 31 of x_angle is set (theta + pi); t = (x_angle's low 23 bits) / 2**22 - 1 in [-1, 1), phi
+    = pi t / 2 with sine t S(t^2) and cosine 1 + t^2 C(t^2) (flowrl.contract's polynomials, Horner by
+    fmas): theta takes 2**24 equally spaced values over the circle."""
     r = box_muller_radius(x_radius)
-    # the kernels' fma(b, 2**-29, 2**-30): the same bits (the product is exact)
-    t = (x_angle & 0x1FFFFFFF).to(torch.float32) * 2.0**-29 + 2.0**-30
+    # negation flips the sign bit only, as the kernels' xor does
+    r = torch.where(((x_angle >> 31) & 1) == 1, -r, r)
+    # the kernels' float in [2, 4) with the word's low 23 bits as mantissa, minus 3: exact either way
+    t = (x_angle & 0x7FFFFF).to(torch.float32) * 2.0**-22 - 1.0
     t2 = t * t
-    sin_p = t * fma_f32(t2, fma_f32(t2, fma_f32(t2, C.SIN_A3, C.SIN_A2), C.SIN_A1), C.SIN_A0)
-    cos_p = fma_f32(t2, fma_f32(t2, fma_f32(t2, C.COS_B2, C.COS_B1), C.COS_B0), 1.0)
-    swap = (x_angle & 0x20000000) != 0
-    n_cos = r * torch.where(swap, sin_p, cos_p)
-    n_sin = r * torch.where(swap, cos_p, sin_p)
-    # negation flips the sign bit only, as the kernels' xor does (zeros included: -0.0)
-    n_cos = torch.where(((x_angle >> 31) & 1) == 1, -n_cos, n_cos)
-    n_sin = torch.where(((x_angle >> 30) & 1) == 1, -n_sin, n_sin)
-    return n_cos, n_sin
+    sin_p = t * fma_f32(t2, fma_f32(t2, fma_f32(t2, fma_f32(t2, C.SIN_A4, C.SIN_A3), C.SIN_A2), C.SIN_A1),
+                        C.SIN_A0)
+    cos_p = fma_f32(t2, fma_f32(t2, fma_f32(t2, fma_f32(t2, C.COS_B3, C.COS_B2), C.COS_B1), C.COS_B0), 1.0)
+    return r * cos_p, r * sin_p
 
 
 def philox_normal(seed: NoiseSeed, numel: int) -> torch.Tensor:
