@@ -223,7 +223,7 @@ STD_FLOOR = 2.0**-40
 # 2: the polynomial log and octant sin / cos by separate multiplies and adds;
 # 3: the same polynomials by Horner with fused multiply-adds (one rounding each);
 # 4: u scaled to stay below 1 (no clamp), a half-circle angle from 23 bits (sin / cos of pi t / 2 by
-#    longer polynomials) and one sign for both outputs: about 5 GPU instructions fewer per pair
+#    longer polynomials) and one sign for both outputs: 4-5 GPU instructions fewer per pair
 #    (docs/kernels.md). The same bits on every backend.
 NOISE_STREAM_VERSION = 4
 

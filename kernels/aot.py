@@ -690,12 +690,13 @@ def is_hot(spec: Specialization) -> bool:
         return config == _launch_configs()[-1]
     storage = spec.signature["v_ptr"][1:]
     # large latents fill whole blocks (EVEN)
-    philox = spec.kernel == "step_partials_kernel" and cx["NOISE"] == int(NoiseSource.PHILOX)
-    return cx["EVEN"] and config == tuple(_step_config(storage, Mode(cx["MODE"]), spec.kernel == "step_backward_kernel",
+    partials = spec.kernel == "step_partials_kernel"
+    philox = partials and cx["NOISE"] == int(NoiseSource.PHILOX)
+    ddim_kl = _ddim_variant(cx) if partials and cx["OP"] == int(Op.KL) else None
+    return cx["EVEN"] and config == tuple(_step_config(storage, Mode(cx["MODE"]), not partials,
                                                        second_order=cx["HAS_PREV"] and not cx.get("IS_KL"),
-                                                       philox=philox, philox_mean=philox and cx["WRITE_MEAN"],
-                                                       ddim_kl=(_ddim_variant(cx) if spec.kernel == "step_partials_kernel"
-                                                                and cx["OP"] == int(Op.KL) else None)))
+                                                       ddim_kl=ddim_kl, philox=philox,
+                                                       philox_mean=philox and cx["WRITE_MEAN"]))
 
 
 def roofline_target(spec: Specialization):

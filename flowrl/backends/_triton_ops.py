@@ -174,21 +174,22 @@ def tiles_taken(mode: Mode, backward: bool, masked_rollout: bool = False, second
                 ddim_kl: Optional[Tuple[Prediction, bool]] = None, philox: Optional[str] = None,
                 philox_mean: bool = False) -> bool:
     """Whether the step kernels of ``mode`` (the backward: ``backward``; a rollout drawing Philox noise:
-    ``philox``, its latents' storage, "bf16" or "fp16") run STEP_LAUNCH_TABLE's multi-tile programs when their latents are 16-bit and 16-byte
-    aligned; the others run LAUNCH_TABLE's one tile. Chosen per specialization from the AOT compile
-    (kernels/aot.py; no spill on sm_90a or sm_80 with triton 3.6.0 or 3.9.0, tests/test_compile.py):
-    at 4 tiles under the register cap ddim's clipped means spill 8-368 bytes, a masked rollout
-    (``masked_rollout``: the sample size not a multiple of 4,096) with the mean 8-40 bytes, the Philox
-    rollouts 8-40 bytes where they write the mean (``philox_mean``), over float16 latents, and ddim's and
-    dpm_sde's (triton 3.6 or 3.9, sm_90a or sm_80), dpm_sde's
-    second-order gaussian backward (``second_order``: the extra x0_prev stream; the KL's cancels) 40-48
-    bytes in float16 with triton 3.6, and ddim's backward and its KL but v-prediction's unclipped one
-    (``ddim_kl``: (prediction, clipped) of a ddim KL; 56-672 bytes, and 72 on sm_80 for the clipped KL
-    and epsilon's unclipped one, triton 3.9), so these keep one tile (dpm_sde's second-order forward
-    takes tiles since the chunk's leaves-first tree and the word loads freed registers, ddim's log-prob
-    and rollouts since its divisions lost div.rn's per-element slow-path calls:
-    common.div_rn_by_scalar; the other bfloat16 Philox rollouts since their latents load after the
-    noise, behind a barrier: ptxas hoisted them, and the next tile's, and spilled 8-16 bytes)."""
+    ``philox``, its latents' storage, "bf16" or "fp16") run STEP_LAUNCH_TABLE's multi-tile programs
+    when their latents are 16-bit and 16-byte aligned; the others run LAUNCH_TABLE's one tile. Chosen
+    per specialization from the AOT compile (kernels/aot.py; no spill on sm_90a or sm_80 with triton
+    3.6.0 or 3.9.0, tests/test_compile.py): at 4 tiles under the register cap ddim's clipped means
+    spill 8-368 bytes, a masked rollout (``masked_rollout``: the sample size not a multiple of 4,096)
+    with the mean 8-40 bytes, the Philox rollouts 8-40 bytes where they write the mean
+    (``philox_mean``), over float16 latents, and ddim's and dpm_sde's (triton 3.6 or 3.9, sm_90a or
+    sm_80), dpm_sde's second-order gaussian backward (``second_order``: the extra x0_prev stream; the
+    KL's cancels) 40-48 bytes in float16 with triton 3.6, and ddim's backward and its KL but
+    v-prediction's unclipped one (``ddim_kl``: (prediction, clipped) of a ddim KL; 56-672 bytes, and 72
+    on sm_80 for the clipped KL and epsilon's unclipped one, triton 3.9), so these keep one tile
+    (dpm_sde's second-order forward takes tiles since the chunk's leaves-first tree and the word loads
+    freed registers, ddim's log-prob and rollouts since its divisions lost div.rn's per-element
+    slow-path calls: common.div_rn_by_scalar; the other bfloat16 Philox rollouts since their latents
+    load after the noise, behind a barrier: ptxas hoisted them, and the next tile's, and spilled 8-16
+    bytes)."""
     ddim_kl_one_tile = ddim_kl is not None and ddim_kl != (Prediction.V_PREDICTION, False)
     philox_one_tile = philox is not None and (philox_mean or philox != "bf16" or mode in (Mode.DDIM, Mode.DPM_SDE))
     return not (masked_rollout or philox_one_tile or (second_order and backward)
@@ -213,9 +214,11 @@ def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = Fal
     masked_rollout = rollout and n_per_sample % (group * CHUNK_SIZE) != 0
     latents, extra = [t for t in latents if t is not None], [t for t in extra if t is not None]
     ddim_kl = ddim_variant(spec) if not backward and spec.op is Op.KL else None
-    philox_storage = ({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(storage, "fp32") if philox else None)
-    if (tiles_taken(spec.mode, backward, masked_rollout, second_order, ddim_kl, philox_storage, write_mean)
-            and storage in _TILE_DTYPES and n_per_sample % 16 == 0 and all(t.dtype == storage for t in latents) and all(t.data_ptr() % 16 == 0 for t in latents + extra)):
+    philox_storage = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(storage) if philox else None
+    if (storage in _TILE_DTYPES and tiles_taken(spec.mode, backward, masked_rollout, second_order, ddim_kl,
+                                                philox_storage, write_mean)
+            and n_per_sample % 16 == 0 and all(t.dtype == storage for t in latents)
+            and all(t.data_ptr() % 16 == 0 for t in latents + extra)):
         return launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
     return element_config(spec, n_per_sample, storage=storage)
 
@@ -367,7 +370,8 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
     rollout = spec.op is Op.ROLLOUT  # its noise and mean are float32
     group, num_warps = step_config(spec, n, (x, v, None if rollout else third, prev_out, ks.prev_x0),
                                    (third if rollout else None, mean_out), unaligned_philox=philox and elem_offset % 4 != 0,
-                                   second_order=ks.prev_x0 is not None, run=ks.switches.get("RUN"), write_mean=write_mean)
+                                   second_order=ks.prev_x0 is not None, run=ks.switches.get("RUN"),
+                                   write_mean=write_mean)
     n_blocks = triton.cdiv(n_chunks, group)
     partials = torch.empty((b, n_chunks), dtype=torch.float32, device=x.device)
     _launch(
