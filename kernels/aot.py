@@ -184,6 +184,11 @@ def _backward(storage, mode, kind, mean, needs, group, warps, elementwise=(), ha
                           + _elementwise_label(elementwise) + (" even" if even else ""), group * CHUNK_SIZE)
 
 
+# the loss kernels' (blocks_magic, blocks_shift): flowrl.backends._triton_ops.division_magic's (m, l), m
+# in [2**31, 2**32) (an int64 argument)
+_BLOCK_DIVISION_SIG = {"blocks_magic": "i64", "blocks_shift": "i32"}
+
+
 def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind=LogProbKind.GAUSSIAN, mean=True,
                kl_space=KLSpace.TRANSITION, guided=False, elementwise=(), philox_aligned=True):
     """flowrl.losses' GRPO-family element pass (kernels/loss.py) or its backward; trust: 0 none, 1 a
@@ -200,6 +205,7 @@ def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind
     sig.update({"sigmas_ptr": "*fp32", "step_ptr": "*i64", "seeds_ptr": "*i64", "stream_stride": "i32",
                 "elem_offset": "i32", "n_per_sample": "i32"})
     sig.update({"n_blocks": "i32", "numel_f": "fp32"} if backward else {"n_chunks": "i32", "n_blocks": "i32"})
+    sig.update(_BLOCK_DIVISION_SIG)
     sig.update({"sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32", "last_index": "i32"})
     sig.update({"ref_cond_ptr": "*" + storage, "ref_scale": "fp32", **_ELEMENTWISE_SIG})
     if backward:
@@ -233,6 +239,7 @@ def _flow_loss(storage, loss, has_ref, group, warps, backward=False, even=False,
     sig.update({"grad_ptr": "*fp32", "grad_v_ptr": "*" + storage} if backward else {"partials_ptr": "*fp32"})
     sig["n_per_sample"] = "i32"
     sig.update({"n_blocks": "i32"} if backward else {"n_chunks": "i32", "n_blocks": "i32"})
+    sig.update(_BLOCK_DIVISION_SIG)
     sig.update({"n_rows": "i32", "beta": "fp32", "one_minus_beta": "fp32", "one_plus_beta": "fp32"})
     sig.update({"seeds_ptr": "*i64", "stream_stride": "i32", "elem_offset": "i32", "noise_div": "i32",
                 "noise_mod": "i32"})

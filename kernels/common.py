@@ -315,6 +315,19 @@ def bf16_words_to_f32(words):
 
 
 @triton.jit
+def to_f32(x):
+    """``x`` as float32. Compiled bfloat16 (two values per 32-bit register as loaded): one integer op
+    per value, ``bf16_words_to_f32``'s (low << 16, high & 0xffff0000) by inline PTX on each register,
+    where Triton's conversion takes 1.5; the same bits (bfloat16 is float32's upper half).
+    Interpreted, and for the other dtypes, the cast."""
+    if INTERPRETED or x.dtype != tl.bfloat16:
+        return x.to(tl.float32)
+    else:
+        return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=2)
+
+
+@triton.jit
 def round_to(x, DTYPE: tl.constexpr):
     """float32 ``x`` rounded to the storage dtype DTYPE, to nearest even (torch's ``.to``).
 
@@ -375,6 +388,10 @@ def words_to_f32(words, DTYPE: tl.constexpr):
 # the newest rounds once): under it the normals may differ from the reference's in the last bits.
 PHILOX_M0 = tl.constexpr(0xD2511F53)
 PHILOX_M1 = tl.constexpr(0xCD9E8D57)
+# the rounds' multiplies as PTX (``mul_wide_u32``): outputs (high, low), input the counter word
+PHILOX_M0_ASM, PHILOX_M1_ASM = (
+    tl.constexpr(f"{{ .reg .b64 t; mul.wide.u32 t, $2, {m.value:#x}; mov.b64 {{$1, $0}}, t; }}")
+    for m in (PHILOX_M0, PHILOX_M1))
 PHILOX_W0 = tl.constexpr(0x9E3779B9)
 PHILOX_W1 = tl.constexpr(0xBB67AE85)
 TWO_POW_M33 = tl.constexpr(1.1641532182693481e-10)  # exact
@@ -403,12 +420,24 @@ COS_B3 = tl.constexpr(_contract.COS_B3)
 
 @triton.jit
 def philox_round(c0, c1, c2, c3, k0, k1):
-    """One Philox4x32 round: two 32x32 -> 64-bit multiplies, each one 64-bit product of zero-extended
-    words (one IMAD.WIDE.U32 where umulhi and a low multiply take two); its high and low words are
-    the same integers."""
-    p0 = c0.to(tl.uint64) * PHILOX_M0
-    p1 = c2.to(tl.uint64) * PHILOX_M1
-    return (p1 >> 32).to(tl.uint32) ^ c1 ^ k0, p1.to(tl.uint32), (p0 >> 32).to(tl.uint32) ^ c3 ^ k1, p0.to(tl.uint32)
+    """One Philox4x32 round: two 32x32 -> 64-bit multiplies (``mul_wide_u32``: one IMAD.WIDE.U32
+    each, where umulhi and a low multiply take two)."""
+    hi0, lo0 = mul_wide_u32(c0, PHILOX_M0, PHILOX_M0_ASM)
+    hi1, lo1 = mul_wide_u32(c2, PHILOX_M1, PHILOX_M1_ASM)
+    return hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+
+
+@triton.jit
+def mul_wide_u32(x, M: tl.constexpr, ASM: tl.constexpr):
+    """(high, low) uint32 words of the 64-bit product of uint32 ``x`` and the constant M. Compiled, one
+    PTX mul.wide.u32 (``ASM``: its text for M): from the product of zero-extended words LLVM kept the
+    first two rounds in 64-bit multiplies (their inputs are known to fit in 32 bits) and ptxas added
+    their zero high words, 32 SASS more per 8 quads; interpreted, that product."""
+    if INTERPRETED:
+        p = x.to(tl.uint64) * M
+        return (p >> 32).to(tl.uint32), p.to(tl.uint32)
+    else:
+        return tl.inline_asm_elementwise(ASM, "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -509,10 +538,12 @@ def box_muller(x_radius, x_angle):
 
 @triton.jit
 def philox_quad(k0, k1, stream, quad):
-    """The four uint32 words that feed elements 4 * quad + (0, 1, 2, 3) (int64 ``quad``, uint32
-    ``stream``): counter (quad low word, quad high word, stream, 0)."""
-    zero = (quad * 0).to(tl.uint32)
-    return philox4x32_10(quad.to(tl.uint32), (quad >> 32).to(tl.uint32), zero + stream, zero, k0, k1)
+    """The four uint32 words that feed elements 4 * quad + (0, 1, 2, 3) (uint32 ``quad`` and
+    ``stream``): counter (quad low word, quad high word, stream, 0), the high word 0 (the kernels draw
+    elements below 2**32: flowrl.backends._triton_ops.check_philox_range), so the first two rounds' key
+    and stream terms are per program, not per quad."""
+    zero = quad * 0
+    return philox4x32_10(quad, zero, zero + stream, zero, k0, k1)
 
 
 @triton.jit
@@ -526,7 +557,8 @@ def philox_normal_quads(k0, k1, stream, quad):
 
 @triton.jit
 def philox_normal_block(k0, k1, stream, first, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
-    """Normals of elements first + arange(BLOCK) (int64 ``first``; BLOCK a power of two >= 8). ALIGNED
+    """Normals of elements first + arange(BLOCK) (int64 ``first``, first + BLOCK <= 2**32: the quads
+    are uint32, ``philox_quad``; BLOCK a power of two >= 8). ALIGNED
     (first % 4 == 0): one Philox call per 4 elements, interleaved back to element order; otherwise 3
     calls per 8 elements, each element picking its lane (any first; the same values: same integers,
     same float32 operations)."""
@@ -535,7 +567,7 @@ def philox_normal_block(k0, k1, stream, first, BLOCK: tl.constexpr, ALIGNED: tl.
         # 16-byte loads hold them, and each join adds an in-register dimension, so the interleave to
         # element order moves no data (from a 1-D arange of quads, or a 2-D [g, h] one, Triton's
         # layouts take warp shuffles to interleave)
-        quad = first // 4 + 2 * tl.arange(0, BLOCK // 8)
+        quad = first.to(tl.uint32) // 4 + 2 * tl.arange(0, BLOCK // 8).to(tl.uint32)
         a0, a1, a2, a3 = philox_normal_quads(k0, k1, stream, quad)
         b0, b1, b2, b3 = philox_normal_quads(k0, k1, stream, quad + 1)
         # [g, h, i, j] = lane 2i + j of quad 2g + h: row-major flattening is element 8g + 4h + 2i + j
@@ -547,12 +579,10 @@ def philox_normal_block(k0, k1, stream, first, BLOCK: tl.constexpr, ALIGNED: tl.
         # three quads from (first + 8g) // 4, whose Box-Muller pairs P0 .. P0 + 4 (P0 = s // 2) cover
         # them: 3 Philox calls and 5 pairs per 8 elements, then each element picks its lane (a call
         # and a pair per element before). Selects on the uniform s, no branch.
-        start = first + 8 * tl.arange(0, BLOCK // 8)
-        quad = start // 4
-        shift = first % 4
-        zero = (quad * 0).to(tl.uint32)
-        x = philox4x32_10_pair(quad.to(tl.uint32), (quad >> 32).to(tl.uint32), zero + stream, zero,
-                               (quad + 1).to(tl.uint32), ((quad + 1) >> 32).to(tl.uint32), zero + stream, zero, k0, k1)
+        quad = first.to(tl.uint32) // 4 + 2 * tl.arange(0, BLOCK // 8).to(tl.uint32)  # (first + 8 g) // 4
+        shift = first.to(tl.uint32) % 4
+        zero = quad * 0
+        x = philox4x32_10_pair(quad, zero, zero + stream, zero, quad + 1, zero, zero + stream, zero, k0, k1)
         y0, y1, y2, y3 = philox_quad(k0, k1, stream, quad + 2)
         upper = shift >= 2  # P0 = 1: the pairs start one later
         n0, n1 = box_muller(tl.where(upper, x[2], x[0]), tl.where(upper, x[3], x[1]))

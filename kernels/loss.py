@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .common import (
     bf16_words_to_f32, chunk_tree_rows, mode_coefficients, neg, ordinary_count, policy_difference, round_to, step_mean,
-    total_grad,
+    to_f32, total_grad,
 )
 from .common import KIND_KL
 from .step import _block_offsets, _element_terms, _philox_eps
@@ -122,7 +122,7 @@ def _element_coef(coef, scored, weight, ELEMENTWISE: tl.constexpr, WEIGHTED: tl.
 def grpo_partials_kernel(
     x_ptr, v_ptr, prev_ptr, ref_ptr, old_mean_ptr, lp_partials_ptr, kl_partials_ptr, tr_partials_ptr,
     sigmas_ptr, step_ptr, seeds_ptr, stream_stride, elem_offset,
-    n_per_sample, n_chunks, n_blocks, sigma_one_tol, eta, sin_half_pi_eta, last_index,
+    n_per_sample, n_chunks, n_blocks, blocks_magic, blocks_shift, sigma_one_tol, eta, sin_half_pi_eta, last_index,
     MODE: tl.constexpr, HAS_REF: tl.constexpr, TRUST: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
     GROUP: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
     ref_cond_ptr=None, ref_scale=0.0, KL_SPACE: tl.constexpr = 0, REF_GUIDED: tl.constexpr = False,
@@ -137,7 +137,7 @@ def grpo_partials_kernel(
     each element's (a, c, std), squares weighted per token (WEIGHTED: the log-prob's kind divides by the
     variance; the KL and D_s always are when PER_TOKEN) and 0 off the scored elements."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
-    row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, GROUP * CHUNK)
+    row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, blocks_magic, blocks_shift, GROUP * CHUNK)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
     scored, weight = mask, 1.0
@@ -147,15 +147,17 @@ def grpo_partials_kernel(
             frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index,
             PER_TOKEN, HAS_FROZEN, PER_TOKEN, RUN)
     eps = _replayed_noise(seeds_ptr, row, first, stream_stride, elem_offset, TRUST, GROUP * CHUNK, PHILOX_ALIGNED)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    prev = tl.load(prev_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # bfloat16 converted by to_f32 (2 SASS per element off); the backward and the step kernels keep the
+    # cast: there the packed conversion took registers past 128 (ddim, the backward) and spilled
+    v = to_f32(tl.load(v_ptr + offs, mask=mask, other=0.0))
+    prev = to_f32(tl.load(prev_ptr + offs, mask=mask, other=0.0))
+    x = to_f32(tl.load(x_ptr + offs, mask=mask, other=0.0))
     mu = step_mean(a, c, x, v)
     r = prev - mu  # step_partials_kernel's OP_LOG_PROB residual, the same operations
     _store_partials(_element_square(r, scored, weight, ELEMENTWISE, WEIGHTED), mask, lp_partials_ptr, row, first,
                     n_chunks, GROUP, CHUNK, LOG2_CHUNK)
     if HAS_REF:
-        v_ref = tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v_ref = to_f32(tl.load(ref_ptr + offs, mask=mask, other=0.0))
         if REF_GUIDED:
             v_ref = _guided_reference(v_ref, ref_cond_ptr, offs, mask, ref_scale)
         if KL_SPACE == KL_VELOCITY:
@@ -175,7 +177,7 @@ def grpo_partials_kernel(
 def grpo_backward_kernel(
     x_ptr, v_ptr, prev_ptr, ref_ptr, old_mean_ptr, grad_lp_ptr, grad_kl_ptr, grad_tr_ptr, grad_v_ptr,
     sigmas_ptr, step_ptr, seeds_ptr, stream_stride, elem_offset,
-    n_per_sample, n_blocks, numel_f, sigma_one_tol, eta, sin_half_pi_eta, last_index,
+    n_per_sample, n_blocks, blocks_magic, blocks_shift, numel_f, sigma_one_tol, eta, sin_half_pi_eta, last_index,
     MODE: tl.constexpr, KIND: tl.constexpr, MEAN: tl.constexpr, HAS_REF: tl.constexpr, TRUST: tl.constexpr,
     BLOCK: tl.constexpr, PHILOX_ALIGNED: tl.constexpr,
     ref_cond_ptr=None, ref_scale=0.0, KL_SPACE: tl.constexpr = 0, REF_GUIDED: tl.constexpr = False,
@@ -190,7 +192,7 @@ def grpo_backward_kernel(
     each sample coefficient (of its own std) weighted per token and 0 off the scored elements, then
     the element's (a, c, std)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
-    row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
+    row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, blocks_magic, blocks_shift, BLOCK)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
     std_ref = std  # the sample's own step: the value's variance (per-token weights are relative to it)
@@ -261,7 +263,8 @@ def _flow_load(ptr, base, first, in_row, offs, mask, EVEN: tl.constexpr, PAIRED:
         if EVEN:
             words = tl.load(wptr)
         else:  # n_per_sample even: a word is whole or out
-            words = tl.load(wptr, mask=word < n_per_sample // 2, other=0)
+            words = tl.load(wptr, mask=tl.arange(0, BLOCK // 2) < ((n_per_sample - first) // 2).to(tl.int32),
+                            other=0)
         u = bf16_words_to_f32(words)
     elif EVEN:
         u = tl.load(ptr + base + in_row).to(tl.float32)
@@ -279,7 +282,8 @@ def _flow_noise(other_ptr, base, in_row, offs, mask, row, first, seeds_ptr, stre
     stream_stride): a Diffusion-DPO pair's two samples, a row each, draw their pair's row
     (flowrl.losses.dpo: the noise seed's layout). NOISE_DIV 1 or 2: noise_div, with row // noise_div <
     2 noise_mod (every layout flowrl.losses makes; the launcher checks), so the modulo is one wrap and
-    the two integer divisions (about 50 SASS per program) are a shift and a select; 0: any."""
+    the two integer divisions (about 50 SASS per program) are a shift and a select; 0: any. Drawn eps
+    is not 0 past a tail's end (the partials select it there; the backward's masked store drops it)."""
     if PHILOX:
         if NOISE_DIV == 0:
             noise_row = (row // noise_div) % noise_mod
@@ -287,8 +291,6 @@ def _flow_noise(other_ptr, base, in_row, offs, mask, row, first, seeds_ptr, stre
             noise_row = row >> (NOISE_DIV // 2)
             noise_row = tl.where(noise_row >= noise_mod, noise_row - noise_mod, noise_row)
         eps = _philox_eps(seeds_ptr, noise_row, first, stream_stride, elem_offset, BLOCK, PHILOX_ALIGNED)
-        if not EVEN:  # a tail's masked-off elements: 0, as a loaded eps (the rows need no select)
-            eps = tl.where(mask, eps, 0.0)
     else:
         eps = _flow_load(other_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
     return eps
@@ -297,7 +299,7 @@ def _flow_noise(other_ptr, base, in_row, offs, mask, row, first, seeds_ptr, stre
 @triton.jit
 def flow_partials_kernel(
     xt_ptr, v_ptr, other_ptr, x0_ptr, ref_ptr, t_ptr, partials_ptr,
-    n_per_sample, n_chunks, n_blocks, n_rows, beta, one_minus_beta, one_plus_beta,
+    n_per_sample, n_chunks, n_blocks, blocks_magic, blocks_shift, n_rows, beta, one_minus_beta, one_plus_beta,
     LOSS: tl.constexpr, HAS_REF: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, GROUP: tl.constexpr,
     seeds_ptr=None, stream_stride=0, elem_offset=0, noise_div=1, noise_mod=1, EVEN: tl.constexpr = False,
     PHILOX: tl.constexpr = False, PHILOX_ALIGNED: tl.constexpr = False, PAIRED: tl.constexpr = False,
@@ -312,7 +314,7 @@ def flow_partials_kernel(
     # a tail's masked-off elements load as 0 and give exact zeros in every row but NFT's (t * 0 is NaN for
     # an infinite t): only NFT's rows select before the trees (Philox eps is zeroed there, _flow_noise)
     BARE: tl.constexpr = EVEN or LOSS != LOSS_NFT
-    row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
+    row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, blocks_magic, blocks_shift, BLOCK)
     base = row * n_per_sample
     stride = n_rows * n_chunks
     v = _flow_load(v_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
@@ -337,6 +339,8 @@ def flow_partials_kernel(
         eps = _flow_noise(other_ptr, base, in_row, offs, mask, row, first, seeds_ptr, stream_stride, elem_offset,
                           noise_div, noise_mod, BLOCK, EVEN, PHILOX, PHILOX_ALIGNED, PAIRED, n_per_sample,
                           NOISE_DIV)
+        if PHILOX and not EVEN:  # a tail's masked-off elements: eps 0, as loaded (the rows need no select)
+            eps = tl.where(mask, eps, 0.0)
         u = eps - x0
         e = v - u
         _store_partials(e * e, mask, partials_ptr, row, first, n_chunks, GROUP, CHUNK, LOG2_CHUNK, BARE)
@@ -362,7 +366,7 @@ def flow_partials_kernel(
 @triton.jit
 def flow_backward_kernel(
     xt_ptr, v_ptr, other_ptr, x0_ptr, ref_ptr, t_ptr, grad_ptr, grad_v_ptr,
-    n_per_sample, n_blocks, n_rows, beta, one_minus_beta, one_plus_beta,
+    n_per_sample, n_blocks, blocks_magic, blocks_shift, n_rows, beta, one_minus_beta, one_plus_beta,
     LOSS: tl.constexpr, HAS_REF: tl.constexpr, BLOCK: tl.constexpr,
     seeds_ptr=None, stream_stride=0, elem_offset=0, noise_div=1, noise_mod=1, EVEN: tl.constexpr = False,
     PHILOX: tl.constexpr = False, PHILOX_ALIGNED: tl.constexpr = False, PAIRED: tl.constexpr = False,
@@ -371,7 +375,7 @@ def flow_backward_kernel(
     """d loss / d v from grad [K, B], the per-sample grads of the squared sums (NFT: rows 1 and 3 for
     e+^2 and e-^2, row 4 for (v - v_ref)^2; AWM: row 0). d(e^2) = 2 e de; de+/dv = -t beta,
     de-/dv = t beta, de/dv = 1 (AWM). EVEN, PAIRED, PHILOX: flow_partials_kernel's."""
-    row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, BLOCK)
+    row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, blocks_magic, blocks_shift, BLOCK)
     base = row * n_per_sample
     v = _flow_load(v_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)
     x0 = _flow_load(x0_ptr, base, first, in_row, offs, mask, EVEN, PAIRED, n_per_sample)

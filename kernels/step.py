@@ -55,16 +55,19 @@ from .token import FROZEN_MAGIC, RECORD, TABLE_HEADER
 
 
 @triton.jit
-def _block_offsets(n_per_sample, n_blocks, BLOCK: tl.constexpr):
+def _block_offsets(n_per_sample, n_blocks, blocks_magic, blocks_shift, BLOCK: tl.constexpr):
     """This program's sample, its block's first in-sample element, the block's int64 element offsets
     and mask. The grid is 1-D, one program per (sample, block of BLOCK elements), sample-major: any
     batch size fits (a 2-D grid's second axis stops at 65535), and offsets are int64 (batches of video
-    latents exceed 2**31 elements)."""
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // n_blocks
+    latents exceed 2**31 elements); in-sample offsets fit in 32 bits (_triton_ops.MAX_SAMPLE_ELEMENTS),
+    the mask is computed in them. The sample is pid // n_blocks by the host's ``(blocks_magic,
+    blocks_shift)`` (_triton_ops.division_magic: a multiply-high and a shift where an integer division
+    took about 30 SASS per program)."""
+    pid = tl.program_id(0)
+    row = (tl.umulhi((pid + pid).to(tl.uint32), blocks_magic.to(tl.uint32)) >> blocks_shift).to(tl.int64)
     first = (pid - row * n_blocks) * BLOCK
     in_row = first + tl.arange(0, BLOCK)
-    mask = in_row < n_per_sample
+    mask = tl.arange(0, BLOCK) < (n_per_sample - first).to(tl.int32)
     return row, first, in_row, row * n_per_sample + in_row, mask
 
 

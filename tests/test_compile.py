@@ -228,3 +228,108 @@ def test_packed_rounding_puts_each_pair_in_memory_order(tmp_path, storage):
     pairs = {dst: (element[hi], element[lo]) for dst, hi, lo in re.findall(rf"cvt\.rn\.{kind}\.f32 (%r\d+), (%r\d+), (%r\d+);", ptx)}
     (stored,) = re.findall(r"st\.global\.v4\.b32 \[ %rd\d+ \+ 0 \], \{ (%r\d+), (%r\d+), (%r\d+), (%r\d+) \}", ptx)
     assert [pairs[w] for w in stored] == [(2 * i + 1, 2 * i) for i in range(4)], ptx[-3000:]
+
+
+def _widened_pair_order(ptx: str):
+    """For each stored word of the to_f32 kernel below: the (upper, lower) element indices of its
+    cvt.rn.bf16x2.f32, each register's element known from the instruction that made it out of loaded
+    word i (shl by 16: its low half, element 2i; and 0xffff0000: its high half, element 2i + 1)."""
+    import re
+
+    (loaded,) = re.findall(r"ld\.global\.v4\.b32 \{ (%r\d+), (%r\d+), (%r\d+), (%r\d+) \}", ptx)
+    element = {}
+    for dst, word in re.findall(r"shl\.b32 (%r\d+), (%r\d+), 16;", ptx):
+        if word in loaded:
+            element[dst] = 2 * loaded.index(word)
+    for dst, word in re.findall(r"and\.b32 (%r\d+), (%r\d+), 0xffff0000;", ptx):
+        element[dst] = 2 * loaded.index(word) + 1
+    for dst, a, b in re.findall(r"add\.rn\.f32\s+(%r\d+), (%r\d+), (%r\d+);", ptx):
+        if a == b and a in element:
+            element[dst] = element[a]
+    pairs = {dst: (element[hi], element[lo])
+             for dst, hi, lo in re.findall(r"cvt\.rn\.bf16x2\.f32\s+(%r\d+), (%r\d+), (%r\d+);", ptx)}
+    (stored,) = re.findall(r"st\.global\.v4\.b32 \[ %rd\d+ \+ 0 \], \{ (%r\d+), (%r\d+), (%r\d+), (%r\d+) \}", ptx)
+    return [pairs[w] for w in stored]
+
+
+@needs_linux_x86
+def test_packed_widening_gives_each_value_its_element(tmp_path):
+    """common.to_f32's bfloat16 conversion (inline PTX on each 32-bit register of two values: the
+    interpreter runs the cast instead, so only the compiled code shows this): in x -> 2 x rounded back,
+    each stored word's packed conversion must take element 2i + 1 (the loaded word's high half, by
+    the and) as its upper half and element 2i (the shift) as its lower one. A listing with the two
+    outputs swapped is rejected (negative control)."""
+    (tmp_path / "widen_kernel.py").write_text(textwrap.dedent('''
+        import triton
+        import triton.language as tl
+        from flowrl.kernels.common import to_f32
+
+        @triton.jit
+        def widen(x_ptr, out_ptr):
+            x = to_f32(tl.load(x_ptr + tl.arange(0, 256)))
+            tl.store(out_ptr + tl.arange(0, 256), (x + x).to(tl.bfloat16))
+    '''))
+    code = textwrap.dedent('''
+        import sys
+        sys.path.insert(0, ".")
+        import widen_kernel
+        from flowrl.kernels.aot import Specialization, compile_specialization
+        spec = Specialization("widen", {"x_ptr": "*bf16", "out_ptr": "*bf16"}, {}, ("x_ptr", "out_ptr"), 1)
+        print(compile_specialization(spec, kernel=widen_kernel.widen).asm["ptx"])
+    ''')
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    ptx = res.stdout
+    assert _widened_pair_order(ptx) == [(2 * i + 1, 2 * i) for i in range(4)], ptx[-3000:]
+    import re
+
+    swapped = re.sub(r"\{ shl\.b32 (%r\d+), (%r\d+), 16; and\.b32 (%r\d+), (%r\d+), 0xffff0000; \}",
+                     r"{ shl.b32 \3, \2, 16; and.b32 \1, \4, 0xffff0000; }", ptx)
+    assert swapped != ptx and _widened_pair_order(swapped) == [(2 * i, 2 * i + 1) for i in range(4)]
+
+
+def _stored_halves(ptx: str):
+    """Which half of the mul.wide.u32 product each of the kernel below's two stores writes, in order:
+    mov.b64 {low, high} splits the 64-bit product, its first register the low word."""
+    import re
+
+    ((low, high),) = re.findall(r"mul\.wide\.u32 t, %r\d+, 0x[0-9a-f]+; mov\.b64 \{(%r\d+), (%r\d+)\}, t;", ptx)
+    return [{low: "low", high: "high"}[r] for r in re.findall(r"st\.global\.b32 \[ %rd\d+ \+ 0 \], \{ (%r\d+) \}", ptx)]
+
+
+@needs_linux_x86
+def test_philox_multiply_returns_the_high_word_first(tmp_path):
+    """common.mul_wide_u32 (inline PTX: the interpreter runs the 64-bit product instead) returns
+    (high, low): storing its first result at out[i] and its second at out[32 + i], the first store
+    must write the product's high word. A listing with the split's registers swapped is rejected
+    (negative control)."""
+    (tmp_path / "wide_kernel.py").write_text(textwrap.dedent('''
+        import triton
+        import triton.language as tl
+        from flowrl.kernels.common import PHILOX_M0, PHILOX_M0_ASM, mul_wide_u32
+
+        @triton.jit
+        def wide(x_ptr, out_ptr):
+            i = tl.arange(0, 32)
+            hi, lo = mul_wide_u32(tl.load(x_ptr + i), PHILOX_M0, PHILOX_M0_ASM)
+            tl.store(out_ptr + i, hi)
+            tl.store(out_ptr + 32 + i, lo)
+    '''))
+    code = textwrap.dedent('''
+        import sys
+        sys.path.insert(0, ".")
+        import wide_kernel
+        from flowrl.kernels.aot import Specialization, compile_specialization
+        spec = Specialization("wide", {"x_ptr": "*u32", "out_ptr": "*u32"}, {}, ("x_ptr", "out_ptr"), 1)
+        print(compile_specialization(spec, kernel=wide_kernel.wide).asm["ptx"])
+    ''')
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    ptx = res.stdout
+    assert "0xd2511f53" in ptx and _stored_halves(ptx) == ["high", "low"], ptx[-3000:]
+    import re
+
+    swapped = re.sub(r"mov\.b64 \{(%r\d+), (%r\d+)\}, t;", r"mov.b64 {\2, \1}, t;", ptx)
+    assert swapped != ptx and _stored_halves(swapped) == ["low", "high"]

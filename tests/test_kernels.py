@@ -520,29 +520,55 @@ def test_philox_rollouts_launch_under_the_register_cap(device, monkeypatch):
 
 
 def test_philox_rollouts_take_tiles_where_they_compile_without_spills():
-    """tiles_taken: a rollout drawing Philox noise over bfloat16 latents runs 4 tiles above 4,096
-    elements (its latents load after the noise, behind a barrier); over float16, in ddim or dpm_sde,
-    or writing its mean it keeps one tile (at 4 tiles those spill 8-40 bytes: kernels/aot.py's compile,
-    docs/kernels.md), as kernels/aot.py's hot specializations assume."""
+    """tiles_taken: a rollout drawing Philox noise over 16-bit latents runs 4 tiles above 4,096
+    elements (its latents load after the noise, behind a barrier); in ddim, dpm_sde's second order
+    or writing its mean it keeps one tile (at 4 tiles those spill 8-64 bytes:
+    kernels/aot.py's compile, docs/kernels.md), as kernels/aot.py's hot specializations assume."""
     n = 8 * 1024
 
-    def config(mode, dtype, write_mean=False):
+    def config(mode, dtype, write_mean=False, second_order=False):
         spec = type("Spec", (), {"elementwise": False, "mode": mode, "op": Op.ROLLOUT,
                                  "noise_source": NoiseSource.PHILOX})
         x = torch.zeros(2, n, dtype=dtype)
         return _triton_ops.step_config(spec, n, (x, x, None, x, None), (None, x.float() if write_mean else None),
-                                       write_mean=write_mean)
+                                       write_mean=write_mean, second_order=second_order)
 
     tiled, one = (4, 1), _triton_ops.LAUNCH_TABLE[-1][1:]
-    for mode in (Mode.SDE, Mode.ODE, Mode.DANCE, Mode.CPS, Mode.FLASH_SDE):
+    for mode in (Mode.SDE, Mode.ODE, Mode.DANCE, Mode.CPS, Mode.FLASH_SDE, Mode.DPM_SDE):
         assert config(mode, torch.bfloat16) == tiled, mode
-        assert config(mode, torch.float16) == one and config(mode, torch.bfloat16, write_mean=True) == one, mode
-    assert config(Mode.DDIM, torch.bfloat16) == one and config(Mode.DPM_SDE, torch.bfloat16) == one
+        assert config(mode, torch.float16) == tiled, mode
+        assert config(mode, torch.bfloat16, write_mean=True) == one, mode
+    assert config(Mode.DDIM, torch.bfloat16) == one and config(Mode.DDIM, torch.float16) == one
+    assert config(Mode.DPM_SDE, torch.bfloat16, second_order=True) == one
     from flowrl.kernels import aot
 
-    labels = {s.label for s in aot.hot_specializations("bf16")} | {s.label for s in aot.hot_specializations("fp16")}
-    assert {"sde rollout noise=philox g4w1 even", "sde rollout noise=philox g1w1 even",
-            "sde rollout noise=philox +mean g1w1 even"} <= labels and "sde rollout noise=philox +mean g4w1 even" not in labels
+    for storage in ("bf16", "fp16"):
+        labels = {s.label for s in aot.hot_specializations(storage)}
+        assert {"sde rollout noise=philox g4w1 even", "dpm_sde rollout noise=philox g4w1 even",
+                "sde rollout noise=philox +mean g1w1 even", "dpm_sde 2nd-order rollout noise=philox g1w1 even"} <= labels
+        assert not {"sde rollout noise=philox g1w1 even", "sde rollout noise=philox +mean g4w1 even"} & labels
+
+
+def test_block_division_and_ranges_are_checked_on_the_host():
+    """The loss kernels' sample index is pid // n_blocks by division_magic's multiply-high and shift
+    (exact for every program id below 2**31); samples past MAX_SAMPLE_ELEMENTS (32-bit in-sample
+    offsets) and Philox draws past the uint32 quad counters are refused with a ValueError."""
+    for d in list(range(1, 600)) + [2**20 - 1, 2**20, 2**20 + 1, 3**19, 2**31 - 1]:
+        m, l = _triton_ops.division_magic(d)
+        assert 2**31 <= m < 2**32
+        for pid in {0, 1, d - 1, d, d + 1, 7 * d + 3, 2**31 - 1, 2**31 - 2, (2**31 - 1) // d * d}:
+            assert ((2 * pid * m) >> 32) >> l == pid // d, (d, pid)
+    with pytest.raises(ValueError, match="divisor"):
+        _triton_ops.division_magic(0)
+    big = torch.zeros(1, 1).expand(2, _triton_ops.MAX_SAMPLE_ELEMENTS + 1)
+    with pytest.raises(ValueError, match="32 bits"):
+        _triton_ops._rows_shape(big)
+    assert _triton_ops._rows_shape(torch.zeros(1, 1).expand(3, _triton_ops.MAX_SAMPLE_ELEMENTS)) == (
+        3, _triton_ops.MAX_SAMPLE_ELEMENTS)
+    _triton_ops.check_philox_range(2**32 - 2**17, 2**16)
+    for offset, n in ((2**32 - 2**17, 2**16 + 1), (-4, 8), (2**33, 8)):
+        with pytest.raises(ValueError, match="elem_offset"):
+            _triton_ops.check_philox_range(offset, n)
 
 
 def test_clipped_epsilon_ddim_backward_launches_under_the_register_cap(device, monkeypatch):

@@ -24,26 +24,19 @@ STORAGES = ("bf16", "fp16")
 # Filled from `python -m flowrl.kernels.aot --hot --storage bf16 fp16 --arch 90 --roofline` with both
 # triton versions; docs/kernels.md says why each is not met yet.
 NOT_YET_MET = {
-    "flow_partials_kernel: dpo ref=False noise=philox g1w1": 0.97,
-    "grpo_partials_kernel: sde ref=True trust=2 g1w1": 0.94,
-    "grpo_partials_kernel: sde ref=True trust=2 g1w1 +token +frozen": 0.91,
+    "grpo_partials_kernel: sde ref=True trust=2 g1w1 +token +frozen": 0.98,
     "step_backward_kernel: ddim[epsilon clip] gaussian mean grads=x+v+third g1w1 even": 1.83,
     "step_backward_kernel: ddim[epsilon clip] kl mean grads=x+v+third g1w1 even": 1.36,
     "step_backward_kernel: ddim[epsilon] kl mean grads=x+v+third g1w1 even": 1.94,
     "step_backward_kernel: ddim[sample clip] kl mean grads=x+v+third g1w1 even": 1.51,
-    "step_partials_kernel: cps rollout noise=philox g1w1 even": 0.99,
-    "step_partials_kernel: dance rollout noise=philox g1w1 even": 0.90,
     "step_partials_kernel: ddim[epsilon clip] kl g1w1 even": 1.15,
-    "step_partials_kernel: ddim[epsilon clip] rollout noise=philox g1w1 even": 0.64,
+    "step_partials_kernel: ddim[epsilon clip] rollout noise=philox g1w1 even": 0.65,
     "step_partials_kernel: ddim[epsilon] kl g1w1 even": 1.28,
-    "step_partials_kernel: ddim[epsilon] rollout noise=philox g1w1 even": 0.66,
+    "step_partials_kernel: ddim[epsilon] rollout noise=philox g1w1 even": 0.67,
     "step_partials_kernel: ddim[sample clip] kl g1w1 even": 1.15,
-    "step_partials_kernel: ddim[sample clip] rollout noise=philox g1w1 even": 0.64,
+    "step_partials_kernel: ddim[sample clip] rollout noise=philox g1w1 even": 0.65,
     "step_partials_kernel: ddim[v_prediction] kl g4w1 even": 1.85,
-    "step_partials_kernel: ddim[v_prediction] rollout noise=philox g1w1 even": 0.77,
-    "step_partials_kernel: dpm_sde rollout noise=philox g1w1 even": 0.90,
-    "step_partials_kernel: flash_sde rollout noise=philox g1w1 even": 0.90,
-    "step_partials_kernel: sde rollout noise=philox g1w1 even": 0.89,
+    "step_partials_kernel: ddim[v_prediction] rollout noise=philox g1w1 even": 0.79,
 }
 
 
@@ -203,10 +196,11 @@ def test_docs_state_how_many_hot_specializations_meet_their_targets():
 
 
 @needs_linux_x86
-def test_philox_normals_cost_at_most_35_sass_each(tmp_path):
-    """docs/kernels.md ("Fourth round"): Philox and noise stream 4's Box-Muller alone, 1,024 normals on
-    one warp, compiled for sm_90a with the installed triton, issue at most 35 SASS instructions per
-    normal, stores included (1,100 per 1,024 with triton 3.9.0, 1,135 with 3.6.0; stream 3 took 1,183 /
+def test_philox_normals_cost_at_most_34_sass_each(tmp_path):
+    """docs/kernels.md ("Fourth round", "Fifth round"): Philox and noise stream 4's Box-Muller alone,
+    1,024 normals on one warp, compiled for sm_90a with the installed triton, issue at most 34 SASS
+    instructions per normal, stores included (1,046 per 1,024 with triton 3.9.0, 1,076 with 3.6.0;
+    1,100 / 1,135 before the uint32 counters and one mul.wide per multiply; stream 3 took 1,183 /
     1,199). A ratchet on the noise's own cost, apart from the kernels around it."""
     import subprocess
     import sys
@@ -242,4 +236,4 @@ def test_philox_normals_cost_at_most_35_sass_each(tmp_path):
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     instructions, loops = map(int, res.stdout.split()[-2:])
-    assert loops == 0 and instructions * 32 / 1024 <= 35, instructions
+    assert loops == 0 and instructions * 32 / 1024 <= 34, instructions

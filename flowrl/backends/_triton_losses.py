@@ -16,7 +16,8 @@ import torch
 import triton
 
 from flowrl.backends._triton_ops import (
-    LAUNCH_TABLE, WIDE_CONFIG, _KernelScalars, _finalize, _launch, _LAUNCH, element_config, launch_config,
+    LAUNCH_TABLE, WIDE_CONFIG, _KernelScalars, _finalize, _launch, _LAUNCH, _rows_shape, check_philox_range,
+    division_magic, element_config, launch_config,
 )
 from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, KLSpace, LogProbKind, Reduction
 from flowrl.kernels.loss import flow_backward_kernel, flow_partials_kernel, grpo_backward_kernel, grpo_partials_kernel
@@ -32,6 +33,8 @@ REPLAY_BACKWARD_CONFIG = LAUNCH_TABLE[0][1:]
 def _grpo_launch_args(spec, ks, trust, seed, x):
     seeds, stream_stride, elem_offset = seed if seed is not None else (ks.step_index, 0, 0)
     philox = trust == 2  # TrustSource.REPLAY
+    if philox:
+        check_philox_range(elem_offset, _rows_shape(x)[1])
     aligned = philox and elem_offset % 4 == 0
     return (seeds, stream_stride, elem_offset), philox, aligned
 
@@ -66,7 +69,7 @@ def _velocity_kl(spec, kl_p):
 
 def _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed, kl_space=KLSpace.TRANSITION, ref_cond=None,
                   ref_scale=None):
-    b, n = x.shape[0], x.numel() // x.shape[0]
+    b, n = _rows_shape(x)
     n_chunks = triton.cdiv(n, CHUNK_SIZE)
     (seeds, stride, offset), philox, aligned = _grpo_launch_args(spec, ks, trust, seed, x)
     group, num_warps = element_config(spec, n, unaligned_philox=philox and not aligned, storage=x.dtype,
@@ -78,7 +81,8 @@ def _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed, kl_space=KLS
     _launch(
         grpo_partials_kernel, (b * n_blocks,),
         x, v, prev, ref if ref is not None else v, old_mean if old_mean is not None else v, lp_p, kl_p, tr_p,
-        ks.sigmas, ks.step_index, seeds, stride, offset, n, n_chunks, n_blocks, *ks.args, ks.last_index,
+        ks.sigmas, ks.step_index, seeds, stride, offset, n, n_chunks, n_blocks, *division_magic(n_blocks), *ks.args,
+        ks.last_index,
         MODE=int(spec.mode), HAS_REF=ref is not None, TRUST=int(trust), CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE,
         GROUP=group, PHILOX_ALIGNED=aligned, num_warps=num_warps, **_LAUNCH,
         **_kl_args(ref, ref_cond, ref_scale, kl_space, v), **_elementwise_args(ks),
@@ -115,7 +119,7 @@ class _GRPOValues(torch.autograd.Function):
     def backward(ctx, g_lp, g_kl, g_tr):
         x, v, prev, ref, old_mean, ref_cond = ctx.saved_tensors
         spec, ks, trust = ctx.spec, ctx.ks, ctx.trust
-        b, n = x.shape[0], x.numel() // x.shape[0]
+        b, n = _rows_shape(x)
         zeros = torch.zeros(b, dtype=torch.float32, device=x.device)
         g_lp, g_kl, g_tr = (zeros if g is None else g.to(torch.float32).contiguous() for g in (g_lp, g_kl, g_tr))
         (seeds, stride, offset), philox, aligned = _grpo_launch_args(spec, ks, trust, ctx.seed, x)
@@ -129,8 +133,8 @@ class _GRPOValues(torch.autograd.Function):
         _launch(
             grpo_backward_kernel, (b * n_blocks,),
             x, v, prev, ref if ref is not None else v, old_mean if old_mean is not None else v, g_lp, g_kl, g_tr,
-            grad_v, ks.sigmas, ks.step_index, seeds, stride, offset, n, n_blocks, float(spec.numel), *ks.args,
-            ks.last_index, MODE=int(spec.mode), KIND=int(spec.kind), MEAN=spec.reduction is Reduction.MEAN, HAS_REF=ref is not None,
+            grad_v, ks.sigmas, ks.step_index, seeds, stride, offset, n, n_blocks, *division_magic(n_blocks),
+            float(spec.numel), *ks.args, ks.last_index, MODE=int(spec.mode), KIND=int(spec.kind), MEAN=spec.reduction is Reduction.MEAN, HAS_REF=ref is not None,
             TRUST=int(trust), BLOCK=block, PHILOX_ALIGNED=aligned, num_warps=num_warps, **_LAUNCH,
             **_kl_args(ref, ref_cond, ctx.ref_scale, ctx.kl_space, v), **_elementwise_args(ks, backward=True),
         )
@@ -164,6 +168,8 @@ def _flow_noise_args(noise_seed, n, tensors, batch):
     as uint32 pairs): an even element count and 4-byte aligned rows; EVEN: PAIRED and whole blocks.
     Philox from an unaligned offset is neither (kernels/aot.py lists each launch)."""
     philox = noise_seed is not None
+    if philox:
+        check_philox_range(int(noise_seed[2]), n)
     aligned = philox and noise_seed[2] % 4 == 0
     paired = n % 2 == 0 and not (philox and not aligned) and all(
         u.dtype != torch.bfloat16 or u.data_ptr() % 4 == 0 for u in tensors if u is not None)
@@ -182,7 +188,7 @@ def _flow_noise_args(noise_seed, n, tensors, batch):
 
 
 def _flow_forward(kind, count, xt, v, other, x0, ref, t, coefs, shard=None, noise_seed=None):
-    b, n = v.shape[0], v.numel() // v.shape[0]
+    b, n = _rows_shape(v)
     n_chunks = triton.cdiv(n, CHUNK_SIZE)
     (group, num_warps), noise_kw = _flow_noise_args(noise_seed, n, (xt, v, other, x0, ref), b)
     n_blocks = triton.cdiv(n_chunks, group)
@@ -190,7 +196,7 @@ def _flow_forward(kind, count, xt, v, other, x0, ref, t, coefs, shard=None, nois
     _launch(
         flow_partials_kernel, (b * n_blocks,),
         xt if xt is not None else v, v, other if other is not None else v, x0, ref if ref is not None else v, t,
-        partials, n, n_chunks, n_blocks, b, *coefs,
+        partials, n, n_chunks, n_blocks, *division_magic(n_blocks), b, *coefs,
         LOSS=int(kind), HAS_REF=ref is not None, CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE, GROUP=group,
         num_warps=num_warps, **noise_kw, **_LAUNCH,
     )
@@ -215,7 +221,7 @@ class _FlowSums(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         xt, v, other, x0, ref, t, seeds = ctx.saved_tensors
-        b, n = v.shape[0], v.numel() // v.shape[0]
+        b, n = _rows_shape(v)
         grad_v = torch.empty_like(v)
         noise_seed = None if ctx.noise_seed is None else (seeds, *ctx.noise_seed)
         (group, num_warps), noise_kw = _flow_noise_args(noise_seed, n, (xt, v, other, x0, ref, grad_v), b)
@@ -224,7 +230,7 @@ class _FlowSums(torch.autograd.Function):
         _launch(
             flow_backward_kernel, (b * n_blocks,),
             xt if xt is not None else v, v, other if other is not None else v, x0, ref if ref is not None else v, t,
-            grad.to(torch.float32).contiguous(), grad_v, n, n_blocks, b, *ctx.coefs,
+            grad.to(torch.float32).contiguous(), grad_v, n, n_blocks, *division_magic(n_blocks), b, *ctx.coefs,
             LOSS=int(ctx.kind), HAS_REF=ref is not None, BLOCK=block, num_warps=num_warps, **noise_kw, **_LAUNCH,
         )
         return grad_v, None, None, None, None, None, None, None, None, None, None

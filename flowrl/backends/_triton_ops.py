@@ -180,18 +180,18 @@ def tiles_taken(mode: Mode, backward: bool, masked_rollout: bool = False, second
     3.6.0 or 3.9.0, tests/test_compile.py): at 4 tiles under the register cap ddim's clipped means
     spill 8-368 bytes, a masked rollout (``masked_rollout``: the sample size not a multiple of 4,096)
     with the mean 8-40 bytes, the Philox rollouts 8-40 bytes where they write the mean
-    (``philox_mean``), over float16 latents, and ddim's and dpm_sde's (triton 3.6 or 3.9, sm_90a or
-    sm_80), dpm_sde's second-order gaussian backward (``second_order``: the extra x0_prev stream; the
-    KL's cancels) 40-48 bytes in float16 with triton 3.6, and ddim's backward and its KL but
-    v-prediction's unclipped one (``ddim_kl``: (prediction, clipped) of a ddim KL; 56-672 bytes, and 72
-    on sm_80 for the clipped KL and epsilon's unclipped one, triton 3.9), so these keep one tile
-    (dpm_sde's second-order forward takes tiles since the chunk's leaves-first tree and the word loads
+    (``philox_mean``), in ddim and in dpm_sde's second order (``second_order``: 16-64 bytes), dpm_sde's
+    second-order gaussian backward (the extra x0_prev stream; the KL's cancels) 40-48 bytes in float16
+    with triton 3.6, and ddim's backward and its KL but v-prediction's unclipped one (``ddim_kl``:
+    (prediction, clipped) of a ddim KL; 56-672 bytes, and 72 on sm_80 for the clipped KL and
+    epsilon's unclipped one, triton 3.9), so these keep one tile (dpm_sde's second-order forward with
+    given noise takes tiles since the chunk's leaves-first tree and the word loads
     freed registers, ddim's log-prob and rollouts since its divisions lost div.rn's per-element
-    slow-path calls: common.div_rn_by_scalar; the other bfloat16 Philox rollouts since their latents
-    load after the noise, behind a barrier: ptxas hoisted them, and the next tile's, and spilled 8-16
-    bytes)."""
+    slow-path calls: common.div_rn_by_scalar; the other Philox rollouts since their latents load
+    after the noise, behind a barrier, their Philox counters are uint32 with a zero high word and its
+    multiplies one mul.wide each: at 125-128 registers, no spill)."""
     ddim_kl_one_tile = ddim_kl is not None and ddim_kl != (Prediction.V_PREDICTION, False)
-    philox_one_tile = philox is not None and (philox_mean or philox != "bf16" or mode in (Mode.DDIM, Mode.DPM_SDE))
+    philox_one_tile = philox is not None and (philox_mean or second_order or mode is Mode.DDIM)
     return not (masked_rollout or philox_one_tile or (second_order and backward)
                 or (mode is Mode.DDIM and (backward or ddim_kl_one_tile)))
 
@@ -346,9 +346,38 @@ class _KernelScalars:
         return (table, inner, groups, groups, frozen, *frozen_layout)
 
 
+# Elements per sample the kernels take: their in-sample offsets and masks run in 32 bits (the row's
+# start in 64), with room for a program's last tile past the end.
+MAX_SAMPLE_ELEMENTS = 2**31 - 2**16
+
+
+def check_philox_range(elem_offset: int, n_per_sample: int) -> None:
+    """ValueError unless a launch drawing Philox noise for elements elem_offset .. elem_offset +
+    n_per_sample - 1 of a sample's stream stays below 2**32 with a program's last block past the end:
+    the kernels' quad counters are uint32 (kernels/common.philox_quad)."""
+    if elem_offset < 0 or elem_offset + n_per_sample > 2**32 - 2**16:
+        raise ValueError(f"the Triton backend draws Philox noise for elements below {2**32 - 2**16} of a "
+                         f"sample's stream; got elem_offset {elem_offset} and {n_per_sample} elements")
+
+
+def division_magic(d: int) -> Tuple[int, int]:
+    """``(m, l)`` for a divisor ``1 <= d < 2**31``: n // d == umulhi(2 n, m) >> l for every 0 <= n <
+    2**31 (the loss kernels' sample index from their program id, kernels/step.py's _block_offsets),
+    the formula kernels/token.py's ``division_magic`` computes on the GPU for the per-token tables."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"division_magic takes a divisor in [1, 2**31); got {d}")
+    l = (d - 1).bit_length()
+    return ((1 << (31 + l)) + d - 1) // d, l
+
+
 def _rows_shape(t: torch.Tensor):
+    """(samples, elements per sample) of a latent tensor; ValueError past MAX_SAMPLE_ELEMENTS."""
     b = t.shape[0]
-    return b, t.numel() // b
+    n = t.numel() // b
+    if n > MAX_SAMPLE_ELEMENTS:
+        raise ValueError(f"the Triton backend takes samples of at most {MAX_SAMPLE_ELEMENTS} elements "
+                         f"(in-sample offsets run in 32 bits); got {n} per sample")
+    return b, n
 
 
 def _second_order(ks: _KernelScalars, x) -> dict:
@@ -367,6 +396,8 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
     noise_from = spec.noise_source if spec.op is Op.ROLLOUT else NoiseSource.TENSOR
     philox = noise_from is NoiseSource.PHILOX
     seeds, stream_stride, elem_offset = spec.noise_seed if philox else (ks.step_index, 0, 0)
+    if philox:
+        check_philox_range(elem_offset, n)
     rollout = spec.op is Op.ROLLOUT  # its noise and mean are float32
     group, num_warps = step_config(spec, n, (x, v, None if rollout else third, prev_out, ks.prev_x0),
                                    (third if rollout else None, mean_out), unaligned_philox=philox and elem_offset % 4 != 0,
