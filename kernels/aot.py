@@ -141,7 +141,8 @@ def _token_table(mode, per_token):
 
     sig = {"pairs_ptr": "*fp32", "table_ptr": "*fp32", "sigmas_ptr": "*fp32", "step_ptr": "*i64", "n_tokens": "i32",
            "pairs_stride": "i32", "n_blocks": "i32", "sigma_one_tol": "fp32", "eta": "fp32", "sin_half_pi_eta": "fp32",
-           "last_index": "i32", "tok_inner": "i32", "tok_groups": "i32", "frozen_inner": "i32", "frozen_groups": "i32"}
+           "last_index": "i32", **{f"{d}_{w}": ("i64" if w == "m" else "i32")
+                                   for d in ("tok_inner", "tok_groups", "frozen_inner", "frozen_groups") for w in "ml"}}
     cx = {"MODE": int(mode), "PER_TOKEN": per_token, "BLOCK": TOKEN_TABLE_BLOCK}
     return Specialization("token_table_kernel", sig, cx, ("pairs_ptr", "table_ptr", "sigmas_ptr", "step_ptr"), 4,
                           f"{mode.label}" + (" records" if per_token else " header"), TOKEN_TABLE_BLOCK)

@@ -103,8 +103,8 @@ def mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MOD
 def compact_index(e, magic_ptr, groups):
     """``(e // inner) % groups``, the column of in-sample element ``e`` (uint32, e < 2**31) in a compact
     per-token table (flowrl.step_spec.flat_layout), by multiply-highs instead of divisions: ``magic_ptr``
-    holds the pre-pass's ``(m, l)`` of ``inner`` then of ``groups`` (kernels/token.py,
-    ``division_magic``) as uint32 bit patterns in float32 words, uniform loads for every element."""
+    holds the pre-pass's ``(m, l)`` of ``inner`` then of ``groups`` (kernels/token.py; the host's
+    _triton_ops.division_magic) as uint32 bit patterns in float32 words, uniform loads for every element."""
     m_inner = tl.load(magic_ptr).to(tl.uint32, bitcast=True)
     l_inner = tl.load(magic_ptr + 1).to(tl.uint32, bitcast=True)
     m_groups = tl.load(magic_ptr + 2).to(tl.uint32, bitcast=True)

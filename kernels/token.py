@@ -5,7 +5,8 @@ writes the index math's division multipliers, so the element kernels only load.
 Table layout (float32 words, ``TABLE_HEADER`` header words, then the records):
 
 - header: ``(m, l)`` of the per-token table's ``inner`` and ``groups`` and of the frozen mask's
-  (``division_magic``; uint32 bit patterns stored in float32 words, read back with a bitcast);
+  (flowrl.backends._triton_ops.division_magic, computed on the host and passed as arguments; uint32
+  bit patterns stored in float32 words, read back with a bitcast);
 - records [B, G, 4] (PER_TOKEN only): ``(a, c, std, w)`` of token g of sample b, the bits
   ``common.token_coefficients`` gives (held tokens: ``(1, 0, 0)``), and ``w`` the weight
   ``var_sample_d / var_token_d`` of the sample's own step (the same ``density_std`` and ``div_rn``
@@ -28,48 +29,32 @@ RECORD = tl.constexpr(4)  # words per (sample, token) record: a, c, std, w
 
 
 @triton.jit
-def division_magic(d):
-    """``(m, l)`` (int64 scalars) for an int32 divisor ``d >= 1``: l = ceil(log2 d), m = ceil(2**(31 + l)
-    / d) < 2**32. Then for every 0 <= n < 2**31, n // d == umulhi(2 n, m) >> l (a 32-bit multiply-high
-    and a shift): with e = m d - 2**(31 + l) in [0, d), n m / 2**(31 + l) = n / d + n e / (d 2**(31 + l))
-    and the error term is below n / (d 2**31) < 1 / d, too small to reach the next integer."""
-    d = d + tl.zeros((), tl.int64)  # (d may be the JIT's constexpr 1)
-    below = d - 1
-    l = below * 0
-    for bit in tl.static_range(31):  # l = bit length of d - 1 (d < 2**31)
-        l += ((below >> bit) != 0).to(tl.int64)
-    one = below * 0 + 1
-    m = ((one << (31 + l)) + below) // d
-    return m, l
-
-
-@triton.jit
 def _store_word(ptr, value):
-    """Store an int64 scalar in [0, 2**32) as its uint32 bit pattern in a float32 word."""
-    tl.store(ptr, value.to(tl.uint32).to(tl.float32, bitcast=True))
+    """Store an integer scalar in [0, 2**32) as its uint32 bit pattern in a float32 word (``value``
+    may be the JIT's constexpr 1)."""
+    tl.store(ptr, (value + tl.zeros((), tl.int64)).to(tl.uint32).to(tl.float32, bitcast=True))
 
 
 @triton.jit
 def token_table_kernel(pairs_ptr, table_ptr, sigmas_ptr, step_ptr, n_tokens, pairs_stride, n_blocks,
                        sigma_one_tol, eta, sin_half_pi_eta, last_index,
-                       tok_inner, tok_groups, frozen_inner, frozen_groups,
+                       tok_inner_m, tok_inner_l, tok_groups_m, tok_groups_l,
+                       frozen_inner_m, frozen_inner_l, frozen_groups_m, frozen_groups_l,
                        MODE: tl.constexpr, PER_TOKEN: tl.constexpr, BLOCK: tl.constexpr):
-    """The header (program 0) and, when PER_TOKEN, the records of BLOCK tokens of one sample per
-    program (grid: samples x n_blocks). ``pairs_ptr``: the compact [Bt, G, 2] float32 (sigma, sigma')
-    table, row b at ``b * pairs_stride`` (0 when Bt is 1)."""
+    """The header (program 0: the host's ``(m, l)`` of each divisor, _triton_ops.division_magic) and,
+    when PER_TOKEN, the records of BLOCK tokens of one sample per program (grid: samples x n_blocks).
+    ``pairs_ptr``: the compact [Bt, G, 2] float32 (sigma, sigma') table, row b at ``b * pairs_stride``
+    (0 when Bt is 1)."""
     pid = tl.program_id(0).to(tl.int64)
     if pid == 0:
-        for k in tl.static_range(4):
-            if k == 0:
-                m, l = division_magic(tok_inner)
-            elif k == 1:
-                m, l = division_magic(tok_groups)
-            elif k == 2:
-                m, l = division_magic(frozen_inner)
-            else:
-                m, l = division_magic(frozen_groups)
-            _store_word(table_ptr + 2 * k, m)
-            _store_word(table_ptr + 2 * k + 1, l)
+        _store_word(table_ptr, tok_inner_m)
+        _store_word(table_ptr + 1, tok_inner_l)
+        _store_word(table_ptr + 2, tok_groups_m)
+        _store_word(table_ptr + 3, tok_groups_l)
+        _store_word(table_ptr + FROZEN_MAGIC, frozen_inner_m)
+        _store_word(table_ptr + FROZEN_MAGIC + 1, frozen_inner_l)
+        _store_word(table_ptr + FROZEN_MAGIC + 2, frozen_groups_m)
+        _store_word(table_ptr + FROZEN_MAGIC + 3, frozen_groups_l)
     if PER_TOKEN:
         row = pid // n_blocks
         tok = (pid - row * n_blocks) * BLOCK + tl.arange(0, BLOCK)

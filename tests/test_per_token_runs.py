@@ -1,8 +1,9 @@
 """The elementwise steps' pre-pass and token runs (issue 21; kernels/token.py, kernels/step.py's
 ``_element_terms``), on the Triton backend through the interpreter:
 
-- the pre-pass's division multipliers give ``n // d`` for every numerator below 2**31 the kernels can
-  meet (checked at the edges: multiples of d and their neighbours, the largest numerators);
+- the pre-pass's division multipliers (the host's, stored in its header) give ``n // d`` for every
+  numerator below 2**31 the kernels can meet (checked at the edges: multiples of d and their
+  neighbours, the largest numerators);
 - its records are ``flowrl.reference.token_coefficients``' bits (a, c, std; held tokens (1, 0, 0)),
   with the sample's weight ``var_sample_d / var_token_d`` and -1 for a held token;
 - one lookup per run of RUN elements gives the bits of one lookup per element (RUN forced to 1) for
@@ -24,13 +25,15 @@ DIVISORS = [1, 2, 3, 5, 7, 8, 35, 64, 1000, 4095, 6241, 65537, (1 << 20) + 1, 1 
 
 
 def _header(inners):
-    """The pre-pass's header words (uint32) for the four divisors ``inners``."""
+    """The pre-pass's header words (uint32) for the four divisors ``inners``: the host's multipliers
+    (_triton_ops.division_magic) as the pre-pass stores them."""
     from flowrl.kernels.token import token_table_kernel
 
     table = torch.zeros(8, dtype=torch.float32)
     dummy = torch.zeros(2, dtype=torch.float32)
     token_table_kernel[(1,)](dummy, table, dummy, torch.zeros(1, dtype=torch.int64), 1, 0, 1, 0.0, 0.0, 0.0, 1,
-                             *inners, MODE=int(Mode.SDE), PER_TOKEN=False, BLOCK=16)
+                             *(w for d in inners for w in _triton_ops.division_magic(d)), MODE=int(Mode.SDE),
+                             PER_TOKEN=False, BLOCK=16)
     return [int(w) & 0xFFFFFFFF for w in table.view(torch.int32).tolist()]
 
 

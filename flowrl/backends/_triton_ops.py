@@ -339,7 +339,8 @@ class _KernelScalars:
         _launch(
             token_table_kernel, (b * n_blocks if spec.per_token else 1,),
             pairs, table, self.sigmas, self.step_index, groups, pairs_stride, n_blocks, *self.args, self.last_index,
-            inner, groups, *frozen_layout[:2], MODE=int(spec.mode), PER_TOKEN=spec.per_token,
+            *(w for d in (inner, groups, *frozen_layout[:2]) for w in division_magic(d)), MODE=int(spec.mode),
+            PER_TOKEN=spec.per_token,
             BLOCK=TOKEN_TABLE_BLOCK, **_LAUNCH,
         )
         # the records are per sample (the weight reads the sample's step): row stride G
@@ -362,8 +363,11 @@ def check_philox_range(elem_offset: int, n_per_sample: int) -> None:
 
 def division_magic(d: int) -> Tuple[int, int]:
     """``(m, l)`` for a divisor ``1 <= d < 2**31``: n // d == umulhi(2 n, m) >> l for every 0 <= n <
-    2**31 (the loss kernels' sample index from their program id, kernels/step.py's _block_offsets),
-    the formula kernels/token.py's ``division_magic`` computes on the GPU for the per-token tables."""
+    2**31: the loss kernels' sample index from their program id (kernels/step.py's _block_offsets) and
+    the per-token tables' index math (the pre-pass's header, kernels/token.py; common.compact_index).
+    With l = ceil(log2 d) and m = ceil(2**(31 + l) / d) < 2**32, e = m d - 2**(31 + l) lies in [0, d),
+    so n m / 2**(31 + l) = n / d + n e / (d 2**(31 + l)), whose error term is below n / (d 2**31) <
+    1 / d: too small to reach the next integer."""
     if not 1 <= d < 2**31:
         raise ValueError(f"division_magic takes a divisor in [1, 2**31); got {d}")
     l = (d - 1).bit_length()
