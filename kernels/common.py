@@ -100,6 +100,13 @@ def mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MOD
 
 
 @triton.jit
+def magic_quotient(n, m, l):
+    """n // d for uint32 ``n`` < 2**31 by the host's ``(m, l)`` of d (_triton_ops.division_magic, with
+    the proof): umulhi(2 n, m) >> l, a multiply-high and a shift."""
+    return tl.umulhi(n + n, m) >> l
+
+
+@triton.jit
 def compact_index(e, magic_ptr, groups):
     """``(e // inner) % groups``, the column of in-sample element ``e`` (uint32, e < 2**31) in a compact
     per-token table (flowrl.step_spec.flat_layout), by multiply-highs instead of divisions: ``magic_ptr``
@@ -109,8 +116,8 @@ def compact_index(e, magic_ptr, groups):
     l_inner = tl.load(magic_ptr + 1).to(tl.uint32, bitcast=True)
     m_groups = tl.load(magic_ptr + 2).to(tl.uint32, bitcast=True)
     l_groups = tl.load(magic_ptr + 3).to(tl.uint32, bitcast=True)
-    q = tl.umulhi(e + e, m_inner) >> l_inner  # e // inner
-    return q - (tl.umulhi(q + q, m_groups) >> l_groups) * groups
+    q = magic_quotient(e, m_inner, l_inner)  # e // inner
+    return q - magic_quotient(q, m_groups, l_groups) * groups
 
 
 @triton.jit

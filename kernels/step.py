@@ -48,8 +48,9 @@ import triton.language as tl
 from .common import (
     MODE_DDIM, NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, bf16_words_to_f32,
     chunk_tree_rows, compact_index, ddim_coefficients, ddim_mean, ddim_mean_grads, dpm_sde_coefficients,
-    halving_tree_rows, mode_coefficients, neg, ordinary_count, philox_key, philox_normal_block, policy_difference,
-    round_pairs, round_to, run_heads, run_spread, step_mean, total_grad, value_from_total, words_to_f32,
+    halving_tree_rows, magic_quotient, mode_coefficients, neg, ordinary_count, philox_key, philox_normal_block,
+    policy_difference, round_pairs, round_to, run_heads, run_spread, step_mean, total_grad, value_from_total,
+    words_to_f32,
 )
 from .token import FROZEN_MAGIC, RECORD, TABLE_HEADER
 
@@ -61,10 +62,10 @@ def _block_offsets(n_per_sample, n_blocks, blocks_magic, blocks_shift, BLOCK: tl
     batch size fits (a 2-D grid's second axis stops at 65535), and offsets are int64 (batches of video
     latents exceed 2**31 elements); in-sample offsets fit in 32 bits (_triton_ops.MAX_SAMPLE_ELEMENTS),
     the mask is computed in them. The sample is pid // n_blocks by the host's ``(blocks_magic,
-    blocks_shift)`` (_triton_ops.division_magic: a multiply-high and a shift where an integer division
-    took about 30 SASS per program)."""
+    blocks_shift)`` (``magic_quotient``: a multiply-high and a shift where an integer division took
+    about 30 SASS per program)."""
     pid = tl.program_id(0)
-    row = (tl.umulhi((pid + pid).to(tl.uint32), blocks_magic.to(tl.uint32)) >> blocks_shift).to(tl.int64)
+    row = magic_quotient(pid.to(tl.uint32), blocks_magic.to(tl.uint32), blocks_shift).to(tl.int64)
     first = (pid - row * n_blocks) * BLOCK
     in_row = first + tl.arange(0, BLOCK)
     mask = tl.arange(0, BLOCK) < (n_per_sample - first).to(tl.int32)

@@ -186,6 +186,26 @@ def test_the_compile_check_catches_what_the_interpreter_accepts(tmp_path):
     assert interp.stdout.strip() == "1.0", interp.stdout + interp.stderr[-2000:]
 
 
+def _probe_ptx(tmp_path, source: str, name: str, signature: dict) -> str:
+    """The sm_90a PTX of the @triton.jit function ``name`` in ``source`` (a module written to
+    ``tmp_path``), compiled by kernels/aot.py's compile_specialization in a fresh process and cache,
+    every pointer 16-byte aligned: how the inline-PTX helpers' tests below see the compiled code."""
+    (tmp_path / "probe_kernel.py").write_text(textwrap.dedent(source))
+    code = textwrap.dedent(f'''
+        import sys
+        sys.path.insert(0, ".")
+        import probe_kernel
+        from flowrl.kernels.aot import Specialization, compile_specialization
+        sig = {signature!r}
+        spec = Specialization({name!r}, sig, {{}}, tuple(sig), 1)
+        print(compile_specialization(spec, kernel=probe_kernel.{name}).asm["ptx"])
+    ''')
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+
+
 @needs_linux_x86
 @pytest.mark.parametrize("storage", ["bf16", "fp16"])
 def test_packed_rounding_puts_each_pair_in_memory_order(tmp_path, storage):
@@ -194,7 +214,7 @@ def test_packed_rounding_puts_each_pair_in_memory_order(tmp_path, storage):
     upper half of d, b in the lower: in a copy through round_pairs, each stored word's conversion must
     take the loaded word's upper half (element 2i + 1) first and its lower half (element 2i, the lower
     address) second, the words stored in the order they were loaded."""
-    (tmp_path / "pairs_kernel.py").write_text(textwrap.dedent('''
+    ptx = _probe_ptx(tmp_path, '''
         import triton
         import triton.language as tl
         from flowrl.kernels.common import round_pairs
@@ -203,21 +223,9 @@ def test_packed_rounding_puts_each_pair_in_memory_order(tmp_path, storage):
         def pairs(x_ptr, out_ptr):
             words = round_pairs(tl.load(x_ptr + tl.arange(0, 256)).to(tl.float32), out_ptr.dtype.element_ty)
             tl.store(out_ptr.to(tl.pointer_type(tl.uint32)) + tl.arange(0, 128), words)
-    '''))
-    code = textwrap.dedent(f'''
-        import sys
-        sys.path.insert(0, ".")
-        import pairs_kernel
-        from flowrl.kernels.aot import Specialization, compile_specialization
-        spec = Specialization("pairs", {{"x_ptr": "*{storage}", "out_ptr": "*{storage}"}}, {{}}, ("x_ptr", "out_ptr"), 1)
-        print(compile_specialization(spec, kernel=pairs_kernel.pairs).asm["ptx"])
-    ''')
-    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
+    ''', "pairs", {"x_ptr": f"*{storage}", "out_ptr": f"*{storage}"})
     import re
 
-    ptx = res.stdout
     (loaded,) = re.findall(r"ld\.global\.v4\.b32 \{ (%r\d+), (%r\d+), (%r\d+), (%r\d+) \}", ptx)
     element = {}  # 16-bit register -> element index: mov.b32 {lo, hi}, word
     for lo, hi, word in re.findall(r"mov\.b32\s+\{(%rs\d+), (%rs\d+)\}, (%r\d+);", ptx):
@@ -259,7 +267,7 @@ def test_packed_widening_gives_each_value_its_element(tmp_path):
     each stored word's packed conversion must take element 2i + 1 (the loaded word's high half, by
     the and) as its upper half and element 2i (the shift) as its lower one. A listing with the two
     outputs swapped is rejected (negative control)."""
-    (tmp_path / "widen_kernel.py").write_text(textwrap.dedent('''
+    ptx = _probe_ptx(tmp_path, '''
         import triton
         import triton.language as tl
         from flowrl.kernels.common import to_f32
@@ -268,19 +276,7 @@ def test_packed_widening_gives_each_value_its_element(tmp_path):
         def widen(x_ptr, out_ptr):
             x = to_f32(tl.load(x_ptr + tl.arange(0, 256)))
             tl.store(out_ptr + tl.arange(0, 256), (x + x).to(tl.bfloat16))
-    '''))
-    code = textwrap.dedent('''
-        import sys
-        sys.path.insert(0, ".")
-        import widen_kernel
-        from flowrl.kernels.aot import Specialization, compile_specialization
-        spec = Specialization("widen", {"x_ptr": "*bf16", "out_ptr": "*bf16"}, {}, ("x_ptr", "out_ptr"), 1)
-        print(compile_specialization(spec, kernel=widen_kernel.widen).asm["ptx"])
-    ''')
-    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    ptx = res.stdout
+    ''', "widen", {"x_ptr": "*bf16", "out_ptr": "*bf16"})
     assert _widened_pair_order(ptx) == [(2 * i + 1, 2 * i) for i in range(4)], ptx[-3000:]
     import re
 
@@ -304,7 +300,7 @@ def test_philox_multiply_returns_the_high_word_first(tmp_path):
     (high, low): storing its first result at out[i] and its second at out[32 + i], the first store
     must write the product's high word. A listing with the split's registers swapped is rejected
     (negative control)."""
-    (tmp_path / "wide_kernel.py").write_text(textwrap.dedent('''
+    ptx = _probe_ptx(tmp_path, '''
         import triton
         import triton.language as tl
         from flowrl.kernels.common import PHILOX_M0, PHILOX_M0_ASM, mul_wide_u32
@@ -315,19 +311,7 @@ def test_philox_multiply_returns_the_high_word_first(tmp_path):
             hi, lo = mul_wide_u32(tl.load(x_ptr + i), PHILOX_M0, PHILOX_M0_ASM)
             tl.store(out_ptr + i, hi)
             tl.store(out_ptr + 32 + i, lo)
-    '''))
-    code = textwrap.dedent('''
-        import sys
-        sys.path.insert(0, ".")
-        import wide_kernel
-        from flowrl.kernels.aot import Specialization, compile_specialization
-        spec = Specialization("wide", {"x_ptr": "*u32", "out_ptr": "*u32"}, {}, ("x_ptr", "out_ptr"), 1)
-        print(compile_specialization(spec, kernel=wide_kernel.wide).asm["ptx"])
-    ''')
-    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    ptx = res.stdout
+    ''', "wide", {"x_ptr": "*u32", "out_ptr": "*u32"})
     assert "0xd2511f53" in ptx and _stored_halves(ptx) == ["high", "low"], ptx[-3000:]
     import re
 
