@@ -66,7 +66,7 @@ def _step_config(storage, mode, backward=False, masked_rollout=False, second_ord
     from flowrl.backends._triton_ops import STEP_LAUNCH_TABLE, tiles_taken
 
     if storage in ("bf16", "fp16") and tiles_taken(mode, backward, masked_rollout, second_order, ddim_kl,
-                                                      storage if philox else None, philox_mean):
+                                                      philox, philox_mean):
         return STEP_LAUNCH_TABLE[-1][1:]
     return _launch_configs()[-1]
 

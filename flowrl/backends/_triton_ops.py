@@ -171,10 +171,10 @@ def ddim_variant(spec) -> Optional[Tuple[Prediction, bool]]:
 
 
 def tiles_taken(mode: Mode, backward: bool, masked_rollout: bool = False, second_order: bool = False,
-                ddim_kl: Optional[Tuple[Prediction, bool]] = None, philox: Optional[str] = None,
+                ddim_kl: Optional[Tuple[Prediction, bool]] = None, philox: bool = False,
                 philox_mean: bool = False) -> bool:
     """Whether the step kernels of ``mode`` (the backward: ``backward``; a rollout drawing Philox noise:
-    ``philox``, its latents' storage, "bf16" or "fp16") run STEP_LAUNCH_TABLE's multi-tile programs
+    ``philox``) run STEP_LAUNCH_TABLE's multi-tile programs
     when their latents are 16-bit and 16-byte aligned; the others run LAUNCH_TABLE's one tile. Chosen
     per specialization from the AOT compile (kernels/aot.py; no spill on sm_90a or sm_80 with triton
     3.6.0 or 3.9.0, tests/test_compile.py): at 4 tiles under the register cap ddim's clipped means
@@ -191,7 +191,7 @@ def tiles_taken(mode: Mode, backward: bool, masked_rollout: bool = False, second
     after the noise, behind a barrier, their Philox counters are uint32 with a zero high word and its
     multiplies one mul.wide each: at 125-128 registers, no spill)."""
     ddim_kl_one_tile = ddim_kl is not None and ddim_kl != (Prediction.V_PREDICTION, False)
-    philox_one_tile = philox is not None and (philox_mean or second_order or mode is Mode.DDIM)
+    philox_one_tile = philox and (philox_mean or second_order or mode is Mode.DDIM)
     return not (masked_rollout or philox_one_tile or (second_order and backward)
                 or (mode is Mode.DDIM and (backward or ddim_kl_one_tile)))
 
@@ -214,9 +214,8 @@ def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = Fal
     masked_rollout = rollout and n_per_sample % (group * CHUNK_SIZE) != 0
     latents, extra = [t for t in latents if t is not None], [t for t in extra if t is not None]
     ddim_kl = ddim_variant(spec) if not backward and spec.op is Op.KL else None
-    philox_storage = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(storage) if philox else None
     if (storage in _TILE_DTYPES and tiles_taken(spec.mode, backward, masked_rollout, second_order, ddim_kl,
-                                                philox_storage, write_mean)
+                                                philox, write_mean)
             and n_per_sample % 16 == 0 and all(t.dtype == storage for t in latents)
             and all(t.data_ptr() % 16 == 0 for t in latents + extra)):
         return launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
