@@ -81,7 +81,7 @@ def test_from_sglang_builds_the_batch_trajectory(dtype):
     w = torch.randn(SHAPE[-1], SHAPE[-1], generator=g).to(dtype)
     got = from_sglang(responses, request=REQUEST)
     for j in range(T):
-        x = got.latents[:, j]
+        x = got.latents[:, j].contiguous()  # the rollout's layout: CPU matmul may round a strided view differently
         v = x @ w * (got.timesteps[j] / 1000)
         assert torch.equal(got.step_log_prob(j, v), traj.log_probs[:, j])
 
@@ -258,7 +258,7 @@ def test_sglang_log_probs_score_the_float32_sample_not_the_returned_one(capsys):
     torch.randn(B, *SHAPE, generator=g2)
     w = torch.randn(SHAPE[-1], SHAPE[-1], generator=g2).bfloat16()
     for j in range(T):
-        v = own.latents[:, j] @ w * (own.timesteps[j] / 1000)
+        v = own.latents[:, j].contiguous() @ w * (own.timesteps[j] / 1000)
         assert torch.equal(torch.exp(own.step_log_prob(j, v) - own.log_probs[:, j]), torch.ones(B))
     with capsys.disabled():
         print(f"\n[sglang] |ratio - 1| from SGLang's float32-sample log-probs at bf16, 20 steps: max {worst:.3g} "
@@ -308,7 +308,7 @@ def test_extra_sampling_params_resolve_as_the_server_does(request_):
     assert (got.mode, got.noise_level) == ("cps", 0.3)
     w = velocity_weight()
     for j in range(T):
-        v = got.latents[:, j] @ w * (got.timesteps[j] / 1000)
+        v = got.latents[:, j].contiguous() @ w * (got.timesteps[j] / 1000)
         assert torch.equal(torch.exp(got.step_log_prob(j, v) - got.log_probs[:, j]), torch.ones(B))
 
 
