@@ -389,7 +389,9 @@ def _ddim(storage) -> Iterator[Specialization]:
         yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False,
                         *_step_config(storage, Mode.DDIM, ddim_kl=ddim), **kw)
         yield _backward(storage, Mode.DDIM, LogProbKind.GAUSSIAN, True, (True, True, True), *bwd, **kw)
-        yield _backward(storage, Mode.DDIM, LogProbKind.KL, True, (True, True, True), *bwd, **kw)
+        # the unclipped KL reads no x (c v - c v_ref): no x grad
+        yield _backward(storage, Mode.DDIM, LogProbKind.KL, True, (ddim[1], True, True),
+                        *_step_config(storage, Mode.DDIM, backward=True, ddim_kl=ddim), **kw)
     # masked (a sample size not a multiple of the block), one variant per op
     ddim = MASKED_DDIM_VARIANT
     if not wide:
@@ -574,7 +576,8 @@ def _rollout(c):
 # bytes per token, cache resident) and the chunk partials (4 bytes per 1,024 elements) are not counted.
 ELEMENT_TRAFFIC = {
     "step_partials_kernel": (
-        ("x_ptr", lambda c: c["MODE"] == int(Mode.DDIM) or c["OP"] != int(Op.KL)),  # the KL's c v - c v_ref
+        # the KL's c v - c v_ref (ddim's clipped KL reads x: its means are not linear)
+        ("x_ptr", lambda c: c["OP"] != int(Op.KL) or (c["MODE"] == int(Mode.DDIM) and c["CLIP"])),
         ("v_ptr", lambda c: True),
         ("third_ptr", lambda c: c["NOISE"] == int(NoiseSource.TENSOR)),  # eps, x' or v_ref
         ("prev_out_ptr", _rollout),
@@ -582,7 +585,7 @@ ELEMENT_TRAFFIC = {
         ("prev_x0_ptr", lambda c: c["HAS_PREV"]),
     ),
     "step_backward_kernel": (
-        ("x_ptr", lambda c: c["MODE"] == int(Mode.DDIM) or not c["IS_KL"]),
+        ("x_ptr", lambda c: not c["IS_KL"] or (c["MODE"] == int(Mode.DDIM) and c["CLIP"])),
         ("v_ptr", lambda c: True),
         ("third_ptr", lambda c: True),
         ("prev_x0_ptr", lambda c: c["HAS_PREV"] and not c["IS_KL"] and c["MODE"] != int(Mode.DDIM)),
@@ -700,7 +703,7 @@ def is_hot(spec: Specialization) -> bool:
     # large latents fill whole blocks (EVEN)
     partials = spec.kernel == "step_partials_kernel"
     philox = partials and cx["NOISE"] == int(NoiseSource.PHILOX)
-    ddim_kl = _ddim_variant(cx) if partials and cx["OP"] == int(Op.KL) else None
+    ddim_kl = _ddim_variant(cx) if cx["OP" if partials else "IS_KL"] in (int(Op.KL), True) else None
     return cx["EVEN"] and config == tuple(_step_config(storage, Mode(cx["MODE"]), not partials,
                                                        second_order=cx["HAS_PREV"] and not cx.get("IS_KL"),
                                                        ddim_kl=ddim_kl, philox=philox,

@@ -689,29 +689,45 @@ def ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED: tl.constex
 
 
 @triton.jit
+def ddim_velocity_coefficient(sqrt_a, sqrt_b, sqrt_a_prev, k, PRED: tl.constexpr):
+    """d mu / d v of ddim's unclipped mean, one per sample: mu = A x + C v is linear without the clip, so
+    two policies' means differ by C v - C v_ref exactly (policy_difference), as in every other mode."""
+    if PRED == PRED_EPSILON:
+        c = k - tl.div_rn(sqrt_a_prev, sqrt_a) * sqrt_b
+    elif PRED == PRED_SAMPLE:
+        c = sqrt_a_prev - tl.div_rn(k, sqrt_b) * sqrt_a
+    else:  # PRED_V
+        c = k * sqrt_a - sqrt_a_prev * sqrt_b
+    return c
+
+
+@triton.jit
 def ddim_mean_grads(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED: tl.constexpr, CLIP: tl.constexpr):
     """(d mu / d x, d mu / d v) per element; the clip passes x0's derivative inside [-range, range]
     (bounds included, as torch.clamp's gradient) and 0 outside. x0's divisions are div_rn_by_scalar's
     (the backward's), and g0 / sqrt(a) is one of two per-sample quotients (0 / sqrt(a) = +0): selected,
     the same bits as dividing per element."""
-    if CLIP:
+    if not CLIP:  # per sample, broadcast: dv is ddim_velocity_coefficient's
+        if PRED == PRED_EPSILON:
+            dx = tl.div_rn(sqrt_a_prev, sqrt_a) + x * 0.0
+        elif PRED == PRED_SAMPLE:
+            dx = tl.div_rn(k, sqrt_b) + x * 0.0
+        else:  # PRED_V
+            dx = sqrt_a_prev * sqrt_a + k * sqrt_b + x * 0.0
+        dv = ddim_velocity_coefficient(sqrt_a, sqrt_b, sqrt_a_prev, k, PRED) + x * 0.0
+    else:
         x0, _ = ddim_x0_eps(x, v, sqrt_a, sqrt_b, PRED, True)
         inside = (x0 >= -clip_range) & (x0 <= clip_range)
         g0 = tl.where(inside, sqrt_a_prev, 0.0)
-    else:
-        g0 = sqrt_a_prev + x * 0.0
-    if PRED == PRED_EPSILON:
-        if CLIP:
+        if PRED == PRED_EPSILON:
             gx0 = tl.where(inside, tl.div_rn(sqrt_a_prev, sqrt_a), 0.0)
-        else:
-            gx0 = tl.div_rn(sqrt_a_prev, sqrt_a) + x * 0.0
-        dx = gx0
-        dv = k - gx0 * sqrt_b
-    elif PRED == PRED_SAMPLE:
-        ge = tl.div_rn(k, sqrt_b)
-        dx = ge + x * 0.0
-        dv = g0 - ge * sqrt_a
-    else:  # PRED_V
-        dx = g0 * sqrt_a + k * sqrt_b
-        dv = k * sqrt_a - g0 * sqrt_b
+            dx = gx0
+            dv = k - gx0 * sqrt_b
+        elif PRED == PRED_SAMPLE:
+            ge = tl.div_rn(k, sqrt_b)
+            dx = ge + x * 0.0
+            dv = g0 - ge * sqrt_a
+        else:  # PRED_V
+            dx = g0 * sqrt_a + k * sqrt_b
+            dv = k * sqrt_a - g0 * sqrt_b
     return dx, dv

@@ -47,10 +47,10 @@ import triton.language as tl
 
 from .common import (
     MODE_DDIM, NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, bf16_words_to_f32,
-    chunk_tree_rows, compact_index, ddim_coefficients, ddim_mean, ddim_mean_grads, dpm_sde_coefficients,
-    halving_tree_rows, magic_quotient, mode_coefficients, neg, ordinary_count, philox_key, philox_normal_block,
-    policy_difference, round_pairs, round_to, run_heads, run_spread, step_mean, total_grad, value_from_total,
-    words_to_f32,
+    chunk_tree_rows, compact_index, ddim_coefficients, ddim_mean, ddim_mean_grads, ddim_velocity_coefficient,
+    dpm_sde_coefficients, halving_tree_rows, magic_quotient, mode_coefficients, neg, ordinary_count, philox_key,
+    philox_normal_block, policy_difference, round_pairs, round_to, run_heads, run_spread, step_mean, total_grad,
+    value_from_total, words_to_f32,
 )
 from .token import FROZEN_MAGIC, RECORD, TABLE_HEADER
 
@@ -198,12 +198,16 @@ def step_partials_kernel(
     # mean spilled 72 bytes as words, triton 3.6)
     WORD_STORE: tl.constexpr = EVEN and MODE != MODE_DDIM
     TILE: tl.constexpr = TILE_CHUNKS * CHUNK
+    # ddim's mean per element, but for its unclipped KL: linear there, c v - c v_ref as every mode's
+    DDIM_MEAN: tl.constexpr = MODE == MODE_DDIM and (OP != OP_KL or CLIP)
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_blocks
     block_first = (pid - row * n_blocks) * (GROUP * CHUNK)
     step = tl.load(step_ptr + row)
     if MODE == MODE_DDIM:
         sqrt_a, sqrt_b, sqrt_a_prev, k, std = ddim_coefficients(sigmas_ptr, step, eta)
+        if not DDIM_MEAN:
+            c = ddim_velocity_coefficient(sqrt_a, sqrt_b, sqrt_a_prev, k, PRED)
     else:
         a0, c0, std0 = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
         if HAS_PREV:  # dpm_sde's second order: mu gains p * x0_prev
@@ -229,7 +233,7 @@ def step_partials_kernel(
         v = _load_tile(v_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
         if NOISE == NOISE_TENSOR:
             third = _load_tile(third_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
-        if MODE == MODE_DDIM:  # nonlinear in v (the clip): its KL reads x too
+        if DDIM_MEAN:  # nonlinear in v (the clip): its clipped KL reads x too
             x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
             mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP, FAST_DDIM)
         elif OP != OP_KL:  # the KL's mu - mu_ref = c v - c v_ref does not read x
@@ -250,7 +254,7 @@ def step_partials_kernel(
                 tl.store(mean_out_ptr + offs, mu, mask=mask)
         elif OP == OP_LOG_PROB:
             r = third - mu
-        elif MODE == MODE_DDIM:  # OP_KL
+        elif DDIM_MEAN:  # OP_KL, clipped
             r = mu - ddim_mean(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP, FAST_DDIM)
         else:  # OP_KL
             r = policy_difference(c, v, third)
@@ -333,12 +337,15 @@ def step_backward_kernel(
     # (ddim[sample clip], sm_80, triton 3.6); unclipped, words take 1-1.5 instructions per element off
     # (ddim[v_prediction]'s KL backward 47.3 -> 46.1 SASS per element, bf16, sm_90a, triton 3.6)
     WORDS: tl.constexpr = MODE != MODE_DDIM or not CLIP
+    DDIM_MEAN: tl.constexpr = MODE == MODE_DDIM and (not IS_KL or CLIP)  # as step_partials_kernel's
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_blocks
     block_first = (pid - row * n_blocks) * BLOCK
     step = tl.load(step_ptr + row)
     if MODE == MODE_DDIM:
         sqrt_a, sqrt_b, sqrt_a_prev, k, std0 = ddim_coefficients(sigmas_ptr, step, eta)
+        if not DDIM_MEAN:
+            c = ddim_velocity_coefficient(sqrt_a, sqrt_b, sqrt_a_prev, k, PRED)
     else:
         a0, c0, std0 = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
         if HAS_PREV:  # dpm_sde's second order: mu gains p * x0_prev
@@ -361,7 +368,7 @@ def step_backward_kernel(
             coef = tl.where(scored, coef, 0.0)
         v = _load_tile(v_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
         third = _load_tile(third_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
-        if MODE == MODE_DDIM:
+        if DDIM_MEAN:
             x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
             # div_rn_by_scalar (True): ddim[epsilon clip]'s gaussian backward then launches under the
             # 128-register cap (register_cap; unbounded, ptxas took 152-160); the others are over 128 with
@@ -386,7 +393,7 @@ def step_backward_kernel(
         grad_r = cr + cr  # d(r * r) = 2 r dr, as autograd of r * r sums two equal terms
         if IS_KL:
             grad_mu = grad_r
-            if MODE == MODE_DDIM:
+            if DDIM_MEAN:
                 grad_third = neg(grad_r) * c_ref
             else:
                 grad_third = neg(grad_r) * c

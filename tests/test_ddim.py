@@ -194,6 +194,36 @@ def test_gradients_exact_through_the_clip(prediction):
     assert 0 < int((x0.abs() > 1).sum()) < x0.numel()
 
 
+@pytest.mark.parametrize("prediction", PREDICTIONS)
+def test_unclipped_kl_is_linear_in_v(prediction):
+    """Without the clip ddim's KL residual is c v - c v_ref (docs/contract.md, ddim): it reads no x (the
+    same bits for any x, no x gradient) and is the float64 means' difference up to rounding, with the
+    float64 oracle's gradients for v and v_ref; the clipped KL does read x."""
+    table = alpha_bar_table()
+    x, v, _, v_ref = inputs((2, 1030), torch.float32, seed=6)
+    other_x = inputs((2, 1030), torch.float32, seed=7)[0]
+    idx = torch.tensor([1, 3])
+    kw = opts(prediction, None)
+    mu, stds = oracle_mean_std(x.double(), v.double(), table, idx, 0.8, prediction, None)
+    mu_ref, _ = oracle_mean_std(x.double(), v_ref.double(), table, idx, 0.8, prediction, None)
+    for backend in BACKENDS:
+        leaves = [t.detach().clone().requires_grad_() for t in (x, v, v_ref)]
+        kl = flowrl.step_kl(*leaves, table, idx, backend=backend, **kw)
+        torch.testing.assert_close(kl.double(), _kl(mu, mu_ref, stds), rtol=1e-5, atol=1e-9)
+        assert torch.equal(flowrl.step_kl(other_x, v, v_ref, table, idx, backend=backend, **kw), kl.detach())
+        kl.sum().backward()
+        assert leaves[0].grad is None
+        expect = [t.detach().clone().double().requires_grad_() for t in (v, v_ref)]
+        m = oracle_mean_std(x.double(), expect[0], table, idx, 0.8, prediction, None)[0]
+        m_ref = oracle_mean_std(x.double(), expect[1], table, idx, 0.8, prediction, None)[0]
+        _kl(m, m_ref, stds).sum().backward()
+        for leaf, e in zip(leaves[1:], expect):
+            torch.testing.assert_close(leaf.grad.double(), e.grad, rtol=1e-4, atol=1e-9)
+        clipped = dict(kw, clip_sample_range=1.0)
+        assert not torch.equal(flowrl.step_kl(other_x, v, v_ref, table, idx, backend=backend, **clipped),
+                               flowrl.step_kl(x, v, v_ref, table, idx, backend=backend, **clipped))
+
+
 def _oracle_kl(x, v, v_ref, table, idx, prediction):
     mu, stds = oracle_mean_std(x, v, table, idx, 0.8, prediction, 1.0)
     mu_ref, _ = oracle_mean_std(x, v_ref, table, idx, 0.8, prediction, 1.0)

@@ -182,18 +182,18 @@ def tiles_taken(mode: Mode, backward: bool, masked_rollout: bool = False, second
     with the mean 8-40 bytes, the Philox rollouts 8-40 bytes where they write the mean
     (``philox_mean``), in ddim and in dpm_sde's second order (``second_order``: 16-64 bytes), dpm_sde's
     second-order gaussian backward (the extra x0_prev stream; the KL's cancels) 40-48 bytes in float16
-    with triton 3.6, and ddim's backward and its KL but v-prediction's unclipped one (``ddim_kl``:
-    (prediction, clipped) of a ddim KL; 56-672 bytes, and 72 on sm_80 for the clipped KL and
-    epsilon's unclipped one, triton 3.9), so these keep one tile (dpm_sde's second-order forward with
+    with triton 3.6, and ddim's backward and its clipped KL (``ddim_kl``: (prediction, clipped) of a
+    ddim KL, forward or backward; 56-672 bytes, and 72 on sm_80 for the clipped KL, triton 3.9; the
+    unclipped KL's c v - c v_ref reads neither x nor the mean's divisions), so these keep one tile (dpm_sde's second-order forward with
     given noise takes tiles since the chunk's leaves-first tree and the word loads
     freed registers, ddim's log-prob and rollouts since its divisions lost div.rn's per-element
     slow-path calls: common.div_rn_by_scalar; the other Philox rollouts since their latents load
     after the noise, behind a barrier, their Philox counters are uint32 with a zero high word and its
     multiplies one mul.wide each: at 125-128 registers, no spill)."""
-    ddim_kl_one_tile = ddim_kl is not None and ddim_kl != (Prediction.V_PREDICTION, False)
+    linear_kl = ddim_kl is not None and not ddim_kl[1]  # unclipped: c v - c v_ref, as every mode's KL
     philox_one_tile = philox and (philox_mean or second_order or mode is Mode.DDIM)
     return not (masked_rollout or philox_one_tile or (second_order and backward)
-                or (mode is Mode.DDIM and (backward or ddim_kl_one_tile)))
+                or (mode is Mode.DDIM and not linear_kl and (backward or ddim_kl is not None)))
 
 
 def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = False, unaligned_philox: bool = False,
@@ -213,7 +213,7 @@ def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = Fal
     group, _ = launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
     masked_rollout = rollout and n_per_sample % (group * CHUNK_SIZE) != 0
     latents, extra = [t for t in latents if t is not None], [t for t in extra if t is not None]
-    ddim_kl = ddim_variant(spec) if not backward and spec.op is Op.KL else None
+    ddim_kl = ddim_variant(spec) if spec.op is Op.KL else None
     if (storage in _TILE_DTYPES and tiles_taken(spec.mode, backward, masked_rollout, second_order, ddim_kl,
                                                 philox, write_mean)
             and n_per_sample % 16 == 0 and all(t.dtype == storage for t in latents)
@@ -467,7 +467,7 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Op
     b, n = _rows_shape(x)
     is_kl = kind is LogProbKind.KL
     # mu - mu_ref = c v - c v_ref does not depend on x: no x grad (ddim's clipped mean is not linear)
-    need_x = need_x and (not is_kl or spec.mode is Mode.DDIM)
+    need_x = need_x and (not is_kl or (spec.mode is Mode.DDIM and spec.clip_sample_range is not None))
     grad_x = torch.empty_like(x) if need_x else None
     grad_v = torch.empty_like(v) if need_v else None
     grad_third = torch.empty_like(third, dtype=third_dtype or third.dtype) if need_third else None

@@ -478,6 +478,16 @@ def ddim_mean(x: torch.Tensor, v: torch.Tensor, sqrt_a, sqrt_b, sqrt_a_prev, k, 
     return sqrt_a_prev * x0 + k * eps
 
 
+def ddim_velocity_coefficient(sqrt_a, sqrt_b, sqrt_a_prev, k, prediction):
+    """d mu / d v of ddim's unclipped mean [B] (the kernels' common.ddim_velocity_coefficient, the same
+    operations): without the clip mu = A x + C v, so two policies' means differ by C v - C v_ref."""
+    if prediction is C.Prediction.EPSILON:
+        return k - (sqrt_a_prev / sqrt_a) * sqrt_b
+    if prediction is C.Prediction.SAMPLE:
+        return sqrt_a_prev - (k / sqrt_b) * sqrt_a
+    return k * sqrt_a - sqrt_a_prev * sqrt_b  # V_PREDICTION
+
+
 def _mean_and_std(spec, sample: torch.Tensor, model_output: torch.Tensor, dtype: torch.dtype,
                   prev_x0_pred: Optional[torch.Tensor] = None):
     """The step's mean [B, N] (in ``dtype``) and std [B] for the spec's mode. A second-order dpm_sde
@@ -622,15 +632,18 @@ def step_kl(spec, sample: torch.Tensor, model_output: torch.Tensor, ref_model_ou
     """(KL [B], count [B]): the exact Gaussian KL between the step's transitions under two policies
     sharing ``std``: ``(mu_theta - mu_ref)^2 / (2 std^2)`` per element (docs/contract.md, KL)."""
     dtype = compute_dtype(sample, model_output, ref_model_output)
-    if spec.mode is Mode.DDIM:  # x0's clip makes mu nonlinear: the x terms need not cancel
+    if spec.mode is Mode.DDIM and spec.clip_sample_range is not None:  # nonlinear: the x terms need not cancel
         mu, std = _mean_and_std(spec, sample, model_output, dtype)
         return _reduce(spec, mu - _mean_and_std(spec, sample, ref_model_output, dtype)[0], std)
     # mu - mu_ref = c v - c v_ref: the a * x terms cancel exactly, so the KL does not depend on x (its
     # gradient is none, not two opposite terms that can overflow a float16 gradient and give NaN)
-    if spec.elementwise:
+    if spec.mode is Mode.DDIM:
+        sqrt_a, sqrt_b, sqrt_a_prev, k, std = ddim_coefficients(spec.sigmas, spec.step_index, spec.noise_level, dtype)
+        c = ddim_velocity_coefficient(sqrt_a, sqrt_b, sqrt_a_prev, k, spec.prediction)
+    elif spec.elementwise:
         t = ElementTerms(spec, sample, dtype)
         return t.reduce(spec, (t.c * model_output) - (t.c * ref_model_output))
-    if spec.mode is Mode.DPM_SDE and prev_x0_pred is not None:  # p * x0_prev is shared and cancels like a * x
+    elif spec.mode is Mode.DPM_SDE and prev_x0_pred is not None:  # p * x0_prev is shared and cancels like a * x
         _, c, _, std = dpm_sde_coefficients(spec.sigmas, spec.step_index, True, dtype)
     else:
         _, c, std = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
