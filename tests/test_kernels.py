@@ -573,6 +573,47 @@ def test_block_division_and_ranges_are_checked_on_the_host():
             _triton_ops.check_philox_range(offset, n)
 
 
+def test_the_launchers_refuse_what_their_index_math_cannot_reach(monkeypatch):
+    """Every Triton launcher runs the host checks above, end to end: with the limits lowered
+    (MAX_SAMPLE_ELEMENTS, PHILOX_ELEMENTS, MAX_TABLE_TOKENS), a step, its backward, the GRPO family's
+    replayed mu_old, DPO's drawn noise and a per-token table past them raise a ValueError naming what
+    is too large, where the same calls run under the real limits."""
+    from flowrl import losses as L
+
+    g = torch.Generator().manual_seed(0)
+    x, v, v_ref = (torch.randn(2, 3, 100, generator=g) for _ in range(3))  # 300 elements per sample
+    sigmas, steps = torch.tensor([1.0, 0.7, 0.4, 0.0]), torch.tensor([1, 2])
+    seeded = flowrl.sde_step(x, v, sigmas, steps, noise_seed=5, backend="triton")
+    adv = torch.tensor([0.5, -0.5])
+    token_sigmas = torch.tensor([[0.7, 0.7, 0.4], [0.4, 0.7, 0.7]]).reshape(2, 3, 1)
+    calls = {
+        "step": lambda: flowrl.sde_step(x, v, sigmas, steps, noise=v_ref, backend="triton"),
+        "philox": lambda: flowrl.sde_step(x, v, sigmas, steps, noise_seed=5, backend="triton"),
+        "replay": lambda: L.grpo_guard_loss(x, v, seeded.prev_sample, sigmas, steps, seeded.log_prob, adv,
+                                            noise_seed=5, clip_range=0.2, backend="triton"),
+        "dpo": lambda: L.dpo_loss(v, v_ref, None, x, beta=1.0, noise_seed=3, backend="triton"),
+        "tokens": lambda: flowrl.step_log_prob(x, v, seeded.prev_sample, sigmas, steps, token_sigmas=token_sigmas,
+                                               backend="triton"),
+    }
+    for call in calls.values():
+        call()
+    lp = flowrl.step_log_prob(x, v.clone().requires_grad_(), seeded.prev_sample, sigmas, steps, backend="triton")
+    with monkeypatch.context() as m:
+        m.setattr(_triton_ops, "MAX_SAMPLE_ELEMENTS", 299)
+        for run in (calls["step"], lambda: lp.sum().backward()):  # the forward ran under the real limit
+            with pytest.raises(ValueError, match="samples of at most 299 elements"):
+                run()
+    for name in ("philox", "replay", "dpo"):
+        with monkeypatch.context() as m:
+            m.setattr(_triton_ops, "PHILOX_ELEMENTS", 299)
+            with pytest.raises(ValueError, match="Philox noise for elements below 299"):
+                calls[name]()
+    with monkeypatch.context() as m:
+        m.setattr(_triton_ops, "MAX_TABLE_TOKENS", 2)
+        with pytest.raises(ValueError, match="token_sigmas: .* at most 2 tokens per sample; got 3"):
+            calls["tokens"]()
+
+
 def test_clipped_epsilon_ddim_backward_launches_under_the_register_cap(device, monkeypatch):
     """ddim[epsilon]'s gaussian backward with the clip over 16-bit latents launches under maxnreg 128
     (its divisions by div_rn_by_scalar: unbounded, ptxas took 152-160 registers), as kernels/aot.py

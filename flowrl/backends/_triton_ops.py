@@ -326,6 +326,9 @@ class _KernelScalars:
         frozen, frozen_layout = self.sigmas, (1, 1, 0)
         if spec.per_token:  # one [Bt, G, 2] table of (sigma, sigma') pairs
             table, inner, groups, stride = flat_layout(spec.token_sigmas.to(torch.float32), sample_shape)
+            if groups > MAX_TABLE_TOKENS:
+                raise ValueError(f"token_sigmas: the Triton backend takes at most {MAX_TABLE_TOKENS} tokens per "
+                                 f"sample; got {groups}")
             table_next = flat_layout(spec.token_sigmas_next.to(torch.float32), sample_shape)[0]
             pairs, tok_layout = torch.stack((table, table_next), dim=-1).contiguous(), (inner, groups, stride)
         if spec.frozen is not None:
@@ -349,14 +352,18 @@ class _KernelScalars:
 # Elements per sample the kernels take: their in-sample offsets and masks run in 32 bits (the row's
 # start in 64), with room for a program's last tile past the end.
 MAX_SAMPLE_ELEMENTS = 2**31 - 2**16
+# Philox elements of a sample's stream the kernels draw: their quad counters are uint32, with room for a
+# program's last block past the end (kernels/common.philox_quad)
+PHILOX_ELEMENTS = 2**32 - 2**16
+# tokens of a sample's per-token table: a record's offset in it, 4 words each, is 32-bit (step._element_terms)
+MAX_TABLE_TOKENS = 2**29
 
 
 def check_philox_range(elem_offset: int, n_per_sample: int) -> None:
     """ValueError unless a launch drawing Philox noise for elements elem_offset .. elem_offset +
-    n_per_sample - 1 of a sample's stream stays below 2**32 with a program's last block past the end:
-    the kernels' quad counters are uint32 (kernels/common.philox_quad)."""
-    if elem_offset < 0 or elem_offset + n_per_sample > 2**32 - 2**16:
-        raise ValueError(f"the Triton backend draws Philox noise for elements below {2**32 - 2**16} of a "
+    n_per_sample - 1 of a sample's stream stays below PHILOX_ELEMENTS."""
+    if elem_offset < 0 or elem_offset + n_per_sample > PHILOX_ELEMENTS:
+        raise ValueError(f"the Triton backend draws Philox noise for elements below {PHILOX_ELEMENTS} of a "
                          f"sample's stream; got elem_offset {elem_offset} and {n_per_sample} elements")
 
 
