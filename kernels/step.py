@@ -94,13 +94,20 @@ def _element_terms(a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups,
     keep = heads < 0  # all False
     weight = 1.0
     if PER_TOKEN:
-        # the row's records from one 64-bit base; each head's 32-bit offset (tokens < 2**29)
-        record = tok_ptr + TABLE_HEADER + RECORD * row * tok_stride + RECORD * compact_index(heads, tok_ptr, tok_groups)
-        # one 16-byte load per head; a masked head (past the sample) reads zeros: std 0, not scored
-        fields = tl.load(record[:, None] + tl.arange(0, RECORD)[None, :], mask=head_mask[:, None], other=0.0)
-        a_std, c_w = tl.split(tl.reshape(fields, (fields.shape[0], 2, 2)))  # fields 0, 2 and 1, 3
-        a, std = tl.split(a_std)
-        c, w = tl.split(c_w)
+        # the row's records from one 64-bit base, each head's offset 32-bit (_triton_ops.MAX_TABLE_TOKENS);
+        # a masked head (past the sample) reads zeros: std 0, not scored
+        tok = compact_index(heads, tok_ptr, tok_groups)
+        record = tok_ptr + TABLE_HEADER + RECORD * row * tok_stride + RECORD * tok
+        if RUN > 1:  # one 16-byte load per head (per element, RUN 1, the block spilled: fp32, sm_80)
+            fields = tl.load(record[:, None] + tl.arange(0, RECORD)[None, :], mask=head_mask[:, None], other=0.0)
+            a_std, c_w = tl.split(tl.reshape(fields, (fields.shape[0], 2, 2)))  # fields 0, 2 and 1, 3
+            a, std = tl.split(a_std)
+            c, w = tl.split(c_w)
+        else:
+            a = tl.load(record, mask=head_mask, other=0.0)
+            c = tl.load(record + 1, mask=head_mask, other=0.0)
+            std = tl.load(record + 2, mask=head_mask, other=0.0)
+            w = tl.load(record + 3, mask=head_mask, other=0.0)
         a = run_spread(a, RUN)
         c = run_spread(c, RUN)
         keep = keep | (w < 0.0)  # held
