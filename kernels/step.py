@@ -97,13 +97,14 @@ def _element_terms(a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups,
         # the row's records from one 64-bit base, each head's offset 32-bit (_triton_ops.MAX_TABLE_TOKENS);
         # a masked head (past the sample) reads zeros: std 0, not scored
         tok = compact_index(heads, tok_ptr, tok_groups)
-        record = tok_ptr + TABLE_HEADER + RECORD * row * tok_stride + RECORD * tok
         if RUN > 1:  # one 16-byte load per head (per element, RUN 1, the block spilled: fp32, sm_80)
+            record = tok_ptr + TABLE_HEADER + RECORD * row * tok_stride + RECORD * tok
             fields = tl.load(record[:, None] + tl.arange(0, RECORD)[None, :], mask=head_mask[:, None], other=0.0)
             a_std, c_w = tl.split(tl.reshape(fields, (fields.shape[0], 2, 2)))  # fields 0, 2 and 1, 3
             a, std = tl.split(a_std)
             c, w = tl.split(c_w)
         else:
+            record = tok_ptr + TABLE_HEADER + RECORD * (row * tok_stride + tok.to(tl.int64))
             a = tl.load(record, mask=head_mask, other=0.0)
             c = tl.load(record + 1, mask=head_mask, other=0.0)
             std = tl.load(record + 2, mask=head_mask, other=0.0)
