@@ -703,7 +703,8 @@ def is_hot(spec: Specialization) -> bool:
     # large latents fill whole blocks (EVEN)
     partials = spec.kernel == "step_partials_kernel"
     philox = partials and cx["NOISE"] == int(NoiseSource.PHILOX)
-    ddim_kl = _ddim_variant(cx) if cx["OP" if partials else "IS_KL"] in (int(Op.KL), True) else None
+    is_kl = cx["OP"] == int(Op.KL) if partials else cx["IS_KL"]
+    ddim_kl = _ddim_variant(cx) if is_kl else None
     return cx["EVEN"] and config == tuple(_step_config(storage, Mode(cx["MODE"]), not partials,
                                                        second_order=cx["HAS_PREV"] and not cx.get("IS_KL"),
                                                        ddim_kl=ddim_kl, philox=philox,
