@@ -174,8 +174,12 @@ def test_flow_grpo_cfg_without_the_guidance_helper_is_not_one(sd3, dtype):
     peer = flow_grpo_loop(sd3, DTYPES[dtype], True, "peer")
     RESULTS[("Flow-GRPO", dtype, True, "Flow-GRPO as is")] = peer
     assert peer > 0
-    # the numbers docs/integration.md quotes
-    assert (f"{dev:.2g}", f"{peer:.2g}") == {"bf16": ("0.00039", "0.035"), "fp16": ("2.9e-05", "0.0029")}[dtype]
+    # the numbers docs/integration.md quotes: bf16's exactly; fp16's vary with the CPU's half-precision
+    # arithmetic (2.9e-5 / 2.9e-3 measured without AVX-512 FP16, 4.1e-5 / 2.1e-3 with it): their decade
+    if dtype == "bf16":
+        assert (f"{dev:.2g}", f"{peer:.2g}") == ("0.00039", "0.035")
+    else:
+        assert 1e-5 < dev < 1e-4 and 1e-3 < peer < 1e-2, (dev, peer)
 
 
 def test_flow_grpo_fp32_cfg_is_exact_with_the_out_dtype_step_alone(sd3):
