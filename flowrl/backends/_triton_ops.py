@@ -184,8 +184,8 @@ def tiles_taken(mode: Mode, backward: bool, masked_rollout: bool = False, second
     second-order gaussian backward (the extra x0_prev stream; the KL's cancels) 40-48 bytes in float16
     with triton 3.6, and ddim's backward and its clipped KL (``ddim_kl``: (prediction, clipped) of a
     ddim KL, forward or backward; 56-672 bytes, and 72 on sm_80 for the clipped KL, triton 3.9; the
-    unclipped KL's c v - c v_ref reads neither x nor the mean's divisions), so these keep one tile (dpm_sde's second-order forward with
-    given noise takes tiles since the chunk's leaves-first tree and the word loads
+    unclipped KL's c v - c v_ref reads neither x nor the mean's divisions), so these keep one tile
+    (dpm_sde's second-order forward with given noise takes tiles since the chunk's leaves-first tree and the word loads
     freed registers, ddim's log-prob and rollouts since its divisions lost div.rn's per-element
     slow-path calls: common.div_rn_by_scalar; the other Philox rollouts since their latents load
     after the noise, behind a barrier, their Philox counters are uint32 with a zero high word and its
@@ -474,7 +474,7 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Op
     b, n = _rows_shape(x)
     is_kl = kind is LogProbKind.KL
     # mu - mu_ref = c v - c v_ref does not depend on x: no x grad (ddim's clipped mean is not linear)
-    need_x = need_x and (not is_kl or (spec.mode is Mode.DDIM and spec.clip_sample_range is not None))
+    need_x = need_x and (not is_kl or not spec.linear_mean)
     grad_x = torch.empty_like(x) if need_x else None
     grad_v = torch.empty_like(v) if need_v else None
     grad_third = torch.empty_like(third, dtype=third_dtype or third.dtype) if need_third else None

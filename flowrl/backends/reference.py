@@ -632,7 +632,7 @@ def step_kl(spec, sample: torch.Tensor, model_output: torch.Tensor, ref_model_ou
     """(KL [B], count [B]): the exact Gaussian KL between the step's transitions under two policies
     sharing ``std``: ``(mu_theta - mu_ref)^2 / (2 std^2)`` per element (docs/contract.md, KL)."""
     dtype = compute_dtype(sample, model_output, ref_model_output)
-    if spec.mode is Mode.DDIM and spec.clip_sample_range is not None:  # nonlinear: the x terms need not cancel
+    if not spec.linear_mean:  # ddim's clip: the x terms of the two means need not cancel
         mu, std = _mean_and_std(spec, sample, model_output, dtype)
         return _reduce(spec, mu - _mean_and_std(spec, sample, ref_model_output, dtype)[0], std)
     # mu - mu_ref = c v - c v_ref: the a * x terms cancel exactly, so the KL does not depend on x (its

@@ -99,6 +99,12 @@ class StepSpec:
         return self.token_sigmas is not None
 
     @property
+    def linear_mean(self) -> bool:
+        """True when the mean is ``a x + c v`` with per-step a, c (every mode but ddim with its x0 clip):
+        two policies' means then differ by ``c v - c v_ref``, so the KL reads no x (docs/contract.md)."""
+        return not (self.mode is Mode.DDIM and self.clip_sample_range is not None)
+
+    @property
     def elementwise(self) -> bool:
         """True when some element's step differs from its sample's (per-token sigmas or a mask): the
         scored-element count and the per-token log term come from ``reference.scored_statistics``."""
