@@ -375,6 +375,7 @@ def _ddim(storage) -> Iterator[Specialization]:
     clip) pair, the rollout (torch noise with the mean, Philox, none at eta = 0), the log-prob, the KL
     and their backward (gaussian mean, KL); one finalize (ddim's finalize reads only the std)."""
     from flowrl.backends._triton_ops import WIDE_CONFIG
+    from flowrl.core.step_spec import ddim_kl_reads_sample
 
     fwd, philox, bwd = (_step_config(storage, Mode.DDIM, philox=p, backward=b)
                         for p, b in ((False, False), (True, False), (False, True)))
@@ -389,8 +390,7 @@ def _ddim(storage) -> Iterator[Specialization]:
         yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False,
                         *_step_config(storage, Mode.DDIM, ddim_kl=ddim), **kw)
         yield _backward(storage, Mode.DDIM, LogProbKind.GAUSSIAN, True, (True, True, True), *bwd, **kw)
-        # the unclipped KL reads no x (c v - c v_ref): no x grad
-        yield _backward(storage, Mode.DDIM, LogProbKind.KL, True, (ddim[1], True, True),
+        yield _backward(storage, Mode.DDIM, LogProbKind.KL, True, (ddim_kl_reads_sample(*ddim), True, True),
                         *_step_config(storage, Mode.DDIM, backward=True, ddim_kl=ddim), **kw)
     # masked (a sample size not a multiple of the block), one variant per op
     ddim = MASKED_DDIM_VARIANT
@@ -399,7 +399,8 @@ def _ddim(storage) -> Iterator[Specialization]:
                         *_step_config(storage, Mode.DDIM, masked_rollout=True), ddim=ddim)
     yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False,
                     *_step_config(storage, Mode.DDIM, ddim_kl=ddim), ddim=ddim)
-    yield _backward(storage, Mode.DDIM, LogProbKind.KL, True, (True, True, True), *bwd, ddim=ddim)
+    yield _backward(storage, Mode.DDIM, LogProbKind.KL, True, (ddim_kl_reads_sample(*ddim), True, True),
+                    *_step_config(storage, Mode.DDIM, backward=True, ddim_kl=ddim), ddim=ddim)
     if storage == STORAGES[0]:
         yield _finalize(Mode.DDIM, LogProbKind.GAUSSIAN, True, 64)
 
@@ -569,6 +570,12 @@ def _rollout(c):
     return c.get("OP") == int(Op.ROLLOUT)
 
 
+def _clipped_kl_reads_x(c):
+    from flowrl.core.step_spec import ddim_kl_reads_sample
+
+    return c["MODE"] == int(Mode.DDIM) and ddim_kl_reads_sample(Prediction(c["PRED"]), c["CLIP"])
+
+
 # The element traffic of each kernel: the per-element tensors it reads or writes, each with the
 # condition (on the specialization's constexprs) under which it does; a tensor's width is its
 # pointer's type in the signature (the storage dtype, or float32 for given noise, the mean and a given
@@ -576,8 +583,8 @@ def _rollout(c):
 # bytes per token, cache resident) and the chunk partials (4 bytes per 1,024 elements) are not counted.
 ELEMENT_TRAFFIC = {
     "step_partials_kernel": (
-        # the KL's c v - c v_ref (ddim's clipped KL reads x: its means are not linear)
-        ("x_ptr", lambda c: c["OP"] != int(Op.KL) or (c["MODE"] == int(Mode.DDIM) and c["CLIP"])),
+        # the KL's c v - c v_ref (ddim's clipped KL reads x for x0_hat, but for prediction "sample")
+        ("x_ptr", lambda c: c["OP"] != int(Op.KL) or _clipped_kl_reads_x(c)),
         ("v_ptr", lambda c: True),
         ("third_ptr", lambda c: c["NOISE"] == int(NoiseSource.TENSOR)),  # eps, x' or v_ref
         ("prev_out_ptr", _rollout),
@@ -585,7 +592,7 @@ ELEMENT_TRAFFIC = {
         ("prev_x0_ptr", lambda c: c["HAS_PREV"]),
     ),
     "step_backward_kernel": (
-        ("x_ptr", lambda c: not c["IS_KL"] or (c["MODE"] == int(Mode.DDIM) and c["CLIP"])),
+        ("x_ptr", lambda c: not c["IS_KL"] or _clipped_kl_reads_x(c)),
         ("v_ptr", lambda c: True),
         ("third_ptr", lambda c: True),
         ("prev_x0_ptr", lambda c: c["HAS_PREV"] and not c["IS_KL"] and c["MODE"] != int(Mode.DDIM)),

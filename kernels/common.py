@@ -702,6 +702,73 @@ def ddim_velocity_coefficient(sqrt_a, sqrt_b, sqrt_a_prev, k, PRED: tl.constexpr
 
 
 @triton.jit
+def ddim_clipped_kl_coefficients(sqrt_a, sqrt_b, k, PRED: tl.constexpr):
+    """(e, inv_sqrt_a) of ddim's clipped KL (``ddim_clipped_difference``), once per sample: e = d (k
+    eps_hat) / d v (eps_hat is linear in v: k, -(k / sqrt(1 - a)) sqrt(a), k sqrt(a) per prediction)
+    and epsilon's 1 / sqrt(a) (its x0_hat; sqrt(a) itself for the others, unused)."""
+    inv_sqrt_a = sqrt_a
+    if PRED == PRED_EPSILON:
+        e = k
+        inv_sqrt_a = tl.div_rn(1.0, sqrt_a)
+    elif PRED == PRED_SAMPLE:
+        e = neg(tl.div_rn(k, sqrt_b) * sqrt_a)
+    else:  # PRED_V
+        e = k * sqrt_a
+    return e, inv_sqrt_a
+
+
+@triton.jit
+def ddim_kl_x0(x, v, sqrt_a, sqrt_b, inv_sqrt_a, PRED: tl.constexpr):
+    """x0_hat of the clipped KL, unclipped: fma(-sqrt(1 - a), v, x) / sqrt(a) as the product with the
+    per-sample reciprocal (epsilon), v (sample), fma(-sqrt(1 - a), v, sqrt(a) x) (v_prediction)."""
+    if PRED == PRED_EPSILON:
+        x0 = tl.fma(neg(sqrt_b), v, x) * inv_sqrt_a
+    elif PRED == PRED_SAMPLE:
+        x0 = v
+    else:  # PRED_V
+        x0 = tl.fma(neg(sqrt_b), v, sqrt_a * x)
+    return x0
+
+
+@triton.jit
+def ddim_clip(x0, clip_range):
+    """x0 clamped to [-clip_range, clip_range] (diffusers' clip_sample)."""
+    return tl.minimum(tl.maximum(x0, -clip_range), clip_range)
+
+
+@triton.jit
+def ddim_clipped_difference(x, v, v_ref, sqrt_a, sqrt_b, sqrt_a_prev, inv_sqrt_a, e, clip_range, PRED: tl.constexpr):
+    """mu(v) - mu(v_ref) of ddim's clipped mean (docs/contract.md, ddim): fma(sqrt(a'), clip(x0_hat) -
+    clip(x0_hat_ref), e (v - v_ref)), the eps terms' difference taken in v (flowrl.reference's
+    ddim_clipped_difference computes the same). Where diffusers' two means took 24 instructions per
+    element (their divisions among them), this takes 12 with epsilon's x0_hat, 8 with sample's."""
+    c0 = ddim_clip(ddim_kl_x0(x, v, sqrt_a, sqrt_b, inv_sqrt_a, PRED), clip_range)
+    c0_ref = ddim_clip(ddim_kl_x0(x, v_ref, sqrt_a, sqrt_b, inv_sqrt_a, PRED), clip_range)
+    return tl.fma(sqrt_a_prev, c0 - c0_ref, e * (v - v_ref))
+
+
+@triton.jit
+def ddim_clipped_kl_grads(x, v, v_ref, sqrt_a, sqrt_b, sqrt_a_prev, inv_sqrt_a, e, clip_range, PRED: tl.constexpr):
+    """(d r / d x, d r / d v, -d r / d v_ref) per element of ``ddim_clipped_difference``'s r: the clip
+    passes x0_hat's derivative where |x0_hat| <= clip_range (bounds included, as torch.clamp's
+    gradient), so d r / d v is e + sqrt(a') d x0 / d v inside and e outside, and d r / d x is
+    sqrt(a') d x0 / d x for each side inside (none for sample: x0_hat = v)."""
+    inside = tl.abs(ddim_kl_x0(x, v, sqrt_a, sqrt_b, inv_sqrt_a, PRED)) <= clip_range
+    inside_ref = tl.abs(ddim_kl_x0(x, v_ref, sqrt_a, sqrt_b, inv_sqrt_a, PRED)) <= clip_range
+    if PRED == PRED_EPSILON:
+        gx = sqrt_a_prev * inv_sqrt_a
+        gv = e - gx * sqrt_b
+    elif PRED == PRED_SAMPLE:
+        gx = 0.0
+        gv = e + sqrt_a_prev
+    else:  # PRED_V
+        gx = sqrt_a_prev * sqrt_a
+        gv = e - sqrt_a_prev * sqrt_b
+    dx = tl.where(inside, gx, 0.0) - tl.where(inside_ref, gx, 0.0)
+    return dx, tl.where(inside, gv, e), tl.where(inside_ref, gv, e)
+
+
+@triton.jit
 def ddim_mean_grads(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED: tl.constexpr, CLIP: tl.constexpr):
     """(d mu / d x, d mu / d v) per element; the clip passes x0's derivative inside [-range, range]
     (bounds included, as torch.clamp's gradient) and 0 outside. x0's divisions are div_rn_by_scalar's

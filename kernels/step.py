@@ -19,7 +19,8 @@ kernels/common.py.
   level 0): x' = mu and nothing is read for eps.
 - OP_LOG_PROB: third = the stored x'; r = x' - mu.
 - OP_KL:       third = the reference policy's velocity; r = mu(v) - mu(v_ref) = c v - c v_ref (x
-  cancels exactly, so it is not read).
+  cancels exactly, so it is not read); ddim with its clip: fma(sqrt(a'), clip(x0) - clip(x0_ref),
+  e (v - v_ref)) (common.ddim_clipped_difference; x0 reads x, but for prediction "sample").
 
 Finalize: one program per sample combines its partials (zero-padded to a power of two) by the
 halving tree, and turns the total into the log-prob / KL (common.value_from_total; the torch backend's
@@ -46,8 +47,9 @@ import triton
 import triton.language as tl
 
 from .common import (
-    MODE_DDIM, NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, bf16_words_to_f32,
-    chunk_tree_rows, compact_index, ddim_coefficients, ddim_mean, ddim_mean_grads, ddim_velocity_coefficient,
+    MODE_DDIM, PRED_SAMPLE, NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, bf16_words_to_f32,
+    chunk_tree_rows, compact_index, ddim_clipped_difference, ddim_clipped_kl_coefficients, ddim_clipped_kl_grads,
+    ddim_coefficients, ddim_mean, ddim_mean_grads, ddim_velocity_coefficient,
     dpm_sde_coefficients, halving_tree_rows, magic_quotient, mode_coefficients, neg, ordinary_count, philox_key,
     philox_normal_block, policy_difference, round_pairs, round_to, run_heads, run_spread, step_mean, total_grad,
     value_from_total, words_to_f32,
@@ -209,15 +211,19 @@ def step_partials_kernel(
     # mean spilled 72 bytes as words, triton 3.6)
     WORD_STORE: tl.constexpr = EVEN and MODE != MODE_DDIM
     TILE: tl.constexpr = TILE_CHUNKS * CHUNK
-    # ddim's mean per element, but for its unclipped KL: linear there, c v - c v_ref as every mode's
-    DDIM_MEAN: tl.constexpr = MODE == MODE_DDIM and (OP != OP_KL or CLIP)
+    # ddim's mean per element, but for its KL: c v - c v_ref as every mode's, or with the clip the
+    # clipped x0s' difference (CLIPPED_KL)
+    DDIM_MEAN: tl.constexpr = MODE == MODE_DDIM and OP != OP_KL
+    CLIPPED_KL: tl.constexpr = MODE == MODE_DDIM and OP == OP_KL and CLIP
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_blocks
     block_first = (pid - row * n_blocks) * (GROUP * CHUNK)
     step = tl.load(step_ptr + row)
     if MODE == MODE_DDIM:
         sqrt_a, sqrt_b, sqrt_a_prev, k, std = ddim_coefficients(sigmas_ptr, step, eta)
-        if not DDIM_MEAN:
+        if CLIPPED_KL:
+            e, inv_sqrt_a = ddim_clipped_kl_coefficients(sqrt_a, sqrt_b, k, PRED)
+        elif not DDIM_MEAN:
             c = ddim_velocity_coefficient(sqrt_a, sqrt_b, sqrt_a_prev, k, PRED)
     else:
         a0, c0, std0 = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
@@ -244,9 +250,14 @@ def step_partials_kernel(
         v = _load_tile(v_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
         if NOISE == NOISE_TENSOR:
             third = _load_tile(third_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
-        if DDIM_MEAN:  # nonlinear in v (the clip): its clipped KL reads x too
+        if DDIM_MEAN:
             x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
             mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP, FAST_DDIM)
+        elif CLIPPED_KL:  # nonlinear in v (the clip): x0 reads x, but for sample (x0 = v)
+            if PRED == PRED_SAMPLE:
+                x = v
+            else:
+                x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
         elif OP != OP_KL:  # the KL's mu - mu_ref = c v - c v_ref does not read x
             x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
             mu = step_mean(a, c, x, v)
@@ -265,8 +276,8 @@ def step_partials_kernel(
                 tl.store(mean_out_ptr + offs, mu, mask=mask)
         elif OP == OP_LOG_PROB:
             r = third - mu
-        elif DDIM_MEAN:  # OP_KL, clipped
-            r = mu - ddim_mean(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP, FAST_DDIM)
+        elif CLIPPED_KL:
+            r = ddim_clipped_difference(x, v, third, sqrt_a, sqrt_b, sqrt_a_prev, inv_sqrt_a, e, clip_range, PRED)
         else:  # OP_KL
             r = policy_difference(c, v, third)
         if ELEMENTWISE:
@@ -337,25 +348,30 @@ def step_backward_kernel(
 
     Per sample: coef = d value / d total (common.total_grad); per element d value / d r = 2 * coef * r,
     then dmu/dx = a, dmu/dv = c, and r = x' - mu or mu - mu_ref = c v - c v_ref. The KL does not
-    depend on x (a * x cancels), so it has no x grad (NEED_X is False for it), except ddim's: its
-    mean is nonlinear (x0's clip), with per-element dmu/dx, dmu/dv (common.ddim_mean_grads)."""
+    depend on x (a * x cancels), so it has no x grad (NEED_X is False for it), except ddim's clipped
+    KL where x0_hat reads x: per-element dr/dx, dr/dv, dr/dv_ref (common.ddim_clipped_kl_grads). ddim's
+    mean is nonlinear with its clip: the log-prob's per-element dmu/dx, dmu/dv (common.ddim_mean_grads)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
     TILE: tl.constexpr = BLOCK // TILES
     # the grads stored as words of rounded pairs on whole blocks; ddim's per value (as words its KL
     # backward took 0.7-3.2 more SASS per element)
     WORD_STORE: tl.constexpr = EVEN and MODE != MODE_DDIM
-    # clipped ddim reads bfloat16 per element: as words its clipped mean's grads spilled 40 bytes
-    # (ddim[sample clip], sm_80, triton 3.6); unclipped, words take 1-1.5 instructions per element off
-    # (ddim[v_prediction]'s KL backward 47.3 -> 46.1 SASS per element, bf16, sm_90a, triton 3.6)
-    WORDS: tl.constexpr = MODE != MODE_DDIM or not CLIP
-    DDIM_MEAN: tl.constexpr = MODE == MODE_DDIM and (not IS_KL or CLIP)  # as step_partials_kernel's
+    # clipped ddim's gaussian backward reads bfloat16 per element: as words its clipped mean's grads
+    # spilled 40 bytes (ddim[sample clip], sm_80, triton 3.6); elsewhere words take 1-1.5 instructions
+    # per element off (ddim[v_prediction]'s KL backward 47.3 -> 46.1 SASS per element, ddim[epsilon
+    # clip]'s 46.7 -> 45.1, bf16, sm_90a)
+    WORDS: tl.constexpr = MODE != MODE_DDIM or not CLIP or IS_KL
+    DDIM_MEAN: tl.constexpr = MODE == MODE_DDIM and not IS_KL  # as step_partials_kernel's
+    CLIPPED_KL: tl.constexpr = MODE == MODE_DDIM and IS_KL and CLIP
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_blocks
     block_first = (pid - row * n_blocks) * BLOCK
     step = tl.load(step_ptr + row)
     if MODE == MODE_DDIM:
         sqrt_a, sqrt_b, sqrt_a_prev, k, std0 = ddim_coefficients(sigmas_ptr, step, eta)
-        if not DDIM_MEAN:
+        if CLIPPED_KL:
+            e, inv_sqrt_a = ddim_clipped_kl_coefficients(sqrt_a, sqrt_b, k, PRED)
+        elif not DDIM_MEAN:
             c = ddim_velocity_coefficient(sqrt_a, sqrt_b, sqrt_a_prev, k, PRED)
     else:
         a0, c0, std0 = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
@@ -386,12 +402,14 @@ def step_backward_kernel(
             # div.rn too
             mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP, True)
             a, c = ddim_mean_grads(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)  # dmu/dx, dmu/dv
-            if IS_KL:
-                r = mu - ddim_mean(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP, True)
-                a_ref, c_ref = ddim_mean_grads(x, third, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP)
-                a = a - a_ref
+            r = third - mu
+        elif CLIPPED_KL:  # dr/dx, dr/dv, -dr/dv_ref per element; sample's x0 = v reads no x
+            if PRED == PRED_SAMPLE:
+                x = v
             else:
-                r = third - mu
+                x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
+            r = ddim_clipped_difference(x, v, third, sqrt_a, sqrt_b, sqrt_a_prev, inv_sqrt_a, e, clip_range, PRED)
+            a, c, c_ref = ddim_clipped_kl_grads(x, v, third, sqrt_a, sqrt_b, sqrt_a_prev, inv_sqrt_a, e, clip_range, PRED)
         elif IS_KL:
             r = policy_difference(c, v, third)
         else:
@@ -404,7 +422,7 @@ def step_backward_kernel(
         grad_r = cr + cr  # d(r * r) = 2 r dr, as autograd of r * r sums two equal terms
         if IS_KL:
             grad_mu = grad_r
-            if DDIM_MEAN:
+            if CLIPPED_KL:
                 grad_third = neg(grad_r) * c_ref
             else:
                 grad_third = neg(grad_r) * c

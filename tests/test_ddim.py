@@ -198,7 +198,7 @@ def test_gradients_exact_through_the_clip(prediction):
 def test_unclipped_kl_is_linear_in_v(prediction):
     """Without the clip ddim's KL residual is c v - c v_ref (docs/contract.md, ddim): it reads no x (the
     same bits for any x, no x gradient) and is the float64 means' difference up to rounding, with the
-    float64 oracle's gradients for v and v_ref; the clipped KL does read x."""
+    float64 oracle's gradients for v and v_ref; the clipped KL does read x, but for "sample"."""
     table = alpha_bar_table()
     x, v, _, v_ref = inputs((2, 1030), torch.float32, seed=6)
     other_x = inputs((2, 1030), torch.float32, seed=7)[0]
@@ -219,9 +219,48 @@ def test_unclipped_kl_is_linear_in_v(prediction):
         _kl(m, m_ref, stds).sum().backward()
         for leaf, e in zip(leaves[1:], expect):
             torch.testing.assert_close(leaf.grad.double(), e.grad, rtol=1e-4, atol=1e-9)
+        # the clipped KL reads x through x0_hat, but for "sample" (x0_hat = v)
         clipped = dict(kw, clip_sample_range=1.0)
-        assert not torch.equal(flowrl.step_kl(other_x, v, v_ref, table, idx, backend=backend, **clipped),
-                               flowrl.step_kl(x, v, v_ref, table, idx, backend=backend, **clipped))
+        same = torch.equal(flowrl.step_kl(other_x, v, v_ref, table, idx, backend=backend, **clipped),
+                           flowrl.step_kl(x, v, v_ref, table, idx, backend=backend, **clipped))
+        assert same == (prediction == "sample")
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("prediction", PREDICTIONS)
+def test_clipped_kl_residual(prediction, dtype):
+    """The clipped KL's residual (docs/contract.md, ddim), written here from the contract's float32
+    operations: fma(sqrt(a'), clip(x0_hat) - clip(x0_hat_ref), e (v - v_ref)). Both backends give its
+    bits; at v_ref = v it is 0 with zero gradients."""
+    from flowrl.backends.reference import ddim_coefficients, fma_f32
+
+    table = alpha_bar_table()
+    x, v, _, v_ref = inputs((3, 2 * 1024), dtype, seed=8)
+    idx = torch.tensor([1, 3, 4])
+    kw = opts(prediction, 1.0)
+    sa, sb, sap, k, std = (c.reshape(-1, 1) for c in ddim_coefficients(table, idx, 0.8, torch.float32))
+    e = {"epsilon": k, "sample": -((k / sb) * sa), "v_prediction": k * sa}[prediction]
+
+    def clipped_x0(out):
+        out = out.float()
+        x0 = {"epsilon": lambda: fma_f32(-sb, out, x.float()) * (1 / sa), "sample": lambda: out,
+              "v_prediction": lambda: fma_f32(-sb, out, sa * x.float())}[prediction]()
+        return x0.clamp(-1.0, 1.0)
+
+    r = fma_f32(sap, clipped_x0(v) - clipped_x0(v_ref), e * (v.float() - v_ref.float()))
+    assert 0 < int((clipped_x0(v).abs() == 1).sum()) < r.numel()  # the clip is active on some elements
+    # mean reduction: the chunk tree of r^2, then / (2 std^2 n) (a float64 sum of the float32 squares here)
+    expect = (r.double() ** 2).sum(1) / (2 * std.double().squeeze(1) ** 2 * r.shape[1])
+    kls = {}
+    for backend in BACKENDS:
+        kls[backend] = flowrl.step_kl(x, v, v_ref, table, idx, backend=backend, **kw)
+        torch.testing.assert_close(kls[backend].double(), expect, rtol=2e-6, atol=0)
+        vg = v.clone().requires_grad_()
+        same = flowrl.step_kl(x, vg, v, table, idx, backend=backend, **kw)
+        assert torch.equal(same, torch.zeros(3))
+        same.sum().backward()
+        assert torch.equal(vg.grad, torch.zeros_like(v))
+    assert torch.equal(kls["torch"], kls["triton"])
 
 
 def _oracle_kl(x, v, v_ref, table, idx, prediction):

@@ -37,7 +37,7 @@ from flowrl.kernels.token import RECORD, TABLE_HEADER, token_table_kernel
 
 from . import reference
 from ..contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, SIGMA_ONE_TOL, LogProbKind, Mode, NoiseSource, Op, Prediction, Reduction
-from ..core.step_spec import flat_layout
+from ..core.step_spec import ddim_kl_reads_sample, flat_layout
 
 # the pre-pass table's layout (kernels/token.py): header words, words per (sample, token) record
 TOKEN_TABLE_HEADER = int(TABLE_HEADER.value)
@@ -182,18 +182,19 @@ def tiles_taken(mode: Mode, backward: bool, masked_rollout: bool = False, second
     with the mean 8-40 bytes, the Philox rollouts 8-40 bytes where they write the mean
     (``philox_mean``), in ddim and in dpm_sde's second order (``second_order``: 16-64 bytes), dpm_sde's
     second-order gaussian backward (the extra x0_prev stream; the KL's cancels) 40-48 bytes in float16
-    with triton 3.6, and ddim's backward and its clipped KL (``ddim_kl``: (prediction, clipped) of a
-    ddim KL, forward or backward; 56-672 bytes, and 72 on sm_80 for the clipped KL, triton 3.9; the
-    unclipped KL's c v - c v_ref reads neither x nor the mean's divisions), so these keep one tile
+    with triton 3.6, and ddim's gaussian backward (56-672 bytes) and the backward of its clipped KL
+    where x0_hat reads x (``ddim_kl``: (prediction, clipped) of a ddim KL, forward or backward;
+    ``ddim_kl_reads_sample``; 64-320 bytes, triton 3.9; every ddim KL forward and the other KL
+    backwards take tiles: c v - c v_ref, or the clipped residual's fmas without the mean's
+    divisions, common.ddim_clipped_difference), so these keep one tile
     (dpm_sde's second-order forward with given noise takes tiles since the chunk's leaves-first tree and the word loads
     freed registers, ddim's log-prob and rollouts since its divisions lost div.rn's per-element
     slow-path calls: common.div_rn_by_scalar; the other Philox rollouts since their latents load
     after the noise, behind a barrier, their Philox counters are uint32 with a zero high word and its
     multiplies one mul.wide each: at 125-128 registers, no spill)."""
-    linear_kl = ddim_kl is not None and not ddim_kl[1]  # unclipped: c v - c v_ref, as every mode's KL
     philox_one_tile = philox and (philox_mean or second_order or mode is Mode.DDIM)
     return not (masked_rollout or philox_one_tile or (second_order and backward)
-                or (mode is Mode.DDIM and not linear_kl and (backward or ddim_kl is not None)))
+                or (mode is Mode.DDIM and backward and (ddim_kl is None or ddim_kl_reads_sample(*ddim_kl))))
 
 
 def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = False, unaligned_philox: bool = False,
@@ -473,8 +474,8 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Op
     kind = spec.kind if kind is None else kind
     b, n = _rows_shape(x)
     is_kl = kind is LogProbKind.KL
-    # mu - mu_ref = c v - c v_ref does not depend on x: no x grad (ddim's clipped mean is not linear)
-    need_x = need_x and (not is_kl or not spec.linear_mean)
+    # mu - mu_ref = c v - c v_ref does not depend on x: no x grad (but ddim's clipped KL's x0_hat)
+    need_x = need_x and (not is_kl or spec.kl_reads_sample)
     grad_x = torch.empty_like(x) if need_x else None
     grad_v = torch.empty_like(v) if need_v else None
     grad_third = torch.empty_like(third, dtype=third_dtype or third.dtype) if need_third else None

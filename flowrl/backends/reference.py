@@ -366,7 +366,7 @@ def philox_quads(seed: NoiseSeed, first_quad: int, n_quads: int):
 
 def fma_f32(a, b, c) -> torch.Tensor:
     """a * b + c rounded once to float32 (IEEE fma, the kernels' ``tl.fma``), for float32 tensors or
-    float32-valued Python floats (at least one tensor; finite, no float32 overflow). The product is
+    float32-valued Python floats (at least one tensor). The product is
     exact in float64 (24 + 24 bits); the sum is rounded to odd in float64 (rounded to nearest, then one
     ulp toward the exact sum when inexact and even, the exact error from TwoSum), and rounding that
     once to float32 gives the correctly rounded fma (53 >= 24 + 2 bits: Boldo and Melquiond, IEEE TC
@@ -379,7 +379,8 @@ def fma_f32(a, b, c) -> torch.Tensor:
     bits = s.view(torch.int64)
     inexact_even = (err != 0) & ((bits & 1) == 0)  # an inexact sum is never 0
     toward = torch.where((err > 0) == (s > 0), 1, -1)  # +1 on the bits moves away from zero
-    return (bits + toward * inexact_even).view(torch.float64).to(torch.float32)
+    rounded = (bits + toward * inexact_even).view(torch.float64).to(torch.float32)
+    return torch.where(torch.isfinite(s), rounded, s.to(torch.float32))  # inf, NaN: the IEEE fma's
 
 
 def box_muller_radius(x_radius: torch.Tensor) -> torch.Tensor:
@@ -486,6 +487,49 @@ def ddim_velocity_coefficient(sqrt_a, sqrt_b, sqrt_a_prev, k, prediction):
     if prediction is C.Prediction.SAMPLE:
         return sqrt_a_prev - (k / sqrt_b) * sqrt_a
     return k * sqrt_a - sqrt_a_prev * sqrt_b  # V_PREDICTION
+
+
+def ddim_clipped_kl_coefficients(sqrt_a, sqrt_b, k, prediction):
+    """(e, inv_sqrt_a) of ddim's clipped KL, per sample (the kernels' common.ddim_clipped_kl_coefficients,
+    the same operations): e = d (k eps_hat) / d v, and epsilon's 1 / sqrt(a) (None for the others)."""
+    if prediction is C.Prediction.EPSILON:
+        return k, 1 / sqrt_a
+    if prediction is C.Prediction.SAMPLE:
+        return -((k / sqrt_b) * sqrt_a), None
+    return k * sqrt_a, None  # V_PREDICTION
+
+
+def _fma(a, b, c) -> torch.Tensor:
+    """a * b + c rounded once (``fma_f32``'s value in float32, a * b + c in float64), differentiable as
+    a * b + c: the unfused expression carries autograd, its value is replaced exactly (y - y.detach() is
+    0 for finite y)."""
+    y = a * b + c
+    if y.dtype != torch.float32:
+        return y
+    with torch.no_grad():
+        fused = fma_f32(*(t.detach() if isinstance(t, torch.Tensor) else t for t in (a, b, c)))
+    return fused + (y - y.detach()) if y.requires_grad else fused
+
+
+def ddim_clipped_difference(x, v, v_ref, sqrt_a, sqrt_b, sqrt_a_prev, k, prediction, clip_sample_range):
+    """mu(v) - mu(v_ref) of ddim's clipped mean on [B, N] rows (coefficients [B, 1]), the kernels'
+    common.ddim_clipped_difference: fma(sqrt(a'), clip(x0_hat) - clip(x0_hat_ref), e (v - v_ref)), with
+    x0_hat = fma(-sqrt(1 - a), v, x) * (1 / sqrt(a)) (epsilon), v (sample), fma(-sqrt(1 - a), v,
+    sqrt(a) x) (v_prediction) (docs/contract.md, ddim). x is not read for "sample"."""
+    dtype = sqrt_a.dtype
+    v, v_ref = v.to(dtype), v_ref.to(dtype)  # upcast once: the clip compares compute-dtype values
+    e, inv_sqrt_a = ddim_clipped_kl_coefficients(sqrt_a, sqrt_b, k, prediction)
+
+    def clipped_x0(out):
+        if prediction is C.Prediction.EPSILON:
+            x0 = _fma(-sqrt_b, out, x) * inv_sqrt_a
+        elif prediction is C.Prediction.SAMPLE:
+            x0 = out
+        else:  # V_PREDICTION
+            x0 = _fma(-sqrt_b, out, sqrt_a * x)
+        return x0.clamp(-clip_sample_range, clip_sample_range)
+
+    return _fma(sqrt_a_prev, clipped_x0(v) - clipped_x0(v_ref), e * (v - v_ref))
 
 
 def _mean_and_std(spec, sample: torch.Tensor, model_output: torch.Tensor, dtype: torch.dtype,
@@ -632,13 +676,15 @@ def step_kl(spec, sample: torch.Tensor, model_output: torch.Tensor, ref_model_ou
     """(KL [B], count [B]): the exact Gaussian KL between the step's transitions under two policies
     sharing ``std``: ``(mu_theta - mu_ref)^2 / (2 std^2)`` per element (docs/contract.md, KL)."""
     dtype = compute_dtype(sample, model_output, ref_model_output)
-    if not spec.linear_mean:  # ddim's clip: the x terms of the two means need not cancel
-        mu, std = _mean_and_std(spec, sample, model_output, dtype)
-        return _reduce(spec, mu - _mean_and_std(spec, sample, ref_model_output, dtype)[0], std)
     # mu - mu_ref = c v - c v_ref: the a * x terms cancel exactly, so the KL does not depend on x (its
     # gradient is none, not two opposite terms that can overflow a float16 gradient and give NaN)
     if spec.mode is Mode.DDIM:
         sqrt_a, sqrt_b, sqrt_a_prev, k, std = ddim_coefficients(spec.sigmas, spec.step_index, spec.noise_level, dtype)
+        if not spec.linear_mean:  # the clip: x0_hat's terms differ by the clip (x read, but for "sample")
+            x = None if spec.prediction is C.Prediction.SAMPLE else _rows(sample).to(dtype)
+            r = ddim_clipped_difference(x, _rows(model_output), _rows(ref_model_output), _col(sqrt_a), _col(sqrt_b),
+                                        _col(sqrt_a_prev), _col(k), spec.prediction, spec.clip_sample_range)
+            return _reduce(spec, r, std)
         c = ddim_velocity_coefficient(sqrt_a, sqrt_b, sqrt_a_prev, k, spec.prediction)
     elif spec.elementwise:
         t = ElementTerms(spec, sample, dtype)

@@ -35,6 +35,13 @@ def draw_noise(shape, generator: GeneratorArg, device: torch.device) -> torch.Te
     return torch.randn(shape, generator=generator, device=gen_device, dtype=torch.float32).to(device)
 
 
+def ddim_kl_reads_sample(prediction: Prediction, clipped: bool) -> bool:
+    """Whether ddim's KL of ``prediction`` (clipped: ``clip_sample_range`` given) reads x: the unclipped
+    one is ``c v - c v_ref``; the clipped one's x0_hat reads x, but for ``"sample"`` (x0_hat = v)
+    (docs/contract.md, ddim)."""
+    return clipped and prediction is not Prediction.SAMPLE
+
+
 @dataclass(frozen=True)
 class ShardContext:
     """Where this call's tensors sit in the full samples, under sequence parallelism.
@@ -101,8 +108,14 @@ class StepSpec:
     @property
     def linear_mean(self) -> bool:
         """True when the mean is ``a x + c v`` with per-step a, c (every mode but ddim with its x0 clip):
-        two policies' means then differ by ``c v - c v_ref``, so the KL reads no x (docs/contract.md)."""
+        two policies' means then differ by ``c v - c v_ref`` (docs/contract.md)."""
         return not (self.mode is Mode.DDIM and self.clip_sample_range is not None)
+
+    @property
+    def kl_reads_sample(self) -> bool:
+        """Whether the KL depends on x (and has an x grad): only ddim's clipped KL, whose x0_hat reads x
+        (``ddim_kl_reads_sample``)."""
+        return self.mode is Mode.DDIM and ddim_kl_reads_sample(self.prediction, self.clip_sample_range is not None)
 
     @property
     def elementwise(self) -> bool:
