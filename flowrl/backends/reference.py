@@ -681,7 +681,7 @@ def step_kl(spec, sample: torch.Tensor, model_output: torch.Tensor, ref_model_ou
     if spec.mode is Mode.DDIM:
         sqrt_a, sqrt_b, sqrt_a_prev, k, std = ddim_coefficients(spec.sigmas, spec.step_index, spec.noise_level, dtype)
         if not spec.linear_mean:  # the clip: x0_hat's terms differ by the clip (x read, but for "sample")
-            x = None if spec.prediction is C.Prediction.SAMPLE else _rows(sample).to(dtype)
+            x = _rows(sample).to(dtype) if spec.kl_reads_sample else None
             r = ddim_clipped_difference(x, _rows(model_output), _rows(ref_model_output), _col(sqrt_a), _col(sqrt_b),
                                         _col(sqrt_a_prev), _col(k), spec.prediction, spec.clip_sample_range)
             return _reduce(spec, r, std)
