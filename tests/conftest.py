@@ -12,6 +12,12 @@ if not torch.cuda.is_available():
     torch.set_num_threads(1)
 
 
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    from interpreter_launches import patch_each_launch_once
+
+    patch_each_launch_once()
+
+
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected
 def pytest_collection_modifyitems(config, items):
     """The tests that read the full AOT compile run (marked ``aot``) run last, and the run starts now in
