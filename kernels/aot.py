@@ -643,34 +643,78 @@ def roofline_bound(sass_per_element: float, bytes_per_element: float) -> float:
 
 
 _INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;?\s*$")
-_BRANCH = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
+_BRANCH = re.compile(r"\bBRA\b.*\b0x([0-9a-f]+)\s*$")
+
+
+def cubin_text(cubin: bytes) -> bytes:
+    """The machine code of a one-kernel cubin: its ``.text.<kernel>`` section (ELF64 section headers)."""
+    import struct
+
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    entsize, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entsize) for i in range(count)]
+    strings = headers[names][4]
+    texts = [cubin[offset:offset + size] for name, _, _, _, offset, size in headers
+             if cubin[strings + name:cubin.index(b"\0", strings + name)].startswith(b".text.")]
+    if len(texts) != 1:
+        raise ValueError(f"expected one .text section in the cubin, found {len(texts)}")
+    return texts[0]
+
+
+def disassemble(texts: Sequence[bytes], arch: int = 90) -> List[str]:
+    """The nvdisasm listing of each machine-code section (``cubin_text``), all from one nvdisasm call:
+    its start-up (~0.7 s, tables it builds) is most of one kernel's disassembly. The sections go in
+    concatenated as a raw SM{arch} instruction stream (128-bit instructions, branches PC-relative, so
+    each decodes as in its cubin); the listing is split back at their offsets, and its branch targets
+    are addresses in the concatenation (``sass_count`` compares them to the branch's own)."""
+    if not texts:
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "text.bin")
+        with open(path, "wb") as f:
+            f.write(b"".join(texts))
+        listing = subprocess.run([_tool("nvdisasm"), "-b", "SM90a" if arch == 90 else f"SM{arch}", path],
+                                 capture_output=True, text=True, check=True).stdout
+    ends, start = [], 0
+    for text in texts:
+        start += len(text)
+        ends.append(start)
+    parts, k = [[] for _ in texts], 0
+    for line in listing.splitlines():
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        while int(m.group(1), 16) >= ends[k]:
+            k += 1
+        parts[k].append(line)
+    return ["\n".join(part) for part in parts]
 
 
 def sass_count(listing: str):
-    """(instructions, runtime loops) of an nvdisasm listing. Instructions: every instruction but the
-    NOP padding and the self-branch after the final EXIT. A runtime loop is a branch to an earlier
-    instruction (the self-branch excepted); with none, every instruction runs at most once per
-    thread, so the count times the threads is an upper bound of the dynamic count (it includes the
-    rarely taken slow paths of IEEE division and square root)."""
-    count, loops, labels, branches = 0, 0, {}, []
+    """(instructions, runtime loops) of a kernel's listing (``disassemble``). Instructions: every
+    instruction but the NOP padding and the self-branch after the final EXIT. A runtime loop is a
+    branch to an earlier instruction (the self-branch excepted); with none, every instruction runs at
+    most once per thread, so the count times the threads is an upper bound of the dynamic count (it
+    includes the rarely taken slow paths of IEEE division and square root)."""
+    count, loops = 0, 0
     for line in listing.splitlines():
-        label = re.match(r"^(\.L_x_\d+):", line)
-        if label:
-            labels[label.group(1)] = count
-            continue
         m = _INSTRUCTION.match(line)
         if not m or m.group(2).startswith("NOP"):
             continue
+        count += 1
         target = _BRANCH.search(m.group(2))
         if target:
-            branches.append((count, target.group(1)))
-        count += 1
-    for at, target in branches:
-        if target in labels and labels[target] < at:
-            loops += 1
-        elif target in labels and labels[target] == at:  # BRA to itself: the trap after EXIT
-            count -= 1
+            at, to = int(m.group(1), 16), int(target.group(1), 16)
+            if to == at:  # BRA to itself: the trap after EXIT
+                count -= 1
+            elif to < at:
+                loops += 1
     return count, loops
+
+
+def sass_of(compiled, arch: int = 90):
+    """(instructions, runtime loops) of a compiled kernel (``sass_count``)."""
+    return sass_count(disassemble([cubin_text(compiled.asm["cubin"])], arch)[0])
 
 
 def _group_warps(spec: Specialization):
@@ -753,37 +797,43 @@ def analyze(compiled, spec: Specialization, sass: bool = False) -> Dict[str, obj
     stores in the PTX and how many are 128-bit (the latents' vectorized accesses; the per-sample
     scalars are narrower), barriers in the PTX, the minimum bytes moved per element
     (``bytes_per_element``), and with ``sass`` the SASS instructions per element of the program
-    (nvdisasm, ``sass_count``) and the roofline bound (``roofline_bound``)."""
+    (``sass_of``) and the roofline bound (``sass_fields``)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
         usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True, text=True,
                                check=True).stdout
-        listing = subprocess.run([_tool("nvdisasm"), "-c", path], capture_output=True, text=True,
-                                 check=True).stdout if sass else None
     fields = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage))
     widths = {"ld": [], "st": []}
     for kind, vec, bits in _GLOBAL_ACCESS.findall(compiled.asm["ptx"]):
         widths[kind].append(int(vec or 1) * int(bits))
     wide = {kind: sum(w == 128 for w in ws) for kind, ws in widths.items()}
-    threads = 32 * spec.num_warps
-    instructions, loops = (None, None) if listing is None else sass_count(listing)
-    per_element = None if instructions is None else round(instructions * threads / spec.elements, 2)
-    nbytes = bytes_per_element(spec)
-    return {
+    row = {
         "registers": int(fields.get("REG", 0)), "spill_bytes": int(fields.get("LOCAL", 0)) + int(fields.get("STACK", 0)),
         "shared_bytes": int(compiled.metadata.shared), "loads": len(widths["ld"]), "loads_128": wide["ld"],
         "stores": len(widths["st"]), "stores_128": wide["st"],
         "barriers": len(re.findall(r"\b(?:bar|barrier)\.sync\b", compiled.asm["ptx"])),
-        "loops": loops, "sass_per_element": per_element, "bytes_per_element": nbytes,
-        "bound": (None if per_element is None or loops or not nbytes  # the pre-pass's header alone moves none
-                  else round(roofline_bound(per_element, nbytes), 3)),
-        "target": roofline_target(spec),
+        "bytes_per_element": bytes_per_element(spec), "target": roofline_target(spec),
     }
+    row.update(sass_fields(spec, *(sass_of(compiled, compiled.metadata.target.arch) if sass else (None, None))))
+    return row
+
+
+def sass_fields(spec: Specialization, instructions, loops) -> Dict[str, object]:
+    """A row's runtime loops, SASS per element (the count times the program's threads over its
+    elements) and roofline bound (``roofline_bound``), from ``sass_count``'s (instructions, loops);
+    None where not counted."""
+    per_element = None if instructions is None else round(instructions * 32 * spec.num_warps / spec.elements, 2)
+    nbytes = bytes_per_element(spec)
+    return {"loops": loops, "sass_per_element": per_element,
+            "bound": (None if per_element is None or loops or not nbytes  # the pre-pass's header alone moves none
+                      else round(roofline_bound(per_element, nbytes), 3))}
 
 
 def _run_one(job):
+    """One specialization compiled and analyzed; where its SASS is to be counted, its machine code
+    rides along (``_text``) for ``check``'s batched disassembly."""
     spec, storage, arch, sass = job
     import triton
 
@@ -791,10 +841,35 @@ def _run_one(job):
            "label": spec.label, "num_warps": spec.num_warps}
     try:
         compiled = compile_specialization(spec, arch)
-        row.update(analyze(compiled, spec, sass))
+        row.update(analyze(compiled, spec))
+        if sass:
+            row["_text"] = cubin_text(compiled.asm["cubin"])
     except Exception as exc:  # report every failure, then fail the run
         lines = str(exc).strip().splitlines()
         row.update(ok=False, error=f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:500])
+    return row
+
+
+def _count_sass(work, rows, jobs):
+    """The SASS fields of the rows whose machine code rode along, disassembled in ``jobs`` batches per
+    arch (``disassemble``: one nvdisasm start-up per batch, not per kernel), run side by side."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    batches = []
+    for arch in sorted({job[2] for job in work}):
+        todo = [k for k, (job, row) in enumerate(zip(work, rows)) if job[2] == arch and "_text" in row]
+        size = max(1, -(-len(todo) // max(1, jobs)))
+        batches += [(arch, todo[i:i + size]) for i in range(0, len(todo), size)]
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        listings = pool.map(lambda b: disassemble([rows[k].pop("_text") for k in b[1]], b[0]), batches)
+        for (_, ks), parts in zip(batches, listings):
+            for k, listing in zip(ks, parts):
+                rows[k].update(sass_fields(work[k][0], *sass_count(listing)))
+
+
+def _verdict(row):
+    """ok, or the error: a compile failure (already set), register spills, runtime loops."""
+    if "ok" in row:
         return row
     row["ok"] = row["spill_bytes"] == 0 and not row["loops"]
     if row["spill_bytes"]:
@@ -806,19 +881,24 @@ def _run_one(job):
 
 def check(archs: Sequence[int] = ARCHS, storages: Sequence[str] = STORAGES, quick: bool = False,
           jobs: int = 1, sass: bool = False, hot: bool = False, match: Sequence[str] = (),
-          sass_hot: bool = False) -> List[Dict[str, object]]:
+          sass_hot: bool = False, hot_only_archs: Sequence[int] = ()) -> List[Dict[str, object]]:
     """Compile and analyze every specialization (``hot``: the hot ones only, ``hot_specializations``;
     ``match``: only those whose "kernel: label" contains one of the substrings); one result dict per
     (specialization, storage, arch). ``sass``: count the SASS of each; ``sass_hot``: of the hot ones
-    on sm_90 only (the roofline's rows, from the same compile as the rest: tests/test_compile.py)."""
+    on sm_90 only (the roofline's rows, from the same compile as the rest: tests/test_compile.py);
+    ``hot_only_archs``: the archs of ``archs`` compiled for the hot specializations only."""
     work = [(spec, storage, arch, sass or (sass_hot and arch == 90 and is_hot(spec)))
             for arch in archs for storage in storages
-            for spec in (hot_specializations(storage) if hot else specializations(storage, quick))
+            for spec in (hot_specializations(storage) if hot or arch in hot_only_archs
+                         else specializations(storage, quick))
             if not match or any(m in f"{spec.kernel}: {spec.label}" for m in match)]
     if jobs <= 1:
-        return [_run_one(job) for job in work]
-    with ProcessPoolExecutor(jobs) as pool:
-        return list(pool.map(_run_one, work, chunksize=4))
+        rows = [_run_one(job) for job in work]
+    else:
+        with ProcessPoolExecutor(jobs) as pool:
+            rows = list(pool.map(_run_one, work, chunksize=4))
+    _count_sass(work, rows, jobs)
+    return [_verdict(row) for row in rows]
 
 
 def summarize(rows: List[Dict[str, object]]) -> List[Dict[str, object]]:
@@ -938,6 +1018,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hot", action="store_true", help="only the hot specializations (roofline targets)")
     parser.add_argument("--sass-hot", action="store_true",
                         help="count SASS instructions per element of the hot specializations on sm_90 only")
+    parser.add_argument("--hot-only-arch", type=int, nargs="+", default=[], metavar="ARCH",
+                        help="of --arch, the SM versions compiled for the hot specializations only")
     parser.add_argument("--storage", nargs="+", default=list(STORAGES), choices=STORAGES, help="latent dtypes")
     parser.add_argument("--roofline", action="store_true",
                         help="print the hot specializations' roofline table (implies --sass)")
@@ -953,7 +1035,7 @@ def main(argv=None) -> int:
     if args.update_docs:
         return update_docs(args.update_docs, args.arch, args.jobs)
     rows = check(args.arch, args.storage, quick=args.quick, jobs=args.jobs, sass=args.sass or args.roofline,
-                 hot=args.hot, match=args.match, sass_hot=args.sass_hot)
+                 hot=args.hot, match=args.match, sass_hot=args.sass_hot, hot_only_archs=args.hot_only_arch)
     if args.json:
         print(json.dumps(rows))
     elif args.roofline:

@@ -152,7 +152,7 @@ def test_interpreters_fma(which):
 
 
 _SASS_PROBE = """
-import os, subprocess, sys, tempfile
+import sys
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -171,12 +171,7 @@ def count(n, fast):
     target = GPUTarget("cuda", 90, 32)
     options = triton.compiler.make_backend(target).parse_options({"num_warps": 1, "enable_fp_fusion": False})
     compiled = triton.compile(source, target=target, options=options.__dict__)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        listing = subprocess.run([aot._tool("nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
-    return aot.sass_count(listing)[0]
+    return aot.sass_of(compiled)[0]
 
 for fast in (False, True):
     print((count(512, fast) - count(256, fast)) / 8)  # per element: 8 more per thread at one warp

@@ -149,19 +149,78 @@ def test_sass_count_drops_padding_and_finds_runtime_loops():
 
     straight = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
-        /*0010*/              @!P0 BRA `(.L_x_0) ;
+        /*0010*/              @!P0 BRA 0x30;
         /*0020*/                   FADD R2, R2, R3 ;
-.L_x_0:
         /*0030*/                   EXIT ;
-.L_x_1:
-        /*0040*/                   BRA `(.L_x_1);
+        /*0040*/                   BRA 0x40;
         /*0050*/                   NOP;
         /*0060*/                   NOP;
 """
     assert aot.sass_count(straight) == (4, 0)
-    loop = straight.replace("@!P0 BRA `(.L_x_0)", "@!P0 BRA `(.L_x_2)").replace(
-        "        /*0000*/", ".L_x_2:\n        /*0000*/")
-    assert aot.sass_count(loop) == (4, 1)
+    assert aot.sass_count(straight.replace("@!P0 BRA 0x30", "@!P0 BRA 0x0")) == (4, 1)
+
+
+@needs_linux_x86
+def test_batched_disassembly_counts_each_kernel_as_its_own_listing(tmp_path):
+    """aot.disassemble: kernels disassembled together (one nvdisasm call over their concatenated machine
+    code) count as each one's own ELF listing (``nvdisasm -c`` of its cubin, branch targets as labels),
+    a runtime loop included; and a kernel with a runtime loop is reported with one."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from test_compile import _env
+
+    (tmp_path / "two_kernels.py").write_text(textwrap.dedent('''
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def straight(out_ptr, a):
+            i = tl.arange(0, 256)
+            tl.store(out_ptr + i, tl.sqrt_rn(i.to(tl.float32) * a))
+
+        @triton.jit
+        def looped(out_ptr, n):
+            acc = tl.zeros((256,), tl.float32)
+            for k in range(n):
+                acc = acc * 0.5 + k
+            tl.store(out_ptr + tl.arange(0, 256), acc)
+    '''))
+    code = textwrap.dedent(r'''
+        import os, re, subprocess, sys, tempfile
+        sys.path.insert(0, ".")
+        import two_kernels
+        from flowrl.kernels import aot
+        compiled = [aot.compile_specialization(aot.Specialization(name, {"out_ptr": "*fp32", arg: t}, {}, ("out_ptr",), 1),
+                                               kernel=getattr(two_kernels, name))
+                    for name, arg, t in (("straight", "a", "fp32"), ("looped", "n", "i32"))] * 2
+        together = [aot.sass_count(part) for part in aot.disassemble([aot.cubin_text(c.asm["cubin"]) for c in compiled])]
+        alone = []
+        for c in compiled:  # the ELF listing: instructions, less NOPs and the self-branch; loops as labels
+            path = os.path.join(tempfile.mkdtemp(), "k.cubin")
+            with open(path, "wb") as f:
+                f.write(c.asm["cubin"])
+            listing = subprocess.run([aot._tool("nvdisasm"), "-c", path], capture_output=True, text=True,
+                                     check=True).stdout
+            at, labels, branches = 0, {}, []
+            for line in listing.splitlines():
+                if re.match(r"^\.L_x_\d+:", line):
+                    labels[line.strip(":")] = at
+                elif re.match(r"^\s*/\*[0-9a-f]+\*/\s+(?!\s|NOP)", line):
+                    target = re.search(r"\bBRA\b.*`\((\.L_x_\d+)\)", line)
+                    if target:
+                        branches.append((at, target.group(1)))
+                    at += 1
+            alone.append((at - sum(labels[t] == a for a, t in branches),
+                          sum(labels[t] < a for a, t in branches)))
+        print(together, alone)
+        assert together == alone
+        assert [loops > 0 for _, loops in together] == [False, True, False, True]
+    ''')
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
 
 
 def test_docs_state_how_many_hot_specializations_meet_their_targets():
@@ -207,18 +266,14 @@ def test_philox_normals_cost_at_most_34_sass_each(tmp_path):
             tl.store(out_ptr + tl.arange(0, 1024), philox_normal_block(k0, k1, stream, first, 1024, True))
     '''))
     code = textwrap.dedent('''
-        import os, subprocess, sys, tempfile
+        import sys
         sys.path.insert(0, ".")
         import normals_kernel
         from flowrl.kernels import aot
         sig = {"out_ptr": "*fp32", "seed": "i64", "stream": "u32", "first": "i64"}
         compiled = aot.compile_specialization(aot.Specialization("normals", sig, {}, ("out_ptr",), 1),
                                               kernel=normals_kernel.normals)
-        path = os.path.join(tempfile.mkdtemp(), "k.cubin")
-        with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        listing = subprocess.run([aot._tool("nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
-        print(*aot.sass_count(listing))
+        print(*aot.sass_of(compiled))
     ''')
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
                          text=True, timeout=600)
