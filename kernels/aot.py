@@ -881,15 +881,15 @@ def _verdict(row):
 
 def check(archs: Sequence[int] = ARCHS, storages: Sequence[str] = STORAGES, quick: bool = False,
           jobs: int = 1, sass: bool = False, hot: bool = False, match: Sequence[str] = (),
-          sass_hot: bool = False, hot_only_archs: Sequence[int] = ()) -> List[Dict[str, object]]:
+          sass_hot: bool = False, spot_archs: Sequence[int] = ()) -> List[Dict[str, object]]:
     """Compile and analyze every specialization (``hot``: the hot ones only, ``hot_specializations``;
     ``match``: only those whose "kernel: label" contains one of the substrings); one result dict per
     (specialization, storage, arch). ``sass``: count the SASS of each; ``sass_hot``: of the hot ones
     on sm_90 only (the roofline's rows, from the same compile as the rest: tests/test_compile.py);
-    ``hot_only_archs``: the archs of ``archs`` compiled for the hot specializations only."""
+    ``spot_archs``: the archs of ``archs`` compiled for a spot check only, the hot bf16 specializations."""
     work = [(spec, storage, arch, sass or (sass_hot and arch == 90 and is_hot(spec)))
-            for arch in archs for storage in storages
-            for spec in (hot_specializations(storage) if hot or arch in hot_only_archs
+            for arch in archs for storage in storages if arch not in spot_archs or storage == "bf16"
+            for spec in (hot_specializations(storage) if hot or arch in spot_archs
                          else specializations(storage, quick))
             if not match or any(m in f"{spec.kernel}: {spec.label}" for m in match)]
     if jobs <= 1:
@@ -1018,8 +1018,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hot", action="store_true", help="only the hot specializations (roofline targets)")
     parser.add_argument("--sass-hot", action="store_true",
                         help="count SASS instructions per element of the hot specializations on sm_90 only")
-    parser.add_argument("--hot-only-arch", type=int, nargs="+", default=[], metavar="ARCH",
-                        help="of --arch, the SM versions compiled for the hot specializations only")
+    parser.add_argument("--spot-arch", type=int, nargs="+", default=[], metavar="ARCH",
+                        help="of --arch, the SM versions compiled for the hot bf16 specializations only")
     parser.add_argument("--storage", nargs="+", default=list(STORAGES), choices=STORAGES, help="latent dtypes")
     parser.add_argument("--roofline", action="store_true",
                         help="print the hot specializations' roofline table (implies --sass)")
@@ -1035,7 +1035,7 @@ def main(argv=None) -> int:
     if args.update_docs:
         return update_docs(args.update_docs, args.arch, args.jobs)
     rows = check(args.arch, args.storage, quick=args.quick, jobs=args.jobs, sass=args.sass or args.roofline,
-                 hot=args.hot, match=args.match, sass_hot=args.sass_hot, hot_only_archs=args.hot_only_arch)
+                 hot=args.hot, match=args.match, sass_hot=args.sass_hot, spot_archs=args.spot_arch)
     if args.json:
         print(json.dumps(rows))
     elif args.roofline:

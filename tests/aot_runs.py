@@ -1,8 +1,7 @@
 """The full AOT runs that tests/test_compile.py, tests/test_roofline.py and tests/test_losses_dpo.py
 check: every kernel specialization compiled for real GPU targets (kernels/aot.py, ``--sass-hot``),
-with the installed triton for sm_90a (and for sm_80 the hot specializations, whose registers and
-spills the roofline issue holds on both targets), and with triton 3.6.0 (the GPU machines' image, an
-H200) for sm_90a.
+with the installed triton for sm_90a (and for sm_80 a spot check, the hot bf16 specializations),
+and with triton 3.6.0 (the GPU machines' image, an H200) for sm_90a.
 
 The compile is most of CI's time and keeps every core busy while the rest of the suite runs one
 thread, so conftest.py starts these runs in a background thread as soon as the session's tests are
@@ -13,8 +12,8 @@ in a fresh TRITON_CACHE_DIR (a cached build can hide a compile error), removed a
 --target``) and put first on PYTHONPATH; ``FLOWRL_TRITON36`` names another folder.
 
 CI's 30-minute line on two cores: triton 3.6.0 for sm_80 (a quarter of the compile time) and the
-installed triton's sm_80 for the specializations that are not hot (253 of its 701, the lighter
-ones) are compiled on demand: ``python
+installed triton's sm_80 beyond the spot check (538 of its 701 specializations) are compiled on
+demand: ``python
 -m flowrl.kernels.aot --update-docs docs/kernels.md`` (every specialization, both archs, both
 versions) or ``[PYTHONPATH=.venv/triton-3.6] python -m flowrl.kernels.aot --arch 80``. The compile
 runs niced, so that the suite's one thread keeps a core.
@@ -33,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TRITON36 = Path(os.environ.get("FLOWRL_TRITON36", ROOT / ".venv" / "triton-3.6"))
 ARCHS_NEWEST = ("90", "80")
-HOT_ONLY_NEWEST = ("80",)  # sm_80: the hot specializations (their registers and spills on both targets)
+SPOT_NEWEST = ("80",)  # sm_80: a spot check, the hot bf16 specializations (kernels/aot.py --spot-arch)
 ARCHS_36 = ("90",)
 # triton's CUDA backend wheels (ptxas, nvdisasm) are Linux x86_64
 CAN_COMPILE = sys.platform == "linux" and platform.machine() == "x86_64"
@@ -59,15 +58,15 @@ def compile_env(tmp, pythonpath=None):
 
 
 def _runs():
-    """(pythonpath, archs, hot-only archs) of each run: the installed triton, then triton 3.6.0 where it
+    """(pythonpath, archs, spot-checked archs) of each run: the installed triton, then triton 3.6.0 where it
     is installed."""
-    runs = [(None, ARCHS_NEWEST, HOT_ONLY_NEWEST)]
+    runs = [(None, ARCHS_NEWEST, SPOT_NEWEST)]
     if (TRITON36 / "triton").is_dir():
         runs.append((TRITON36, ARCHS_36, ()))
     return runs
 
 
-def _run(pythonpath, archs, hot_only):
+def _run(pythonpath, archs, spot):
     tmp = tempfile.mkdtemp(prefix="flowrl-aot-test-")
     try:
         with _lock:
@@ -75,7 +74,7 @@ def _run(pythonpath, archs, hot_only):
                 return None, "", "the session ended before this run started"
             # niced: the suite's one thread keeps its core, the compile takes what is left
             proc = subprocess.Popen([*(["nice", "-n", "10"] if shutil.which("nice") else []), sys.executable, "-m", "flowrl.kernels.aot", "--json",
-                                     "--sass-hot", "--arch", *archs, *(["--hot-only-arch", *hot_only] if hot_only else []),
+                                     "--sass-hot", "--arch", *archs, *(["--spot-arch", *spot] if spot else []),
                                      "--jobs", str(os.cpu_count() or 1)], cwd=tmp,
                                     env=compile_env(tmp, pythonpath), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True, start_new_session=True)
@@ -123,8 +122,8 @@ def start():
             _done[str(pythonpath)] = threading.Event()
 
         def work():
-            for pythonpath, archs, hot_only in runs:
-                _results[str(pythonpath)] = _run(pythonpath, archs, hot_only)
+            for pythonpath, archs, spot in runs:
+                _results[str(pythonpath)] = _run(pythonpath, archs, spot)
                 _done[str(pythonpath)].set()
 
         atexit.register(_stop)

@@ -602,11 +602,12 @@ def test_the_roofline_counts_the_bytes_the_preference_kernels_move():
 @pytest.mark.parametrize("version", ["installed", "3.6"])
 def test_preference_kernels_compile_without_spills(version):
     """The DPO / DGPO specializations, every storage dtype, for tests/test_compile.py's targets (sm_90a
-    and, the hot ones, sm_80 with the installed triton; sm_90a with triton 3.6.0), with no register
-    spill, their latents loaded 128 bits at a time except unpaired: these rows of the shared AOT run."""
+    and sm_80's spot check, its hot bf16 ones, with the installed triton; sm_90a with triton 3.6.0),
+    with no register spill, their latents loaded 128 bits at a time except unpaired: these rows of
+    the shared AOT run."""
     from collections import Counter
 
-    from aot_runs import ARCHS_36, ARCHS_NEWEST, HOT_ONLY_NEWEST, TRITON36, rows as aot_rows
+    from aot_runs import ARCHS_36, ARCHS_NEWEST, SPOT_NEWEST, TRITON36, rows as aot_rows
     from flowrl.kernels import aot
 
     if version == "3.6" and not (TRITON36 / "triton").is_dir():
@@ -614,15 +615,15 @@ def test_preference_kernels_compile_without_spills(version):
             pytest.fail(f"triton 3.6.0 is missing from {TRITON36}: ./run's set-up installs it")
         pytest.skip(f"triton 3.6.0 not installed in {TRITON36} (./run's set-up installs it)")
     _, rows = aot_rows(TRITON36 if version == "3.6" else None)
-    archs, hot_only = (ARCHS_36, ()) if version == "3.6" else (ARCHS_NEWEST, HOT_ONLY_NEWEST)
+    archs, spot = (ARCHS_36, ()) if version == "3.6" else (ARCHS_NEWEST, SPOT_NEWEST)
     preference = lambda kernel, label: kernel.startswith("flow_") and label.split()[0] in ("dpo", "dgpo")  # noqa: E731
     rows = [r for r in rows if preference(r["kernel"], r["label"])]
     # storages x (forward, backward) x ((DPO, DGPO one / two references, DPO and DGPO (two references)
     # with Philox noise) x (tail, whole blocks, unpaired) + DPO and DGPO with Philox from an unaligned
     # offset + DPO's Philox rows of interleaved pairs and of any (div, mod), whole blocks) per arch
-    hot = sum(preference(s.kernel, s.label) for storage in aot.STORAGES for s in aot.hot_specializations(storage))
-    assert 0 < hot < 3 * 2 * (5 * 3 + 2 + 2)
-    assert Counter(r["arch"] for r in rows) == {f"sm_{a}": hot if a in hot_only else 3 * 2 * (5 * 3 + 2 + 2)
+    hot = sum(preference(s.kernel, s.label) for s in aot.hot_specializations("bf16"))
+    assert 0 < hot < 2 * (5 * 3 + 2 + 2)
+    assert Counter(r["arch"] for r in rows) == {f"sm_{a}": hot if a in spot else 3 * 2 * (5 * 3 + 2 + 2)
                                                 for a in archs}
     for r in rows:
         # unpaired: compiled without the alignment attributes (an odd count or misaligned rows)
