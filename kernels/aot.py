@@ -712,9 +712,9 @@ def sass_count(listing: str):
     return count, loops
 
 
-def sass_of(compiled, arch: int = 90):
-    """(instructions, runtime loops) of a compiled kernel (``sass_count``)."""
-    return sass_count(disassemble([cubin_text(compiled.asm["cubin"])], arch)[0])
+def sass_of(compiled):
+    """(instructions, runtime loops) of a compiled kernel (``sass_count``), for its target's arch."""
+    return sass_count(disassemble([cubin_text(compiled.asm["cubin"])], compiled.metadata.target.arch)[0])
 
 
 def _group_warps(spec: Specialization):
@@ -816,7 +816,7 @@ def analyze(compiled, spec: Specialization, sass: bool = False) -> Dict[str, obj
         "barriers": len(re.findall(r"\b(?:bar|barrier)\.sync\b", compiled.asm["ptx"])),
         "bytes_per_element": bytes_per_element(spec), "target": roofline_target(spec),
     }
-    row.update(sass_fields(spec, *(sass_of(compiled, compiled.metadata.target.arch) if sass else (None, None))))
+    row.update(sass_fields(spec, *(sass_of(compiled) if sass else (None, None))))
     return row
 
 
