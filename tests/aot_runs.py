@@ -13,9 +13,8 @@ in a fresh TRITON_CACHE_DIR (a cached build can hide a compile error), removed a
 
 CI's 30-minute line on two cores: triton 3.6.0 for sm_80 (a quarter of the compile time) and the
 installed triton's sm_80 beyond the spot check (538 of its 701 specializations) are compiled on
-demand: ``python
--m flowrl.kernels.aot --update-docs docs/kernels.md`` (every specialization, both archs, both
-versions) or ``[PYTHONPATH=.venv/triton-3.6] python -m flowrl.kernels.aot --arch 80``. The compile
+demand: ``python -m flowrl.kernels.aot --update-docs docs/kernels.md`` (every specialization, both
+archs, both versions) or ``[PYTHONPATH=.venv/triton-3.6] python -m flowrl.kernels.aot --arch 80``. The compile
 runs niced, so that the suite's one thread keeps a core.
 """
 import atexit
@@ -58,8 +57,8 @@ def compile_env(tmp, pythonpath=None):
 
 
 def _runs():
-    """(pythonpath, archs, spot-checked archs) of each run: the installed triton, then triton 3.6.0 where it
-    is installed."""
+    """(pythonpath, archs, spot-checked archs) of each run: the installed triton, then triton 3.6.0
+    where it is installed."""
     runs = [(None, ARCHS_NEWEST, SPOT_NEWEST)]
     if (TRITON36 / "triton").is_dir():
         runs.append((TRITON36, ARCHS_36, ()))
@@ -72,9 +71,9 @@ def _run(pythonpath, archs, spot):
         with _lock:
             if _stopping.is_set():
                 return None, "", "the session ended before this run started"
-            # niced: the suite's one thread keeps its core, the compile takes what is left
-            proc = subprocess.Popen([*(["nice", "-n", "10"] if shutil.which("nice") else []), sys.executable, "-m", "flowrl.kernels.aot", "--json",
-                                     "--sass-hot", "--arch", *archs, *(["--spot-arch", *spot] if spot else []),
+            niced = ["nice", "-n", "10"] if shutil.which("nice") else []  # the suite's one thread keeps its core
+            proc = subprocess.Popen([*niced, sys.executable, "-m", "flowrl.kernels.aot", "--json", "--sass-hot",
+                                     "--arch", *archs, *(["--spot-arch", *spot] if spot else []),
                                      "--jobs", str(os.cpu_count() or 1)], cwd=tmp,
                                     env=compile_env(tmp, pythonpath), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True, start_new_session=True)

@@ -12,10 +12,9 @@ if not torch.cuda.is_available():
     torch.set_num_threads(1)
 
 
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    from interpreter_launches import patch_each_launch_once
+from interpreter_launches import patch_each_launch_once  # noqa: E402 (after TRITON_INTERPRET is set)
 
-    patch_each_launch_once()
+patch_each_launch_once()
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected

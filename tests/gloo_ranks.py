@@ -2,7 +2,6 @@
 runs: the one harness of the SP tests (test_distributed.py, test_per_token_distributed.py,
 test_losses_distributed.py). ``backend="nccl"`` joins them with NCCL instead, rank r on cuda:r (the GPU
 check's variant)."""
-import os
 import socket
 import time
 from datetime import timedelta
@@ -11,14 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from interpreter_launches import patch_each_launch_once
 
 
 def _worker(rank, world, port, check, backend="gloo"):
     torch.set_num_threads(1)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # conftest.py's, in this spawned rank too
-        from interpreter_launches import patch_each_launch_once
-
-        patch_each_launch_once()
+    patch_each_launch_once()  # conftest.py's, in this spawned rank too
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(

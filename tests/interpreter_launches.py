@@ -11,7 +11,11 @@ def patch_each_launch_once():
     triton.language modules (tl, or tl.core for tl.sum and the like) the launch has patched already
     skips the repeat; the first call that needs another patches as before. Installed only where the
     interpreter has that structure (triton 3.6 to 3.9); tests/test_interpreter_launches.py checks
-    that it gives the same bits with fewer patches."""
+    that it gives the same bits with fewer patches. A no-op unless TRITON_INTERPRET is on."""
+    from flowrl.backends._dispatch import interpreter_enabled
+
+    if not interpreter_enabled():
+        return
     try:
         from triton.runtime import interpreter
     except ImportError:
