@@ -58,15 +58,15 @@ def _launch_configs():
     return sorted({(group, warps) for _, group, warps in LAUNCH_TABLE})
 
 
-def _step_config(storage, mode, backward=False, masked_rollout=False, second_order=False, ddim_kl=None,
-                 philox=False, philox_mean=False):
+def _step_config(storage, backward=False, masked_rollout=False, second_order=False, philox=False,
+                 philox_mean=False):
     """The step kernels' launch configuration for large latents of ``storage`` (the launcher's
     step_config with 16-byte aligned latents): STEP_LAUNCH_TABLE's largest where tiles are taken
     (tiles_taken, bf16 / fp16), LAUNCH_TABLE's largest, one tile, elsewhere."""
     from flowrl.backends._triton_ops import STEP_LAUNCH_TABLE, tiles_taken
 
-    if storage in ("bf16", "fp16") and tiles_taken(mode, backward, masked_rollout, second_order, ddim_kl,
-                                                      philox, philox_mean):
+    if storage in ("bf16", "fp16") and tiles_taken(backward, masked_rollout, second_order, philox,
+                                                      philox_mean):
         return STEP_LAUNCH_TABLE[-1][1:]
     return _launch_configs()[-1]
 
@@ -329,7 +329,7 @@ def _few(storage, mode) -> Iterator[Specialization]:
     configuration: the rollout (torch noise with the mean, Philox), the log-prob, the KL, their
     backward (gaussian mean) and finalize; dpm_sde's second order (HAS_PREV) for each op as well."""
     for has_prev in ((False, True) if mode is Mode.DPM_SDE else (False,)):
-        fwd, philox, bwd = (_step_config(storage, mode, philox=p, backward=b, second_order=has_prev)
+        fwd, philox, bwd = (_step_config(storage, philox=p, backward=b, second_order=has_prev)
                             for p, b in ((False, False), (True, False), (False, True)))
         kw = dict(has_prev=has_prev, even=True)
         yield _partials(storage, mode, Op.ROLLOUT, NoiseSource.TENSOR, True, False, *fwd, **kw)
@@ -337,7 +337,7 @@ def _few(storage, mode) -> Iterator[Specialization]:
         yield _partials(storage, mode, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *fwd, **kw)
         yield _partials(storage, mode, Op.KL, NoiseSource.TENSOR, False, False, *fwd, **kw)
         yield _backward(storage, mode, LogProbKind.GAUSSIAN, True, (True, True, True), *bwd, **kw)
-        kl_bwd = _step_config(storage, mode, backward=True)  # the KL's x0_prev terms cancel: not read
+        kl_bwd = _step_config(storage, backward=True)  # the KL's x0_prev terms cancel: not read
         yield _backward(storage, mode, LogProbKind.KL, True, (False, True, True), *kl_bwd, **kw)
     if storage == STORAGES[0]:
         yield _finalize(mode, LogProbKind.GAUSSIAN, True, 64)
@@ -347,12 +347,6 @@ def _ddim_cx(mode, ddim):
     """The ddim switches (PRED, CLIP); other modes compile with ddim's defaults, which they ignore."""
     prediction, clip = ddim if mode is Mode.DDIM else (Prediction.EPSILON, False)
     return {"PRED": int(prediction), "CLIP": clip}
-
-
-def _ddim_variant(cx):
-    """(prediction, clipped) of a ddim specialization's constexprs (``_ddim_cx``'s inverse), None for
-    the other modes: the pair flowrl.backends._triton_ops.ddim_variant gives the launch rules."""
-    return (Prediction(cx["PRED"]), bool(cx["CLIP"])) if cx.get("MODE") == int(Mode.DDIM) else None
 
 
 def _mode_label(mode, ddim, has_prev=False):
@@ -373,11 +367,13 @@ MASKED_DDIM_VARIANT = (Prediction.EPSILON, True)
 def _ddim(storage) -> Iterator[Specialization]:
     """ddim's specializations, on whole blocks (EVEN) at the launcher's configuration: per (prediction,
     clip) pair, the rollout (torch noise with the mean, Philox, none at eta = 0), the log-prob, the KL
-    and their backward (gaussian mean, KL); one finalize (ddim's finalize reads only the std)."""
+    and their backward (gaussian mean, KL), and the gaussian backward at one tile (below 4,096
+    elements: its parts, step_backward_kernel's PARTS, at one tile too); masked, one variant per op;
+    one finalize (ddim's finalize reads only the std)."""
     from flowrl.backends._triton_ops import WIDE_CONFIG
     from flowrl.core.step_spec import ddim_kl_reads_sample
 
-    fwd, philox, bwd = (_step_config(storage, Mode.DDIM, philox=p, backward=b)
+    fwd, philox, bwd = (_step_config(storage, philox=p, backward=b)
                         for p, b in ((False, False), (True, False), (False, True)))
     wide = storage == "fp32"  # the launcher's element_config: ddim's float32 rollouts at WIDE_CONFIG
     rollout, philox = (WIDE_CONFIG, WIDE_CONFIG) if wide else (fwd, philox)
@@ -388,19 +384,23 @@ def _ddim(storage) -> Iterator[Specialization]:
         yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.NONE, True, False, *rollout, **rkw)  # eta = 0
         yield _partials(storage, Mode.DDIM, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *fwd, **kw)
         yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False,
-                        *_step_config(storage, Mode.DDIM, ddim_kl=ddim), **kw)
+                        *_step_config(storage), **kw)
         yield _backward(storage, Mode.DDIM, LogProbKind.GAUSSIAN, True, (True, True, True), *bwd, **kw)
+        if bwd != _launch_configs()[-1]:  # below 4,096 elements: one tile
+            yield _backward(storage, Mode.DDIM, LogProbKind.GAUSSIAN, True, (True, True, True),
+                            *_launch_configs()[-1], **kw)
         yield _backward(storage, Mode.DDIM, LogProbKind.KL, True, (ddim_kl_reads_sample(*ddim), True, True),
-                        *_step_config(storage, Mode.DDIM, backward=True, ddim_kl=ddim), **kw)
+                        *_step_config(storage, backward=True), **kw)
     # masked (a sample size not a multiple of the block), one variant per op
     ddim = MASKED_DDIM_VARIANT
     if not wide:
         yield _partials(storage, Mode.DDIM, Op.ROLLOUT, NoiseSource.TENSOR, True, False,
-                        *_step_config(storage, Mode.DDIM, masked_rollout=True), ddim=ddim)
+                        *_step_config(storage, masked_rollout=True), ddim=ddim)
     yield _partials(storage, Mode.DDIM, Op.KL, NoiseSource.TENSOR, False, False,
-                    *_step_config(storage, Mode.DDIM, ddim_kl=ddim), ddim=ddim)
+                    *_step_config(storage), ddim=ddim)
+    yield _backward(storage, Mode.DDIM, LogProbKind.GAUSSIAN, True, (True, True, True), *bwd, ddim=ddim)
     yield _backward(storage, Mode.DDIM, LogProbKind.KL, True, (ddim_kl_reads_sample(*ddim), True, True),
-                    *_step_config(storage, Mode.DDIM, backward=True, ddim_kl=ddim), ddim=ddim)
+                    *_step_config(storage, backward=True), ddim=ddim)
     if storage == STORAGES[0]:
         yield _finalize(Mode.DDIM, LogProbKind.GAUSSIAN, True, 64)
 
@@ -425,13 +425,13 @@ def _specializations(storage, quick) -> Iterator[Specialization]:
     rollouts = [(NoiseSource.TENSOR, False, False), (NoiseSource.TENSOR, True, False),
                 (NoiseSource.PHILOX, False, True), (NoiseSource.PHILOX, True, True), (NoiseSource.PHILOX, True, False),
                 (NoiseSource.NONE, False, False), (NoiseSource.NONE, True, False)]
-    sde = _step_config(storage, Mode.SDE)
+    sde = _step_config(storage)
     if quick:  # masked: heavier than whole blocks
         yield _partials(storage, Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True,
-                        *_step_config(storage, Mode.SDE, philox=True, philox_mean=True))
+                        *_step_config(storage, philox=True, philox_mean=True))
         yield _finalize(Mode.CPS, LogProbKind.GAUSSIAN, True, 64)
         yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (True, True, True),
-                        *_step_config(storage, Mode.SDE, backward=True))
+                        *_step_config(storage, backward=True))
         return
     for mode in Mode:
         if mode.rules.aot is Variants.DDIM:
@@ -440,7 +440,7 @@ def _specializations(storage, quick) -> Iterator[Specialization]:
         if mode in FEW_SPECIALIZATIONS:  # coefficient-only variants of compiled paths: one of each op
             yield from _few(storage, mode)
             continue
-        fwd, bwd = _step_config(storage, mode), _step_config(storage, mode, backward=True)
+        fwd, bwd = _step_config(storage), _step_config(storage, backward=True)
         # large latents: whole blocks (EVEN) at the launcher's configuration, then the masked variants
         # (a sample size not a multiple of the block); sde's every switch, one of each op elsewhere
         for even in (True, False):
@@ -453,7 +453,7 @@ def _specializations(storage, quick) -> Iterator[Specialization]:
                         yield _partials(storage, mode, Op.ROLLOUT, noise, write_mean, False, *_unaligned_philox_config())
                     continue
                 philox = noise is NoiseSource.PHILOX
-                config = _step_config(storage, mode, masked_rollout=not even, philox=philox,
+                config = _step_config(storage, masked_rollout=not even, philox=philox,
                                       philox_mean=philox and write_mean)
                 yield _partials(storage, mode, Op.ROLLOUT, noise, write_mean, philox_aligned, *config, even=even)
             yield _partials(storage, mode, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *fwd, even=even)
@@ -465,7 +465,7 @@ def _specializations(storage, quick) -> Iterator[Specialization]:
                         yield _backward(storage, mode, kind, mean, needs, *bwd, even=even)
     for even in (True, False):
         yield _backward(storage, Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False),
-                        *_step_config(storage, Mode.SDE, backward=True), even=even)  # training's usual
+                        *_step_config(storage, backward=True), even=even)  # training's usual
     # below 4,096 elements (and where no tiles are taken): one tile, masked or not
     if sde != one_tile:
         for even in (True, False):
@@ -540,10 +540,8 @@ def compile_specialization(spec: Specialization, arch: int = 90, kernel=None):
 
     cx = spec.constexprs
     philox = cx.get("NOISE") == NoiseSource.PHILOX.value  # a step kernel's rollout drawing Philox noise
-    ddim_gaussian_backward = (_ddim_variant(cx) if spec.kernel == "step_backward_kernel" and not cx["IS_KL"]
-                              else None)
     cap = register_cap(cx.get("TILES", 1), Mode(cx["MODE"]) if philox else None,
-                       4 if spec.signature.get("x_ptr") == "*fp32" else 2, ddim_gaussian_backward)
+                       4 if spec.signature.get("x_ptr") == "*fp32" else 2)
     options = backend.parse_options({"num_warps": spec.num_warps, "enable_fp_fusion": False, **cap})
     return triton.compile(source, target=target, options=options.__dict__)
 
@@ -754,11 +752,9 @@ def is_hot(spec: Specialization) -> bool:
     # large latents fill whole blocks (EVEN)
     partials = spec.kernel == "step_partials_kernel"
     philox = partials and cx["NOISE"] == int(NoiseSource.PHILOX)
-    is_kl = cx["OP"] == int(Op.KL) if partials else cx["IS_KL"]
-    ddim_kl = _ddim_variant(cx) if is_kl else None
-    return cx["EVEN"] and config == tuple(_step_config(storage, Mode(cx["MODE"]), not partials,
+    return cx["EVEN"] and config == tuple(_step_config(storage, not partials,
                                                        second_order=cx["HAS_PREV"] and not cx.get("IS_KL"),
-                                                       ddim_kl=ddim_kl, philox=philox,
+                                                       philox=philox,
                                                        philox_mean=philox and cx["WRITE_MEAN"]))
 
 

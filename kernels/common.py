@@ -305,10 +305,18 @@ def chunk_tree_rows(t, ROWS: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.c
     the launch; a thread's 16-byte load of bfloat16 is one leaf, so the leaves add up in registers
     and the tree crosses lanes with one value per thread (``halving_tree_rows`` over the chunk would
     cross them with eight)."""
-    t = tl.reshape(t, (ROWS, CHUNK // LEAF, LEAF))
+    return halving_tree_rows(leaf_sums_rows(t, ROWS, CHUNK), ROWS, CHUNK // LEAF, LOG2_CHUNK - LOG2_LEAF)
+
+
+@triton.jit
+def leaf_sums_rows(t, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """The sums [ROWS, WIDTH / LEAF] of each LEAF consecutive values of a 1-D float32 block of ROWS rows of
+    WIDTH values (row-major), each by the halving tree: a chunk tree's first levels
+    (``chunk_tree_rows``)."""
+    t = tl.reshape(t, (ROWS, WIDTH // LEAF, LEAF))
     for level in tl.static_range(LOG2_LEAF):
-        t = tl.sum(tl.reshape(t, (ROWS, CHUNK // LEAF, 2, LEAF >> (level + 1))), axis=2)
-    return halving_tree_rows(t, ROWS, CHUNK // LEAF, LOG2_CHUNK - LOG2_LEAF)
+        t = tl.sum(tl.reshape(t, (ROWS, WIDTH // LEAF, 2, LEAF >> (level + 1))), axis=2)
+    return t
 
 
 @triton.jit

@@ -16,7 +16,8 @@ kernels/common.py.
   NOISE == NOISE_PHILOX, eps is drawn in registers instead (common.philox_normal_block, keyed by the
   sample's seed, its stream and the element's index elem_offset + in-sample index) and no noise
   tensor is read; with NOISE == NOISE_NONE the step is deterministic by its arguments (ode, noise
-  level 0): x' = mu and nothing is read for eps.
+  level 0): x' = mu and nothing is read for eps. ddim's Philox rollout runs each whole tile in four
+  parts behind barriers (_ddim_philox_tile: fewer values in registers at once, the same tree).
 - OP_LOG_PROB: third = the stored x'; r = x' - mu.
 - OP_KL:       third = the reference policy's velocity; r = mu(v) - mu(v_ref) = c v - c v_ref (x
   cancels exactly, so it is not read); ddim with its clip: fma(sqrt(a'), clip(x0) - clip(x0_ref),
@@ -47,11 +48,12 @@ import triton
 import triton.language as tl
 
 from .common import (
+    LEAF, LOG2_LEAF,
     MODE_DDIM, PRED_SAMPLE, NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, bf16_words_to_f32,
     chunk_tree_rows, compact_index, ddim_clipped_difference, ddim_clipped_kl_coefficients, ddim_clipped_kl_grads,
     ddim_coefficients, ddim_mean, ddim_mean_grads, ddim_velocity_coefficient,
-    dpm_sde_coefficients, halving_tree_rows, magic_quotient, mode_coefficients, neg, ordinary_count, philox_key,
-    philox_normal_block, policy_difference, round_pairs, round_to, run_heads, run_spread, step_mean, total_grad,
+    dpm_sde_coefficients, halving_tree_rows, leaf_sums_rows, magic_quotient, mode_coefficients, neg, ordinary_count,
+    philox_key, philox_normal_block, policy_difference, round_pairs, round_to, run_heads, run_spread, step_mean, total_grad,
     value_from_total, words_to_f32,
 )
 from .token import FROZEN_MAGIC, RECORD, TABLE_HEADER
@@ -183,6 +185,58 @@ def _store_rounded(ptr, offs, mask, row_start, x, TILE: tl.constexpr, WORDS: tl.
 
 
 @triton.jit
+def _ddim_philox_part(x_ptr, v_ptr, prev_out_ptr, mean_out_ptr, row_start, first, k0, k1, stream, elem_offset,
+                      sqrt_a, sqrt_b, sqrt_a_prev, k, std, clip_range, PRED: tl.constexpr, CLIP: tl.constexpr,
+                      WRITE_MEAN: tl.constexpr, PART: tl.constexpr, PHILOX_ALIGNED: tl.constexpr):
+    """One part of a whole tile of ddim's rollout drawing Philox noise (``_ddim_philox_tile``): the PART
+    elements from in-sample ``first`` (``row_start``: its int64 element offset) drawn, loaded, stepped
+    (ddim_mean, divisions by div_rn_by_scalar), x' stored as words (and the mean), and the leaf sums
+    [PART / LEAF] of r * r."""
+    eps = philox_normal_block(k0, k1, stream, elem_offset + first, PART, PHILOX_ALIGNED)
+    tl.debug_barrier()  # the latents load after the noise, as in the kernel's tiles
+    offs = row_start + tl.arange(0, PART)
+    whole = tl.full((PART,), 1, tl.int1)
+    v = _load_tile(v_ptr, offs, whole, row_start, PART, True)
+    x = _load_tile(x_ptr, offs, whole, row_start, PART, True)
+    mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP, True)
+    r = _store_rounded(prev_out_ptr, offs, whole, row_start, mu + std * eps, PART, True) - mu
+    if WRITE_MEAN:
+        tl.store(mean_out_ptr + offs, mu)
+    return tl.reshape(leaf_sums_rows(r * r, 1, PART), (PART // LEAF,))
+
+
+@triton.jit
+def _ddim_philox_tile(x_ptr, v_ptr, prev_out_ptr, mean_out_ptr, row_start, first, k0, k1, stream, elem_offset,
+                      sqrt_a, sqrt_b, sqrt_a_prev, k, std, clip_range, PRED: tl.constexpr, CLIP: tl.constexpr,
+                      WRITE_MEAN: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+                      PHILOX_ALIGNED: tl.constexpr):
+    """The partial of one whole chunk of ddim's rollout drawing Philox noise, run as four parts of a
+    quarter chunk behind barriers (``_ddim_philox_part``), each keeping one leaf sum per thread: as one
+    tile the noise, both latents and ddim's divisions and clip were in registers at once, and the 4-tile
+    program spilled under the 128 cap (8-216 bytes, sm_90a). The chunk's tree over its leaves Q0 | Q1 |
+    Q2 | Q3 (the parts' leaf sums) starts with the halving levels (Q0 + Q2) + (Q1 + Q3), then halves
+    within a part: the contract's order (common.chunk_tree_rows), the same bits."""
+    PART: tl.constexpr = CHUNK // 4
+    q0 = _ddim_philox_part(x_ptr, v_ptr, prev_out_ptr, mean_out_ptr, row_start, first, k0, k1, stream,
+                           elem_offset, sqrt_a, sqrt_b, sqrt_a_prev, k, std, clip_range, PRED, CLIP, WRITE_MEAN,
+                           PART, PHILOX_ALIGNED)
+    tl.debug_barrier()
+    q1 = _ddim_philox_part(x_ptr, v_ptr, prev_out_ptr, mean_out_ptr, row_start + PART, first + PART, k0, k1,
+                           stream, elem_offset, sqrt_a, sqrt_b, sqrt_a_prev, k, std, clip_range, PRED, CLIP,
+                           WRITE_MEAN, PART, PHILOX_ALIGNED)
+    tl.debug_barrier()
+    q2 = _ddim_philox_part(x_ptr, v_ptr, prev_out_ptr, mean_out_ptr, row_start + 2 * PART, first + 2 * PART, k0,
+                           k1, stream, elem_offset, sqrt_a, sqrt_b, sqrt_a_prev, k, std, clip_range, PRED, CLIP,
+                           WRITE_MEAN, PART, PHILOX_ALIGNED)
+    q0 = q0 + q2
+    tl.debug_barrier()
+    q3 = _ddim_philox_part(x_ptr, v_ptr, prev_out_ptr, mean_out_ptr, row_start + 3 * PART, first + 3 * PART, k0,
+                           k1, stream, elem_offset, sqrt_a, sqrt_b, sqrt_a_prev, k, std, clip_range, PRED, CLIP,
+                           WRITE_MEAN, PART, PHILOX_ALIGNED)
+    return halving_tree_rows(q0 + (q1 + q3), 1, PART // LEAF, LOG2_CHUNK - LOG2_LEAF - 2)
+
+
+@triton.jit
 def step_partials_kernel(
     x_ptr, v_ptr, third_ptr, prev_out_ptr, mean_out_ptr, partials_ptr, sigmas_ptr, step_ptr,
     seeds_ptr, stream_stride, elem_offset,
@@ -203,8 +257,8 @@ def step_partials_kernel(
     dpm_sde's second order, so ELEMENTWISE never meets MODE_DDIM or HAS_PREV)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
     TILE_CHUNKS: tl.constexpr = GROUP // TILES
-    # ddim's Philox rollouts keep tl.div_rn and bfloat16 element loads: as words its v_prediction
-    # rollout took 133 registers (one tile), with div_rn_by_scalar up to 168 (or spills)
+    # ddim's one-tile Philox rollouts keep tl.div_rn and bfloat16 element loads: as words its v_prediction
+    # rollout took 133 registers, with div_rn_by_scalar up to 168 (or spills); its tiles run in parts
     FAST_DDIM: tl.constexpr = NOISE != NOISE_PHILOX
     WORDS: tl.constexpr = MODE != MODE_DDIM or FAST_DDIM
     # x' stored as words of rounded pairs on whole blocks; ddim's per value (its 4-tile rollout with the
@@ -214,6 +268,10 @@ def step_partials_kernel(
     # ddim's mean per element, but for its KL: c v - c v_ref as every mode's, or with the clip the
     # clipped x0s' difference (CLIPPED_KL)
     DDIM_MEAN: tl.constexpr = MODE == MODE_DDIM and OP != OP_KL
+    # ddim's Philox rollout in whole tiles of one chunk: each tile in four parts (_ddim_philox_tile), its
+    # divisions by div_rn_by_scalar and x' stored as words; at one tile (LAUNCH_TABLE) the tiles below
+    DDIM_PHILOX_PARTS: tl.constexpr = (MODE == MODE_DDIM and NOISE == NOISE_PHILOX and TILES > 1 and EVEN
+                                       and TILE_CHUNKS == 1)
     CLIPPED_KL: tl.constexpr = MODE == MODE_DDIM and OP == OP_KL and CLIP
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_blocks
@@ -231,7 +289,15 @@ def step_partials_kernel(
             a0, c0, p, std0 = dpm_sde_coefficients(sigmas_ptr, step, True)
     if NOISE == NOISE_PHILOX:
         k0, k1, stream = _philox_stream(seeds_ptr, row, stream_stride)
-    for tile in tl.static_range(TILES):
+    for tile in tl.static_range(TILES if DDIM_PHILOX_PARTS else 0):  # (then no general tile below)
+        first = block_first + tile * TILE
+        if tile > 0:
+            tl.debug_barrier()  # the next tile's noise after this one's last part
+        partial = _ddim_philox_tile(x_ptr, v_ptr, prev_out_ptr, mean_out_ptr, row * n_per_sample + first, first,
+                                    k0, k1, stream, elem_offset, sqrt_a, sqrt_b, sqrt_a_prev, k, std, clip_range,
+                                    PRED, CLIP, WRITE_MEAN, CHUNK, LOG2_CHUNK, PHILOX_ALIGNED)
+        tl.store(partials_ptr + row * n_chunks + first // CHUNK + tl.arange(0, 1), tl.reshape(partial, (1,)))
+    for tile in tl.static_range(0 if DDIM_PHILOX_PARTS else TILES):
         first = block_first + tile * TILE
         in_row, offs, mask = _tile_offsets(row, first, n_per_sample, TILE, EVEN)
         row_start = row * n_per_sample + first
@@ -352,17 +418,15 @@ def step_backward_kernel(
     KL where x0_hat reads x: per-element dr/dx, dr/dv, dr/dv_ref (common.ddim_clipped_kl_grads). ddim's
     mean is nonlinear with its clip: the log-prob's per-element dmu/dx, dmu/dv (common.ddim_mean_grads)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
-    TILE: tl.constexpr = BLOCK // TILES
-    # the grads stored as words of rounded pairs on whole blocks; ddim's per value (as words its KL
-    # backward took 0.7-3.2 more SASS per element)
-    WORD_STORE: tl.constexpr = EVEN and MODE != MODE_DDIM
-    # clipped ddim's gaussian backward reads bfloat16 per element: as words its clipped mean's grads
-    # spilled 40 bytes (ddim[sample clip], sm_80, triton 3.6); elsewhere words take 1-1.5 instructions
-    # per element off (ddim[v_prediction]'s KL backward 47.3 -> 46.1 SASS per element, ddim[epsilon
-    # clip]'s 46.7 -> 45.1, bf16, sm_90a)
-    WORDS: tl.constexpr = MODE != MODE_DDIM or not CLIP or IS_KL
     DDIM_MEAN: tl.constexpr = MODE == MODE_DDIM and not IS_KL  # as step_partials_kernel's
     CLIPPED_KL: tl.constexpr = MODE == MODE_DDIM and IS_KL and CLIP
+    # ddim's per-element grads (its mean's, its clipped KL's) in four parts per tile (ddim's backward
+    # runs one warp: parts of 8 values per thread), each behind a barrier (no tree to keep: the parts
+    # are independent): 51-64 registers where one part per tile took up to 168 and 4 tiles spilled
+    # 56-672 bytes under the cap (sm_90a); bfloat16 read and the grads stored as words on whole blocks
+    # (EVEN), ddim's too since its parts
+    PARTS: tl.constexpr = 4 if DDIM_MEAN or CLIPPED_KL else 1
+    TILE: tl.constexpr = BLOCK // (TILES * PARTS)
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_blocks
     block_first = (pid - row * n_blocks) * BLOCK
@@ -378,8 +442,10 @@ def step_backward_kernel(
         if HAS_PREV:  # dpm_sde's second order: mu gains p * x0_prev
             a0, c0, p, std0 = dpm_sde_coefficients(sigmas_ptr, step, True)
     coef0 = total_grad(tl.load(grad_ptr + row), std0, tl.load(count_ptr + row), KIND, MEAN)
-    for tile in tl.static_range(TILES):
+    for tile in tl.static_range(TILES * PARTS):
         first = block_first + tile * TILE
+        if PARTS > 1 and tile > 0:
+            tl.debug_barrier()
         in_row, offs, mask = _tile_offsets(row, first, n_per_sample, TILE, EVEN)
         row_start = row * n_per_sample + first
         coef = coef0
@@ -393,10 +459,10 @@ def step_backward_kernel(
             if WEIGHTED:
                 coef = coef * weight
             coef = tl.where(scored, coef, 0.0)
-        v = _load_tile(v_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
-        third = _load_tile(third_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
+        v = _load_tile(v_ptr, offs, mask, row_start, TILE, EVEN)
+        third = _load_tile(third_ptr, offs, mask, row_start, TILE, EVEN)
         if DDIM_MEAN:
-            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
+            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN)
             # div_rn_by_scalar (True): ddim[epsilon clip]'s gaussian backward then launches under the
             # 128-register cap (register_cap; unbounded, ptxas took 152-160); the others are over 128 with
             # div.rn too
@@ -407,16 +473,16 @@ def step_backward_kernel(
             if PRED == PRED_SAMPLE:
                 x = v
             else:
-                x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
+                x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN)
             r = ddim_clipped_difference(x, v, third, sqrt_a, sqrt_b, sqrt_a_prev, inv_sqrt_a, e, clip_range, PRED)
             a, c, c_ref = ddim_clipped_kl_grads(x, v, third, sqrt_a, sqrt_b, sqrt_a_prev, inv_sqrt_a, e, clip_range, PRED)
         elif IS_KL:
             r = policy_difference(c, v, third)
         else:
-            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
+            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN)
             mu = step_mean(a, c, x, v)
             if HAS_PREV:
-                mu = mu + p * _load_tile(prev_x0_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
+                mu = mu + p * _load_tile(prev_x0_ptr, offs, mask, row_start, TILE, EVEN)
             r = third - mu
         cr = coef * r
         grad_r = cr + cr  # d(r * r) = 2 r dr, as autograd of r * r sums two equal terms
@@ -430,10 +496,10 @@ def step_backward_kernel(
             grad_mu = neg(grad_r)
             grad_third = grad_r
         if NEED_X:
-            _store_rounded(grad_x_ptr, offs, mask, row_start, grad_mu * a, TILE, WORD_STORE)
+            _store_rounded(grad_x_ptr, offs, mask, row_start, grad_mu * a, TILE, EVEN)
         if NEED_V:
-            _store_rounded(grad_v_ptr, offs, mask, row_start, grad_mu * c, TILE, WORD_STORE)
+            _store_rounded(grad_v_ptr, offs, mask, row_start, grad_mu * c, TILE, EVEN)
         if NEED_THIRD:
-            _store_rounded(grad_third_ptr, offs, mask, row_start, grad_third, TILE, WORD_STORE)
+            _store_rounded(grad_third_ptr, offs, mask, row_start, grad_third, TILE, EVEN)
         if NEED_PREV:  # dmu/dx0_prev = p
-            _store_rounded(grad_prev_ptr, offs, mask, row_start, grad_mu * p, TILE, WORD_STORE)
+            _store_rounded(grad_prev_ptr, offs, mask, row_start, grad_mu * p, TILE, EVEN)

@@ -435,18 +435,20 @@ def test_multi_tile_programs_give_the_same_bits(device, monkeypatch, n, dtype):
         assert torch.equal(a, b), k
 
 
-@pytest.mark.parametrize("opts", [dict(mode="ddim", prediction_type="epsilon", clip_sample_range=1.0),
-                                  dict(mode="ddim", prediction_type="epsilon"),  # DDPO's (SD's config)
-                                  dict(mode="ddim", prediction_type="sample", clip_sample_range=1.5),
-                                  dict(mode="ddim", prediction_type="v_prediction"),
-                                  dict(mode="dpm_sde", noise_level=1.0)])
-def test_multi_tile_ddim_and_second_order_kl_give_the_same_bits(device, monkeypatch, opts):
-    """ddim's log-prob, rollouts (their divisions through common.div_rn_by_scalar) and KL with its
-    backward (the gaussian backward and the backward of a clipped KL that reads x keep one tile:
-    tiles_taken) and dpm_sde's second-order KL backward
-    (its x0_prev terms cancel: not read) run 4 tiles on aligned 16-bit latents of 8,192 elements: the
-    same bits as the one-tile launch."""
-    n, ddim = 8 * 1024, opts["mode"] == "ddim"
+@pytest.mark.parametrize("opts,n", [(dict(mode="ddim", prediction_type="epsilon", clip_sample_range=1.0), 8 * 1024),
+                                    (dict(mode="ddim", prediction_type="epsilon"), 8 * 1024),  # DDPO's (SD's config)
+                                    (dict(mode="ddim", prediction_type="sample", clip_sample_range=1.5), 8 * 1024),
+                                    (dict(mode="ddim", prediction_type="v_prediction"), 8 * 1024),
+                                    (dict(mode="ddim", prediction_type="epsilon", clip_sample_range=1.0), 8 * 1024 + 16),
+                                    (dict(mode="dpm_sde", noise_level=1.0), 8 * 1024)])
+def test_multi_tile_ddim_and_second_order_kl_give_the_same_bits(device, monkeypatch, opts, n):
+    """ddim's log-prob, rollouts (their divisions through common.div_rn_by_scalar; drawing Philox noise,
+    each tile in four parts: kernels/step.py's _ddim_philox_tile), KL and their backward (ddim's
+    gaussian and clipped-KL backward in four parts per tile: step_backward_kernel's PARTS) and
+    dpm_sde's second-order KL backward
+    (its x0_prev terms cancel: not read) run 4 tiles on aligned 16-bit latents of 8,192 elements, and
+    masked at 8,208 (where ddim's rollouts keep one tile): the same bits as the one-tile launch."""
+    ddim = opts["mode"] == "ddim"
     x, v, noise = inputs((3, n), torch.bfloat16, device, 41, third="noise")
     _, v_ref, prev_x0 = inputs((3, n), torch.bfloat16, device, 42, third="noise")
     if ddim:
@@ -459,7 +461,8 @@ def test_multi_tile_ddim_and_second_order_kl_give_the_same_bits(device, monkeypa
 
     def record(kernel, grid, *args, **kwargs):
         launches.append((kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel),
-                         kwargs.get("IS_KL", kwargs.get("OP") == int(Op.KL)), kwargs.get("TILES")))
+                         kwargs.get("IS_KL", kwargs.get("OP") == int(Op.KL)), kwargs.get("TILES"),
+                         kwargs.get("NOISE") == int(NoiseSource.PHILOX)))
         return real_launch(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(_triton_ops, "_launch", record)
@@ -473,25 +476,27 @@ def test_multi_tile_ddim_and_second_order_kl_give_the_same_bits(device, monkeypa
         kl = flowrl.step_kl(x, vk, v_ref, sigmas, step, backend="triton", **opts, **extra)
         kl.sum().backward()
         outs = [out.prev_sample, out.log_prob, out.prev_sample_mean, lp, *(t.grad for t in leaves), kl, vk.grad]
+        philox = flowrl.sde_step(x, v, sigmas, step, noise_seed=7, return_prev_sample_mean=False, backend="triton",
+                                 **opts, **extra)
+        outs += [philox.prev_sample, philox.log_prob]
         if ddim:  # eta = 0: no noise, the mean rounded
             outs.append(flowrl.sde_step(x, v, sigmas, step, backend="triton", **dict(opts, noise_level=0.0)).prev_sample)
         return outs
 
     want = run()
-    tiled = {(name, is_kl) for name, is_kl, tiles in launches if tiles == 4}
-    if ddim:
-        assert ("step_partials_kernel", False) in tiled and ("step_backward_kernel", False) not in tiled
-        # every KL forward takes tiles; the backward of a clipped KL that reads x spills at 4 tiles
-        # (sm_90a, 208-320 bytes, triton 3.9)
-        reads_x = "clip_sample_range" in opts and opts["prediction_type"] != "sample"
-        assert ("step_partials_kernel", True) in tiled
-        assert (("step_backward_kernel", True) in tiled) == (not reads_x)
+    tiled = {(name, is_kl) for name, is_kl, tiles, _ in launches if tiles == 4}
+    philox_tiles = {tiles for name, _, tiles, philox in launches if philox}
+    if ddim:  # every ddim step kernel takes tiles (the backward's and the Philox rollout's in parts)
+        assert tiled == {(kernel, is_kl) for kernel in ("step_partials_kernel", "step_backward_kernel")
+                         for is_kl in (False, True)}
+        assert philox_tiles == ({4} if n % 4096 == 0 else {1})
     else:
         assert ("step_backward_kernel", True) in tiled and ("step_backward_kernel", False) not in tiled
+        assert philox_tiles == {1}  # dpm_sde's second-order Philox rollout keeps one tile
     launches.clear()
     monkeypatch.setattr(_triton_ops, "STEP_LAUNCH_TABLE", _triton_ops.LAUNCH_TABLE)  # one tile everywhere
     got = run()
-    assert {tiles for _, _, tiles in launches if tiles is not None} == {1}
+    assert {tiles for _, _, tiles, _ in launches if tiles is not None} == {1}
     for k, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), k
 
@@ -524,8 +529,8 @@ def test_philox_rollouts_launch_under_the_register_cap(device, monkeypatch):
 
 def test_philox_rollouts_take_tiles_where_they_compile_without_spills():
     """tiles_taken: a rollout drawing Philox noise over 16-bit latents runs 4 tiles above 4,096
-    elements (its latents load after the noise, behind a barrier); in ddim, dpm_sde's second order
-    or writing its mean it keeps one tile (at 4 tiles those spill 8-64 bytes:
+    elements (its latents load after the noise, behind a barrier; ddim's in four parts per tile); in
+    dpm_sde's second order or writing its mean it keeps one tile (at 4 tiles those spill 8-64 bytes:
     kernels/aot.py's compile, docs/kernels.md), as kernels/aot.py's hot specializations assume."""
     n = 8 * 1024
 
@@ -541,13 +546,15 @@ def test_philox_rollouts_take_tiles_where_they_compile_without_spills():
         assert config(mode, torch.bfloat16) == tiled, mode
         assert config(mode, torch.float16) == tiled, mode
         assert config(mode, torch.bfloat16, write_mean=True) == one, mode
-    assert config(Mode.DDIM, torch.bfloat16) == one and config(Mode.DDIM, torch.float16) == one
+    assert config(Mode.DDIM, torch.bfloat16) == tiled and config(Mode.DDIM, torch.float16) == tiled
+    assert config(Mode.DDIM, torch.bfloat16, write_mean=True) == one
     assert config(Mode.DPM_SDE, torch.bfloat16, second_order=True) == one
     from flowrl.kernels import aot
 
     for storage in ("bf16", "fp16"):
         labels = {s.label for s in aot.hot_specializations(storage)}
         assert {"sde rollout noise=philox g4w1 even", "dpm_sde rollout noise=philox g4w1 even",
+                "ddim[epsilon] rollout noise=philox g4w1 even",
                 "sde rollout noise=philox +mean g1w1 even", "dpm_sde 2nd-order rollout noise=philox g1w1 even"} <= labels
         assert not {"sde rollout noise=philox g1w1 even", "sde rollout noise=philox +mean g4w1 even"} & labels
 
@@ -615,17 +622,18 @@ def test_the_launchers_refuse_what_their_index_math_cannot_reach(monkeypatch):
             calls["tokens"]()
 
 
-def test_clipped_epsilon_ddim_backward_launches_under_the_register_cap(device, monkeypatch):
-    """ddim[epsilon]'s gaussian backward with the clip over 16-bit latents launches under maxnreg 128
-    (its divisions by div_rn_by_scalar: unbounded, ptxas took 152-160 registers), as kernels/aot.py
-    compiles it (register_cap); without the clip it would spill under the cap and keeps none, as do
-    the KL's, the other predictions' and float32 latents' backward."""
+def test_ddim_backward_launches_in_parts_without_a_register_cap(device, monkeypatch):
+    """ddim's backward of the mean (gaussian) and of the clipped KL runs each tile in four parts
+    (step_backward_kernel's PARTS: at most 65 registers on one tile, unbounded, where the clipped
+    epsilon backward took 152-160 in one part and launched under the 128 cap); at one tile it launches
+    without a cap, as kernels/aot.py compiles it (register_cap), over 16-bit and float32 latents."""
     caps = {}
     real_launch = _triton_ops._launch
 
     def record(kernel, grid, *args, **kwargs):
         if "IS_KL" in kwargs:
-            caps[kwargs["PRED"], kwargs["CLIP"], kwargs["IS_KL"], x_now.dtype] = kwargs.get("maxnreg")
+            caps[kwargs["PRED"], kwargs["CLIP"], kwargs["IS_KL"], x_now.dtype] = (kwargs.get("maxnreg"),
+                                                                                 kwargs["TILES"])
         return real_launch(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(_triton_ops, "_launch", record)
@@ -637,10 +645,8 @@ def test_clipped_epsilon_ddim_backward_launches_under_the_register_cap(device, m
             x_now, vg = x, v.clone().requires_grad_(True)
             flowrl.step_log_prob(x, vg, prev, table, 0, **kw).sum().backward()
             flowrl.step_kl(x, vg, prev, table, 0, **kw).sum().backward()
-    eps, sample = int(Prediction.EPSILON), int(Prediction.SAMPLE)
-    capped = {key for key, cap in caps.items() if cap is not None}
-    assert capped == {(eps, True, False, torch.bfloat16)} and caps[eps, True, False, torch.bfloat16] == 128
-    assert (eps, False, False, torch.bfloat16) in caps and (sample, True, True, torch.float32) in caps
+    assert len(caps) == 12 and set(caps.values()) == {(None, 1)}
+    assert _triton_ops.register_cap(1) == {} and _triton_ops.register_cap(4) == dict(maxnreg=128)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -36,8 +36,8 @@ from flowrl.kernels.step import finalize_kernel, step_backward_kernel, step_part
 from flowrl.kernels.token import RECORD, TABLE_HEADER, token_table_kernel
 
 from . import reference
-from ..contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, SIGMA_ONE_TOL, LogProbKind, Mode, NoiseSource, Op, Prediction, Reduction
-from ..core.step_spec import ddim_kl_reads_sample, flat_layout
+from ..contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, SIGMA_ONE_TOL, LogProbKind, Mode, NoiseSource, Op, Reduction
+from ..core.step_spec import flat_layout
 
 # the pre-pass table's layout (kernels/token.py): header words, words per (sample, token) record
 TOKEN_TABLE_HEADER = int(TABLE_HEADER.value)
@@ -164,37 +164,25 @@ def launch_config(n_per_sample: int, unaligned_philox: bool = False, table=LAUNC
 _TILE_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def ddim_variant(spec) -> Optional[Tuple[Prediction, bool]]:
-    """(prediction, clipped) of a ddim step spec, None for the other modes: the pair the launch rules
-    (``tiles_taken``, ``register_cap``) and kernels/aot.py's ``_ddim_cx`` switches read."""
-    return (spec.prediction, spec.clip_sample_range is not None) if spec.mode is Mode.DDIM else None
-
-
 def tiles_taken(mode: Mode, backward: bool, masked_rollout: bool = False, second_order: bool = False,
-                ddim_kl: Optional[Tuple[Prediction, bool]] = None, philox: bool = False,
-                philox_mean: bool = False) -> bool:
-    """Whether the step kernels of ``mode`` (the backward: ``backward``; a rollout drawing Philox noise:
-    ``philox``) run STEP_LAUNCH_TABLE's multi-tile programs
-    when their latents are 16-bit and 16-byte aligned; the others run LAUNCH_TABLE's one tile. Chosen
-    per specialization from the AOT compile (kernels/aot.py; no spill on sm_90a or sm_80 with triton
-    3.6.0 or 3.9.0, tests/test_compile.py): at 4 tiles under the register cap ddim's clipped means
-    spill 8-368 bytes, a masked rollout (``masked_rollout``: the sample size not a multiple of 4,096)
-    with the mean 8-40 bytes, the Philox rollouts 8-40 bytes where they write the mean
-    (``philox_mean``), in ddim and in dpm_sde's second order (``second_order``: 16-64 bytes), dpm_sde's
-    second-order gaussian backward (the extra x0_prev stream; the KL's cancels) 40-48 bytes in float16
-    with triton 3.6, and ddim's gaussian backward (56-672 bytes) and the backward of its clipped KL
-    where x0_hat reads x (``ddim_kl``: (prediction, clipped) of a ddim KL, forward or backward;
-    ``ddim_kl_reads_sample``; 64-320 bytes, triton 3.9; every ddim KL forward and the other KL
-    backwards take tiles: c v - c v_ref, or the clipped residual's fmas without the mean's
-    divisions, common.ddim_clipped_difference), so these keep one tile
-    (dpm_sde's second-order forward with given noise takes tiles since the chunk's leaves-first tree and the word loads
-    freed registers, ddim's log-prob and rollouts since its divisions lost div.rn's per-element
-    slow-path calls: common.div_rn_by_scalar; the other Philox rollouts since their latents load
-    after the noise, behind a barrier, their Philox counters are uint32 with a zero high word and its
-    multiplies one mul.wide each: at 125-128 registers, no spill)."""
-    philox_one_tile = philox and (philox_mean or second_order or mode is Mode.DDIM)
-    return not (masked_rollout or philox_one_tile or (second_order and backward)
-                or (mode is Mode.DDIM and backward and (ddim_kl is None or ddim_kl_reads_sample(*ddim_kl))))
+                philox: bool = False, philox_mean: bool = False) -> bool:
+    """Whether the step kernels (the backward: ``backward``; a rollout drawing Philox noise: ``philox``)
+    run STEP_LAUNCH_TABLE's multi-tile programs when their latents are 16-bit and 16-byte aligned; the
+    others run LAUNCH_TABLE's one tile. Chosen per specialization from the AOT compile (kernels/aot.py;
+    no spill on sm_90a or sm_80 with triton 3.6.0 or 3.9.0, tests/test_compile.py), the same for every
+    mode. One tile where 4 spilled under the register cap: a masked rollout (``masked_rollout``: the
+    sample size not a multiple of 4,096; with the mean 8-40 bytes), a Philox rollout writing the mean
+    (``philox_mean``, 8-40 bytes) or of dpm_sde's second order (``second_order``, 16-64 bytes), and
+    dpm_sde's second-order gaussian backward (the extra x0_prev stream; the KL's cancels: 40-48 bytes
+    in float16, triton 3.6). The rest take tiles: ddim's log-prob and rollouts since its divisions
+    lost div.rn's per-element slow-path calls (common.div_rn_by_scalar), its KLs since they divide by
+    nothing per element, its Philox rollouts and its backward of the mean and of the clipped KL since
+    their tiles run in four parts behind barriers (kernels/step.py's ``_ddim_philox_tile`` and
+    step_backward_kernel's PARTS: in one part they spilled 8-672 bytes), the other Philox rollouts since
+    their latents load after the noise, behind a barrier, their Philox counters are uint32 with a zero
+    high word and its multiplies one mul.wide each (125-128 registers, no spill)."""
+    philox_one_tile = philox and (philox_mean or second_order)
+    return not (masked_rollout or philox_one_tile or (second_order and backward))
 
 
 def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = False, unaligned_philox: bool = False,
@@ -214,9 +202,8 @@ def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = Fal
     group, _ = launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
     masked_rollout = rollout and n_per_sample % (group * CHUNK_SIZE) != 0
     latents, extra = [t for t in latents if t is not None], [t for t in extra if t is not None]
-    ddim_kl = ddim_variant(spec) if spec.op is Op.KL else None
-    if (storage in _TILE_DTYPES and tiles_taken(spec.mode, backward, masked_rollout, second_order, ddim_kl,
-                                                philox, write_mean)
+    if (storage in _TILE_DTYPES and tiles_taken(spec.mode, backward, masked_rollout, second_order, philox,
+                                                write_mean)
             and n_per_sample % 16 == 0 and all(t.dtype == storage for t in latents)
             and all(t.data_ptr() % 16 == 0 for t in latents + extra)):
         return launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
@@ -229,39 +216,31 @@ def element_tiles(group: int, num_warps: int) -> int:
     return max(1, group * CHUNK_SIZE // (32 * 32 * num_warps))
 
 
-def register_cap(tiles: int, philox_mode: Optional[Mode] = None, latent_bytes: int = 2,
-                 ddim_gaussian_backward: Optional[Tuple[Prediction, bool]] = None) -> dict:
+def register_cap(tiles: int, philox_mode: Optional[Mode] = None, latent_bytes: int = 2) -> dict:
     """The ``maxnreg`` of a step launch (issue 21: <= 128 registers per thread), or none: a multi-tile
-    program's, that of a rollout over 16-bit latents (``latent_bytes``) drawing Philox noise
+    program's, and that of a rollout over 16-bit latents (``latent_bytes``) drawing Philox noise
     (``philox_mode``: its mode; unbounded, ptxas took up to 132 with triton 3.6, and none spills at 128)
-    except ddim's, whose sample-clip rollout spills under the cap (96 bytes, triton 3.6), and that of
-    ddim[epsilon]'s gaussian backward with the clip over 16-bit latents (``ddim_gaussian_backward``:
-    (prediction, clipped) of a ddim gaussian backward; its divisions by common.div_rn_by_scalar:
-    unbounded, ptxas took 152-160; without the clip it reads bfloat16 as words and spills under the
-    cap, 8-88 bytes; the other predictions' are over 128 with div.rn too, and spill under it). float32
-    latents' Philox rollouts spill under it (24-112 bytes) and keep theirs (about 150 registers)."""
-    clipped_epsilon_backward = ddim_gaussian_backward == (Prediction.EPSILON, True)
-    if tiles > 1 or (latent_bytes == 2 and (clipped_epsilon_backward or (philox_mode is not None
-                                                                      and philox_mode is not Mode.DDIM))):
+    except ddim's one-tile rollout, whose sample clip spills under the cap (96 bytes, triton 3.6).
+    float32 latents' Philox rollouts spill under it (24-112 bytes) and keep theirs (about 150
+    registers). ddim's backward needs none at one tile (its four parts: at most 65 registers)."""
+    if tiles > 1 or (latent_bytes == 2 and philox_mode is not None and philox_mode is not Mode.DDIM):
         return dict(maxnreg=MAX_TILE_REGISTERS)
     return {}
 
 
 def step_switches(group: int, num_warps: int, n_per_sample: int, elementwise: bool = False, accessed=(),
-                  philox_mode: Optional[Mode] = None, latent_bytes: int = 2,
-                  ddim_gaussian_backward: Optional[Tuple[Prediction, bool]] = None) -> dict:
+                  philox_mode: Optional[Mode] = None, latent_bytes: int = 2) -> dict:
     """The step kernels' TILES, EVEN (the sample size a multiple of a one-warp program's block: no
     masks, bfloat16 read and 16-bit results written as 32-bit words, so every 16-bit tensor in
     ``accessed`` (the latents the kernel reads or writes; None skipped) must start on 4 bytes; the
     multi-warp WIDE_CONFIG launches and elementwise steps stay masked, one variant each, as
     kernels/aot.py compiles them) and register cap (``register_cap``; ``philox_mode``: the mode of a
-    rollout drawing Philox noise, ``latent_bytes``: its latents' element size,
-    ``ddim_gaussian_backward``: (prediction, clipped) of a ddim gaussian backward) of a launch."""
+    rollout drawing Philox noise, ``latent_bytes``: its latents' element size) of a launch."""
     tiles = element_tiles(group, num_warps)
     words = all(t.data_ptr() % 4 == 0 for t in accessed if t is not None and t.element_size() == 2)
     return dict(TILES=tiles, EVEN=(not elementwise and num_warps == 1 and n_per_sample % (group * CHUNK_SIZE) == 0
                                    and words),
-                **register_cap(tiles, philox_mode, latent_bytes, ddim_gaussian_backward))
+                **register_cap(tiles, philox_mode, latent_bytes))
 
 
 # No FMA contraction: the kernels do the reference's roundings, and the rollout and recompute
@@ -498,8 +477,7 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Op
             num_warps=num_warps, **ks.ddim, **_second_order(ks, x), grad_prev_ptr=grad_prev if need_prev else dummy,
             NEED_PREV=need_prev, **step_switches(
                 group, num_warps, n, spec.elementwise, (x, v, third, ks.prev_x0, grad_x, grad_v, grad_third, grad_prev),
-                latent_bytes=x.element_size(),
-                ddim_gaussian_backward=None if is_kl else ddim_variant(spec)),
+                latent_bytes=x.element_size()),
             **_LAUNCH,
         )
     return grad_x, grad_v, grad_third, grad_prev
