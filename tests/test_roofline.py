@@ -34,8 +34,6 @@ NOT_YET_MET = {
 # Hot specializations above the 128 registers per thread today (no spill: up to 255, the
 # hardware's limit, on some target and triton version); the rest must stay within 128.
 OVER_128_REGISTERS = {
-    "grpo_backward_kernel: sde ref=True trust=2 gaussian mean g1w1 +token +frozen",
-    "grpo_backward_kernel: sde ref=True trust=2 gaussian mean g1w1 kl=transition guided",
     "grpo_partials_kernel: sde ref=True trust=2 g1w1",
     "grpo_partials_kernel: sde ref=True trust=2 g1w1 +token +frozen",
     "grpo_partials_kernel: sde ref=True trust=2 g1w1 kl=transition guided",
