@@ -63,14 +63,29 @@ def _check_rows(rows, version, archs, spot=()):
     # docs/kernels.md: a chunk on one warp (the launch table's (1, 1)) has its halving tree in registers
     # and warp shuffles: no shared memory in any element kernel launched on one warp (the configurations
     # that spread a chunk over several warps, ELEMENTWISE_CONFIG and WIDE_CONFIG, cross warps through
-    # shared memory), and no barrier but one per tile where Philox noise is drawn (a step rollout, the
-    # GRPO family's replayed mu_old): it keeps the latents' loads behind the noise (registers)
+    # shared memory), and no barrier but those that order its work ("Parts")
     one_warp = [r for r in rows if r["kernel"] != "finalize_kernel" and r["num_warps"] == 1]
     assert one_warp
     for r in one_warp:
-        draws = ("noise=philox" in r["label"] and r["kernel"] == "step_partials_kernel") or "trust=2" in r["label"]
-        tiles = 4 if " g4w1" in r["label"] else 1
-        assert r["shared_bytes"] == 0 and r["barriers"] == (tiles if draws else 0), r
+        assert r["shared_bytes"] == 0 and r["barriers"] == _expected_barriers(r["kernel"], r["label"]), r
+
+
+def _expected_barriers(kernel, label):
+    """The barriers of a one-warp element kernel (docs/kernels.md, "Parts"): one per tile after the
+    Philox noise (a step rollout, the GRPO family's replayed mu_old) keeps the latents' loads behind it;
+    ddim's Philox rollout on whole 4-tile blocks runs each tile as four parts, each drawn then loaded (a
+    barrier after each part's noise, one between parts and one between tiles: 7 per tile and 3); ddim's
+    backward of the mean and of the clipped KL, four parts per tile (one between parts); the GRPO
+    backward with the replayed mu_old, two halves (one after each half's noise, one between)."""
+    tiles = 4 if " g4w1" in label else 1
+    ddim, replay = label.startswith("ddim["), "trust=2" in label
+    if kernel == "step_partials_kernel" and "noise=philox" in label:
+        return 8 * tiles - 1 if ddim and tiles > 1 and label.endswith(" even") else tiles
+    if kernel == "step_backward_kernel" and ddim and ("gaussian" in label or " clip] kl" in label):
+        return 4 * tiles - 1
+    if kernel == "grpo_backward_kernel" and replay:
+        return 3
+    return 1 if kernel == "grpo_partials_kernel" and replay else 0
 
 
 @needs_linux_x86

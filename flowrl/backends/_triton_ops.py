@@ -164,8 +164,8 @@ def launch_config(n_per_sample: int, unaligned_philox: bool = False, table=LAUNC
 _TILE_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def tiles_taken(mode: Mode, backward: bool, masked_rollout: bool = False, second_order: bool = False,
-                philox: bool = False, philox_mean: bool = False) -> bool:
+def tiles_taken(backward: bool, masked_rollout: bool = False, second_order: bool = False, philox: bool = False,
+                philox_mean: bool = False) -> bool:
     """Whether the step kernels (the backward: ``backward``; a rollout drawing Philox noise: ``philox``)
     run STEP_LAUNCH_TABLE's multi-tile programs when their latents are 16-bit and 16-byte aligned; the
     others run LAUNCH_TABLE's one tile. Chosen per specialization from the AOT compile (kernels/aot.py;
@@ -202,8 +202,7 @@ def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = Fal
     group, _ = launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
     masked_rollout = rollout and n_per_sample % (group * CHUNK_SIZE) != 0
     latents, extra = [t for t in latents if t is not None], [t for t in extra if t is not None]
-    if (storage in _TILE_DTYPES and tiles_taken(spec.mode, backward, masked_rollout, second_order, philox,
-                                                write_mean)
+    if (storage in _TILE_DTYPES and tiles_taken(backward, masked_rollout, second_order, philox, write_mean)
             and n_per_sample % 16 == 0 and all(t.dtype == storage for t in latents)
             and all(t.data_ptr() % 16 == 0 for t in latents + extra)):
         return launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
