@@ -527,6 +527,40 @@ def test_philox_rollouts_launch_under_the_register_cap(device, monkeypatch):
     assert caps == {(Mode.SDE, NoiseSource.PHILOX): None}
 
 
+def test_the_aot_compile_takes_the_launchers_configurations():
+    """kernels/aot.py compiles each step specialization at the launcher's (chunks per program, warps)
+    (``aot._step_config`` against ``_triton_ops.step_config``) for aligned 16-bit latents, whole and
+    masked, every mode, op, noise source, mean switch and second order (an argument shift once made it
+    count dpm_sde's second-order forward at one tile, where the launcher runs 4)."""
+    from flowrl.kernels import aot
+
+    for storage, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        for n in (8 * 1024, 8 * 1024 + 16):
+            x = torch.zeros(2, n, dtype=dtype)
+            for mode in Mode:
+                for op in Op:
+                    for backward in (False, True):
+                        rollout = op is Op.ROLLOUT and not backward
+                        for noise in (NoiseSource if rollout else (NoiseSource.TENSOR,)):
+                            for write_mean in ((False, True) if rollout else (False,)):
+                                for prev in ((False, True) if mode is Mode.DPM_SDE else (False,)):
+                                    # the launchers' second order: not for the KL's backward (x0_prev cancels)
+                                    second_order = prev and not (op is Op.KL and backward)
+                                    spec = type("Spec", (), {"elementwise": False, "mode": mode, "op": op,
+                                                             "noise_source": noise})
+                                    mean = x.float() if write_mean else None
+                                    want = _triton_ops.step_config(spec, n, (x, x, None, x, None), (None, mean),
+                                                                   backward=backward, second_order=second_order,
+                                                                   write_mean=write_mean)
+                                    philox = noise is NoiseSource.PHILOX
+                                    got = aot._step_config(storage, backward=backward,
+                                                           masked_rollout=rollout and n % 4096 != 0,
+                                                           second_order=second_order, philox=philox,
+                                                           philox_mean=philox and write_mean)
+                                    assert tuple(got) == tuple(want), (storage, n, mode, op, backward, noise,
+                                                                       write_mean, second_order)
+
+
 def test_philox_rollouts_take_tiles_where_they_compile_without_spills():
     """tiles_taken: a rollout drawing Philox noise over 16-bit latents runs 4 tiles above 4,096
     elements (its latents load after the noise, behind a barrier; ddim's in four parts per tile); in
