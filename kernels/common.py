@@ -320,6 +320,34 @@ def leaf_sums_rows(t, ROWS: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def carry_part_leaves(even, odd, t, part: tl.constexpr, PART: tl.constexpr):
+    """A chunk run in 2 or 4 parts of PART consecutive values (one chunk per program): part ``part``'s
+    leaf sums [PART / LEAF] of ``t`` added into the carried (even, odd), so that ``even + odd`` is the
+    chunk tree's first levels over the parts' leaves Q0 | Q1 (| Q2 | Q3): Q0 + Q1, or (Q0 + Q2) + (Q1 +
+    Q3), element by element (``part_chunk_partial`` finishes the tree)."""
+    leaves = tl.reshape(leaf_sums_rows(t, 1, PART), (PART // LEAF,))
+    if part == 0:
+        even = leaves
+    elif part == 1:
+        odd = leaves
+    elif part % 2 == 0:
+        even = even + leaves
+    else:
+        odd = odd + leaves
+    return even, odd
+
+
+@triton.jit
+def part_chunk_partial(even, odd, PARTS: tl.constexpr, PART: tl.constexpr, LOG2_CHUNK: tl.constexpr):
+    """The chunk's partial [1] from the leaf sums its PARTS parts carried (``carry_part_leaves``): the
+    halving tree within a part after the levels across them, the contract's order
+    (``chunk_tree_rows``), the same bits."""
+    tl.static_assert(PARTS == 2 or PARTS == 4)
+    LOG2_PARTS: tl.constexpr = 1 if PARTS == 2 else 2
+    return halving_tree_rows(even + odd, 1, PART // LEAF, LOG2_CHUNK - LOG2_LEAF - LOG2_PARTS)
+
+
+@triton.jit
 def bf16_words_to_f32(words):
     """bfloat16 pairs read as uint32 words, as float32 in element order: each half one integer op
     (low << 16, high & 0xffff0000) where a bfloat16 load's conversion takes 1.5 per value; the same

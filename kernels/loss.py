@@ -32,7 +32,7 @@ from .common import (
     to_f32, total_grad,
 )
 from .common import KIND_KL
-from .step import _block_offsets, _element_terms, _philox_eps
+from .step import _block_offsets, _element_terms, _philox_eps, _span_offsets
 
 # where mu_old (the trust-region variants' rollout mean) comes from: none, a stored float32 tensor,
 # or replayed from x' and the rollout's Philox noise (flowrl.losses.TrustSource)
@@ -119,6 +119,20 @@ def _element_coef(coef, scored, weight, ELEMENTWISE: tl.constexpr, WEIGHTED: tl.
 
 
 @triton.jit
+def _loss_element_terms(a, c, std, row, in_row, mask, tok_ptr, tok_groups, tok_stride, frozen_ptr, frozen_groups,
+                        frozen_stride, PER_TOKEN: tl.constexpr, HAS_FROZEN: tl.constexpr, RUN: tl.constexpr):
+    """(a, c, std, scored, weight) of a block's elements: the sample's own (a, c, std), scored where in
+    the sample, weight 1; in an elementwise step each element's (kernels/step.py's ``_element_terms``,
+    weighted per token when PER_TOKEN: the KL and D_s always are, the log-prob's square by WEIGHTED)."""
+    scored, weight = mask, 1.0
+    if PER_TOKEN or HAS_FROZEN:
+        a, c, std, _, scored, weight = _element_terms(a, c, std, row, in_row, mask, tok_ptr, tok_groups, tok_stride,
+                                                      frozen_ptr, frozen_groups, frozen_stride, PER_TOKEN,
+                                                      HAS_FROZEN, PER_TOKEN, RUN)
+    return a, c, std, scored, weight
+
+
+@triton.jit
 def grpo_partials_kernel(
     x_ptr, v_ptr, prev_ptr, ref_ptr, old_mean_ptr, lp_partials_ptr, kl_partials_ptr, tr_partials_ptr,
     sigmas_ptr, step_ptr, seeds_ptr, stream_stride, elem_offset,
@@ -140,12 +154,8 @@ def grpo_partials_kernel(
     row, first, in_row, offs, mask = _block_offsets(n_per_sample, n_blocks, blocks_magic, blocks_shift, GROUP * CHUNK)
     step = tl.load(step_ptr + row)
     a, c, std = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
-    scored, weight = mask, 1.0
-    if ELEMENTWISE:
-        a, c, std, _, scored, weight = _element_terms(
-            a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
-            frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index,
-            PER_TOKEN, HAS_FROZEN, PER_TOKEN, RUN)
+    a, c, std, scored, weight = _loss_element_terms(a, c, std, row, in_row, mask, tok_ptr, tok_groups, tok_stride,
+                                                    frozen_ptr, frozen_groups, frozen_stride, PER_TOKEN, HAS_FROZEN, RUN)
     eps = _replayed_noise(seeds_ptr, row, first, stream_stride, elem_offset, TRUST, GROUP * CHUNK, PHILOX_ALIGNED)
     # bfloat16 converted by to_f32 (2 SASS per element off); the backward and the step kernels keep the
     # cast: there the packed conversion took registers past 128 (ddim, the backward) and spilled
@@ -183,19 +193,16 @@ def grpo_backward_kernel(
     ref_cond_ptr=None, ref_scale=0.0, KL_SPACE: tl.constexpr = 0, REF_GUIDED: tl.constexpr = False,
     tok_ptr=None, tok_inner=1, tok_groups=1, tok_stride=0, frozen_ptr=None, frozen_inner=1, frozen_groups=1,
     frozen_stride=0, PER_TOKEN: tl.constexpr = False, HAS_FROZEN: tl.constexpr = False,
-    WEIGHTED: tl.constexpr = False, count_ptr=None, RUN: tl.constexpr = 1,
+    WEIGHTED: tl.constexpr = False, count_ptr=None, RUN: tl.constexpr = 1, PARTS: tl.constexpr = 1,
 ):
     """d loss / d v from the per-sample grads of the log-prob, the KL and the trust-region divergence
     (always a mean): per element d value / d r = 2 coef r (common.total_grad), dmu/dv = c. KL_VELOCITY:
     the KL's 2 (v - v_ref) g, g over the element count when MEAN (no std, scored on every step).
     PER_TOKEN / HAS_FROZEN: step_backward_kernel's elementwise step: the scored count from count_ptr,
     each sample coefficient (of its own std) weighted per token and 0 off the scored elements, then
-    the element's (a, c, std)."""
+    the element's (a, c, std). PARTS: the block run in that many parts, each after a barrier (the
+    launcher's ``replay_parts``: mu_old replayed from Philox noise on one warp)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
-    # mu_old replayed from Philox noise: the block in two halves, the second behind a barrier (the noise,
-    # the latents and the grads of a half at a time: 68-72 registers, where as one its per-token and
-    # guided variants took up to 168; in four parts the per-part work cost 4-6% more instructions)
-    PARTS: tl.constexpr = 2 if TRUST == TRUST_REPLAY else 1
     PART: tl.constexpr = BLOCK // PARTS
     row, block_first, _, _, _ = _block_offsets(n_per_sample, n_blocks, blocks_magic, blocks_shift, BLOCK)
     step = tl.load(step_ptr + row)
@@ -220,16 +227,10 @@ def grpo_backward_kernel(
         if part > 0:
             tl.debug_barrier()
         first = block_first + part * PART
-        in_row = first + tl.arange(0, PART)
-        offs = row * n_per_sample + in_row
-        mask = tl.arange(0, PART) < (n_per_sample - first).to(tl.int32)
-        a, c, std = a0, c0, std0
-        scored, weight = mask, 1.0
-        if ELEMENTWISE:
-            a, c, std, _, scored, weight = _element_terms(
-                a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
-                frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index,
-                PER_TOKEN, HAS_FROZEN, PER_TOKEN, RUN)
+        in_row, offs, mask = _span_offsets(row, first, n_per_sample, PART)
+        a, c, std, scored, weight = _loss_element_terms(a0, c0, std0, row, in_row, mask, tok_ptr, tok_groups,
+                                                        tok_stride, frozen_ptr, frozen_groups, frozen_stride,
+                                                        PER_TOKEN, HAS_FROZEN, RUN)
         eps = _replayed_noise(seeds_ptr, row, first, stream_stride, elem_offset, TRUST, PART, PHILOX_ALIGNED)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         prev = tl.load(prev_ptr + offs, mask=mask, other=0.0).to(tl.float32)

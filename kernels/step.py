@@ -17,7 +17,8 @@ kernels/common.py.
   sample's seed, its stream and the element's index elem_offset + in-sample index) and no noise
   tensor is read; with NOISE == NOISE_NONE the step is deterministic by its arguments (ode, noise
   level 0): x' = mu and nothing is read for eps. ddim's Philox rollout runs each whole tile in four
-  parts behind barriers (_ddim_philox_tile: fewer values in registers at once, the same tree).
+  parts behind barriers (step_partials_kernel's PARTS: fewer values in registers at once, the
+  same tree).
 - OP_LOG_PROB: third = the stored x'; r = x' - mu.
 - OP_KL:       third = the reference policy's velocity; r = mu(v) - mu(v_ref) = c v - c v_ref (x
   cancels exactly, so it is not read); ddim with its clip: fma(sqrt(a'), clip(x0) - clip(x0_ref),
@@ -48,13 +49,13 @@ import triton
 import triton.language as tl
 
 from .common import (
-    LEAF, LOG2_LEAF,
+    LEAF,
     MODE_DDIM, PRED_SAMPLE, NOISE_NONE, NOISE_PHILOX, NOISE_TENSOR, OP_KL, OP_LOG_PROB, OP_ROLLOUT, bf16_words_to_f32,
-    chunk_tree_rows, compact_index, ddim_clipped_difference, ddim_clipped_kl_coefficients, ddim_clipped_kl_grads,
-    ddim_coefficients, ddim_mean, ddim_mean_grads, ddim_velocity_coefficient,
-    dpm_sde_coefficients, halving_tree_rows, leaf_sums_rows, magic_quotient, mode_coefficients, neg, ordinary_count,
-    philox_key, philox_normal_block, policy_difference, round_pairs, round_to, run_heads, run_spread, step_mean, total_grad,
-    value_from_total, words_to_f32,
+    carry_part_leaves, chunk_tree_rows, compact_index, ddim_clipped_difference, ddim_clipped_kl_coefficients,
+    ddim_clipped_kl_grads, ddim_coefficients, ddim_mean, ddim_mean_grads, ddim_velocity_coefficient,
+    dpm_sde_coefficients, halving_tree_rows, magic_quotient, mode_coefficients, neg, ordinary_count,
+    part_chunk_partial, philox_key, philox_normal_block, policy_difference, round_pairs, round_to, run_heads,
+    run_spread, step_mean, total_grad, value_from_total, words_to_f32,
 )
 from .token import FROZEN_MAGIC, RECORD, TABLE_HEADER
 
@@ -71,16 +72,22 @@ def _block_offsets(n_per_sample, n_blocks, blocks_magic, blocks_shift, BLOCK: tl
     pid = tl.program_id(0)
     row = magic_quotient(pid.to(tl.uint32), blocks_magic.to(tl.uint32), blocks_shift).to(tl.int64)
     first = (pid - row * n_blocks) * BLOCK
-    in_row = first + tl.arange(0, BLOCK)
-    mask = tl.arange(0, BLOCK) < (n_per_sample - first).to(tl.int32)
-    return row, first, in_row, row * n_per_sample + in_row, mask
+    return (row, first) + _span_offsets(row, first, n_per_sample, BLOCK)
 
 
 @triton.jit
-def _element_terms(a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride,
-                   frozen_ptr, frozen_inner, frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta,
-                   sin_half_pi_eta, MODE: tl.constexpr, last_index, PER_TOKEN: tl.constexpr, HAS_FROZEN: tl.constexpr,
-                   WEIGHTED: tl.constexpr, RUN: tl.constexpr):
+def _span_offsets(row, first, n_per_sample, SPAN: tl.constexpr):
+    """The in-sample offsets, int64 element offsets and mask of the SPAN elements of sample ``row``
+    from in-sample ``first`` (a block, or a part of one); the mask in 32 bits."""
+    in_row = first + tl.arange(0, SPAN)
+    mask = tl.arange(0, SPAN) < (n_per_sample - first).to(tl.int32)
+    return in_row, row * n_per_sample + in_row, mask
+
+
+@triton.jit
+def _element_terms(a, c, std, row, in_row, mask, tok_ptr, tok_groups, tok_stride, frozen_ptr, frozen_groups,
+                   frozen_stride, PER_TOKEN: tl.constexpr, HAS_FROZEN: tl.constexpr, WEIGHTED: tl.constexpr,
+                   RUN: tl.constexpr):
     """Per-element (a, c, std, keep, scored, weight) of an elementwise step from the sample's own
     (a, c, std): per-token coefficients (PER_TOKEN), the frozen mask (HAS_FROZEN). keep: x' = x
     (frozen or held); scored: std > 0 and not frozen; weight var_sample_d / var_token_d (WEIGHTED).
@@ -90,9 +97,8 @@ def _element_terms(a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups,
     records. Every RUN consecutive elements (RUN divides both tables' ``inner``, so a run never
     straddles two tokens) share one lookup: the index math and the loads run once per run
     (``run_heads``) and the values are repeated over its elements (``run_spread``). The in-sample
-    offset goes to uint32: the launcher keeps samples below 2**31 elements. ``tok_inner`` and
-    ``frozen_inner`` arrive as the header's multipliers; they and the sigmas and mode arguments are
-    the pre-pass's, unused here."""
+    offset goes to uint32: the launcher keeps samples below 2**31 elements (the tables' ``inner``
+    arrive as the header's multipliers, from the pre-pass)."""
     heads = run_heads(in_row, RUN).to(tl.uint32)
     head_mask = run_heads(mask, RUN)
     keep = heads < 0  # all False
@@ -185,58 +191,6 @@ def _store_rounded(ptr, offs, mask, row_start, x, TILE: tl.constexpr, WORDS: tl.
 
 
 @triton.jit
-def _ddim_philox_part(x_ptr, v_ptr, prev_out_ptr, mean_out_ptr, row_start, first, k0, k1, stream, elem_offset,
-                      sqrt_a, sqrt_b, sqrt_a_prev, k, std, clip_range, PRED: tl.constexpr, CLIP: tl.constexpr,
-                      WRITE_MEAN: tl.constexpr, PART: tl.constexpr, PHILOX_ALIGNED: tl.constexpr):
-    """One part of a whole tile of ddim's rollout drawing Philox noise (``_ddim_philox_tile``): the PART
-    elements from in-sample ``first`` (``row_start``: its int64 element offset) drawn, loaded, stepped
-    (ddim_mean, divisions by div_rn_by_scalar), x' stored as words (and the mean), and the leaf sums
-    [PART / LEAF] of r * r."""
-    eps = philox_normal_block(k0, k1, stream, elem_offset + first, PART, PHILOX_ALIGNED)
-    tl.debug_barrier()  # the latents load after the noise, as in the kernel's tiles
-    offs = row_start + tl.arange(0, PART)
-    whole = tl.full((PART,), 1, tl.int1)
-    v = _load_tile(v_ptr, offs, whole, row_start, PART, True)
-    x = _load_tile(x_ptr, offs, whole, row_start, PART, True)
-    mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP, True)
-    r = _store_rounded(prev_out_ptr, offs, whole, row_start, mu + std * eps, PART, True) - mu
-    if WRITE_MEAN:
-        tl.store(mean_out_ptr + offs, mu)
-    return tl.reshape(leaf_sums_rows(r * r, 1, PART), (PART // LEAF,))
-
-
-@triton.jit
-def _ddim_philox_tile(x_ptr, v_ptr, prev_out_ptr, mean_out_ptr, row_start, first, k0, k1, stream, elem_offset,
-                      sqrt_a, sqrt_b, sqrt_a_prev, k, std, clip_range, PRED: tl.constexpr, CLIP: tl.constexpr,
-                      WRITE_MEAN: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr,
-                      PHILOX_ALIGNED: tl.constexpr):
-    """The partial of one whole chunk of ddim's rollout drawing Philox noise, run as four parts of a
-    quarter chunk behind barriers (``_ddim_philox_part``), each keeping one leaf sum per thread: as one
-    tile the noise, both latents and ddim's divisions and clip were in registers at once, and the 4-tile
-    program spilled under the 128 cap (8-216 bytes, sm_90a). The chunk's tree over its leaves Q0 | Q1 |
-    Q2 | Q3 (the parts' leaf sums) starts with the halving levels (Q0 + Q2) + (Q1 + Q3), then halves
-    within a part: the contract's order (common.chunk_tree_rows), the same bits."""
-    PART: tl.constexpr = CHUNK // 4
-    q0 = _ddim_philox_part(x_ptr, v_ptr, prev_out_ptr, mean_out_ptr, row_start, first, k0, k1, stream,
-                           elem_offset, sqrt_a, sqrt_b, sqrt_a_prev, k, std, clip_range, PRED, CLIP, WRITE_MEAN,
-                           PART, PHILOX_ALIGNED)
-    tl.debug_barrier()
-    q1 = _ddim_philox_part(x_ptr, v_ptr, prev_out_ptr, mean_out_ptr, row_start + PART, first + PART, k0, k1,
-                           stream, elem_offset, sqrt_a, sqrt_b, sqrt_a_prev, k, std, clip_range, PRED, CLIP,
-                           WRITE_MEAN, PART, PHILOX_ALIGNED)
-    tl.debug_barrier()
-    q2 = _ddim_philox_part(x_ptr, v_ptr, prev_out_ptr, mean_out_ptr, row_start + 2 * PART, first + 2 * PART, k0,
-                           k1, stream, elem_offset, sqrt_a, sqrt_b, sqrt_a_prev, k, std, clip_range, PRED, CLIP,
-                           WRITE_MEAN, PART, PHILOX_ALIGNED)
-    q0 = q0 + q2
-    tl.debug_barrier()
-    q3 = _ddim_philox_part(x_ptr, v_ptr, prev_out_ptr, mean_out_ptr, row_start + 3 * PART, first + 3 * PART, k0,
-                           k1, stream, elem_offset, sqrt_a, sqrt_b, sqrt_a_prev, k, std, clip_range, PRED, CLIP,
-                           WRITE_MEAN, PART, PHILOX_ALIGNED)
-    return halving_tree_rows(q0 + (q1 + q3), 1, PART // LEAF, LOG2_CHUNK - LOG2_LEAF - 2)
-
-
-@triton.jit
 def step_partials_kernel(
     x_ptr, v_ptr, third_ptr, prev_out_ptr, mean_out_ptr, partials_ptr, sigmas_ptr, step_ptr,
     seeds_ptr, stream_stride, elem_offset,
@@ -257,21 +211,23 @@ def step_partials_kernel(
     dpm_sde's second order, so ELEMENTWISE never meets MODE_DDIM or HAS_PREV)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
     TILE_CHUNKS: tl.constexpr = GROUP // TILES
-    # ddim's one-tile Philox rollouts keep tl.div_rn and bfloat16 element loads: as words its v_prediction
-    # rollout took 133 registers, with div_rn_by_scalar up to 168 (or spills); its tiles run in parts
-    FAST_DDIM: tl.constexpr = NOISE != NOISE_PHILOX
-    WORDS: tl.constexpr = MODE != MODE_DDIM or FAST_DDIM
-    # x' stored as words of rounded pairs on whole blocks; ddim's per value (its 4-tile rollout with the
-    # mean spilled 72 bytes as words, triton 3.6)
-    WORD_STORE: tl.constexpr = EVEN and MODE != MODE_DDIM
     TILE: tl.constexpr = TILE_CHUNKS * CHUNK
+    # a tile of one chunk in PARTS parts, each behind a barrier, carrying its leaf sums (one value per
+    # thread; the chunk's tree finished after the last part): ddim's Philox rollout
+    # on whole 4-tile blocks, which as one part per tile spilled under the cap (8-216 bytes, sm_90a)
+    PARTS: tl.constexpr = 4 if (MODE == MODE_DDIM and NOISE == NOISE_PHILOX and TILES > 1 and EVEN
+                                and TILE_CHUNKS == 1) else 1
+    PART: tl.constexpr = TILE // PARTS
+    # ddim's one-part Philox rollouts keep tl.div_rn and bfloat16 element loads: as words its v_prediction
+    # rollout took 133 registers, with div_rn_by_scalar up to 168 (or spills)
+    FAST_DDIM: tl.constexpr = NOISE != NOISE_PHILOX or PARTS > 1
+    WORDS: tl.constexpr = MODE != MODE_DDIM or FAST_DDIM
+    # x' stored as words of rounded pairs on whole blocks; ddim's per value at one part (its 4-tile
+    # rollout with the mean spilled 72 bytes as words, triton 3.6)
+    WORD_STORE: tl.constexpr = EVEN and (MODE != MODE_DDIM or PARTS > 1)
     # ddim's mean per element, but for its KL: c v - c v_ref as every mode's, or with the clip the
     # clipped x0s' difference (CLIPPED_KL)
     DDIM_MEAN: tl.constexpr = MODE == MODE_DDIM and OP != OP_KL
-    # ddim's Philox rollout in whole tiles of one chunk: each tile in four parts (_ddim_philox_tile), its
-    # divisions by div_rn_by_scalar and x' stored as words; at one tile (LAUNCH_TABLE) the tiles below
-    DDIM_PHILOX_PARTS: tl.constexpr = (MODE == MODE_DDIM and NOISE == NOISE_PHILOX and TILES > 1 and EVEN
-                                       and TILE_CHUNKS == 1)
     CLIPPED_KL: tl.constexpr = MODE == MODE_DDIM and OP == OP_KL and CLIP
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_blocks
@@ -289,46 +245,43 @@ def step_partials_kernel(
             a0, c0, p, std0 = dpm_sde_coefficients(sigmas_ptr, step, True)
     if NOISE == NOISE_PHILOX:
         k0, k1, stream = _philox_stream(seeds_ptr, row, stream_stride)
-    for tile in tl.static_range(TILES if DDIM_PHILOX_PARTS else 0):  # (then no general tile below)
-        first = block_first + tile * TILE
-        if tile > 0:
-            tl.debug_barrier()  # the next tile's noise after this one's last part
-        partial = _ddim_philox_tile(x_ptr, v_ptr, prev_out_ptr, mean_out_ptr, row * n_per_sample + first, first,
-                                    k0, k1, stream, elem_offset, sqrt_a, sqrt_b, sqrt_a_prev, k, std, clip_range,
-                                    PRED, CLIP, WRITE_MEAN, CHUNK, LOG2_CHUNK, PHILOX_ALIGNED)
-        tl.store(partials_ptr + row * n_chunks + first // CHUNK + tl.arange(0, 1), tl.reshape(partial, (1,)))
-    for tile in tl.static_range(0 if DDIM_PHILOX_PARTS else TILES):
-        first = block_first + tile * TILE
-        in_row, offs, mask = _tile_offsets(row, first, n_per_sample, TILE, EVEN)
-        row_start = row * n_per_sample + first
+    even = tl.zeros((PART // LEAF,), tl.float32)  # the parts' leaf sums (PARTS > 1), carried across them
+    odd = even
+    block_start = row * n_per_sample + block_first
+    for span in tl.static_range(TILES * PARTS):
+        part = span % PARTS
+        first = block_first + span * PART
+        if PARTS > 1 and span > 0:
+            tl.debug_barrier()  # this part's noise after the last one's stores
+        in_row, offs, mask = _tile_offsets(row, first, n_per_sample, PART, EVEN)
+        row_start = block_start + span * PART
         if MODE != MODE_DDIM:
             a, c, std = a0, c0, std0
             if ELEMENTWISE:
                 a, c, std, keep, scored, weight = _element_terms(
-                    a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr,
-                    frozen_inner, frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta,
-                    MODE, last_index, PER_TOKEN, HAS_FROZEN, WEIGHTED, RUN)
+                    a, c, std, row, in_row, mask, tok_ptr, tok_groups, tok_stride, frozen_ptr, frozen_groups,
+                    frozen_stride, PER_TOKEN, HAS_FROZEN, WEIGHTED, RUN)
         if NOISE == NOISE_PHILOX:  # rollout only: the noise never touches memory
-            third = philox_normal_block(k0, k1, stream, elem_offset + first, TILE, PHILOX_ALIGNED)
+            third = philox_normal_block(k0, k1, stream, elem_offset + first, PART, PHILOX_ALIGNED)
             # the latents load after the noise (registers: ptxas would hoist them above its ~30 SASS
             # per element, and the next tile's too, and spill under the cap)
             tl.debug_barrier()
-        v = _load_tile(v_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
+        v = _load_tile(v_ptr, offs, mask, row_start, PART, EVEN, WORDS)
         if NOISE == NOISE_TENSOR:
-            third = _load_tile(third_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
+            third = _load_tile(third_ptr, offs, mask, row_start, PART, EVEN, WORDS)
         if DDIM_MEAN:
-            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
+            x = _load_tile(x_ptr, offs, mask, row_start, PART, EVEN, WORDS)
             mu = ddim_mean(x, v, sqrt_a, sqrt_b, sqrt_a_prev, k, clip_range, PRED, CLIP, FAST_DDIM)
         elif CLIPPED_KL:  # nonlinear in v (the clip): x0 reads x, but for sample (x0 = v)
             if PRED == PRED_SAMPLE:
                 x = v
             else:
-                x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
+                x = _load_tile(x_ptr, offs, mask, row_start, PART, EVEN, WORDS)
         elif OP != OP_KL:  # the KL's mu - mu_ref = c v - c v_ref does not read x
-            x = _load_tile(x_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
+            x = _load_tile(x_ptr, offs, mask, row_start, PART, EVEN, WORDS)
             mu = step_mean(a, c, x, v)
             if HAS_PREV:
-                mu = mu + p * _load_tile(prev_x0_ptr, offs, mask, row_start, TILE, EVEN, WORDS)
+                mu = mu + p * _load_tile(prev_x0_ptr, offs, mask, row_start, PART, EVEN, WORDS)
         if OP == OP_ROLLOUT:
             if NOISE == NOISE_NONE:  # deterministic: std is 0, and mu + 0 * eps is mu
                 prev = mu
@@ -337,7 +290,7 @@ def step_partials_kernel(
             if ELEMENTWISE:  # frozen and held elements emit x' = x, their mean is x
                 prev = tl.where(keep, x, prev)
                 mu = tl.where(keep, x, mu)
-            r = _store_rounded(prev_out_ptr, offs, mask, row_start, prev, TILE, WORD_STORE) - mu
+            r = _store_rounded(prev_out_ptr, offs, mask, row_start, prev, PART, WORD_STORE) - mu
             if WRITE_MEAN:
                 tl.store(mean_out_ptr + offs, mu, mask=mask)
         elif OP == OP_LOG_PROB:
@@ -355,12 +308,19 @@ def step_partials_kernel(
             if not EVEN:
                 r = tl.where(mask, r, 0.0)  # the tail of the last chunk adds exact zeros, as the reference's padding
             sq = r * r
-        partial = chunk_tree_rows(sq, TILE_CHUNKS, CHUNK, LOG2_CHUNK)  # one partial per chunk
-        chunk = first // CHUNK + tl.arange(0, TILE_CHUNKS)
-        if EVEN:
-            tl.store(partials_ptr + row * n_chunks + chunk, partial)
-        else:
-            tl.store(partials_ptr + row * n_chunks + chunk, partial, mask=chunk < n_chunks)
+        if PARTS == 1:
+            partial = chunk_tree_rows(sq, TILE_CHUNKS, CHUNK, LOG2_CHUNK)  # one partial per chunk
+            chunk = first // CHUNK + tl.arange(0, TILE_CHUNKS)
+            if EVEN:
+                tl.store(partials_ptr + row * n_chunks + chunk, partial)
+            else:
+                tl.store(partials_ptr + row * n_chunks + chunk, partial, mask=chunk < n_chunks)
+        else:  # the chunk's tree across its parts' leaf sums, then within a part: the same bits
+            even, odd = carry_part_leaves(even, odd, sq, part, PART)
+            if part == PARTS - 1:
+                tile_first = block_first + (span - part) * PART
+                tl.store(partials_ptr + row * n_chunks + tile_first // CHUNK + tl.arange(0, 1),
+                         part_chunk_partial(even, odd, PARTS, PART, LOG2_CHUNK))
 
 
 @triton.jit
@@ -453,9 +413,8 @@ def step_backward_kernel(
             a, c, std = a0, c0, std0
         if ELEMENTWISE:
             a, c, std, keep, scored, weight = _element_terms(
-                a, c, std, row, in_row, mask, tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
-                frozen_groups, frozen_stride, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index,
-                PER_TOKEN, HAS_FROZEN, WEIGHTED, RUN)
+                a, c, std, row, in_row, mask, tok_ptr, tok_groups, tok_stride, frozen_ptr, frozen_groups,
+                frozen_stride, PER_TOKEN, HAS_FROZEN, WEIGHTED, RUN)
             if WEIGHTED:
                 coef = coef * weight
             coef = tl.where(scored, coef, 0.0)

@@ -443,7 +443,7 @@ def test_multi_tile_programs_give_the_same_bits(device, monkeypatch, n, dtype):
                                     (dict(mode="dpm_sde", noise_level=1.0), 8 * 1024)])
 def test_multi_tile_ddim_and_second_order_kl_give_the_same_bits(device, monkeypatch, opts, n):
     """ddim's log-prob, rollouts (their divisions through common.div_rn_by_scalar; drawing Philox noise,
-    each tile in four parts: kernels/step.py's _ddim_philox_tile), KL and their backward (ddim's
+    each tile in four parts: kernels/step.py's step_partials_kernel PARTS), KL and their backward (ddim's
     gaussian and clipped-KL backward in four parts per tile: step_backward_kernel's PARTS) and
     dpm_sde's second-order KL backward
     (its x0_prev terms cancel: not read) run 4 tiles on aligned 16-bit latents of 8,192 elements, and

@@ -177,7 +177,7 @@ def tiles_taken(backward: bool, masked_rollout: bool = False, second_order: bool
     in float16, triton 3.6). The rest take tiles: ddim's log-prob and rollouts since its divisions
     lost div.rn's per-element slow-path calls (common.div_rn_by_scalar), its KLs since they divide by
     nothing per element, its Philox rollouts and its backward of the mean and of the clipped KL since
-    their tiles run in four parts behind barriers (kernels/step.py's ``_ddim_philox_tile`` and
+    their tiles run in four parts behind barriers (kernels/step.py's step_partials_kernel's and
     step_backward_kernel's PARTS: in one part they spilled 8-672 bytes), the other Philox rollouts since
     their latents load after the noise, behind a barrier, their Philox counters are uint32 with a zero
     high word and its multiplies one mul.wide each (125-128 registers, no spill)."""
