@@ -108,3 +108,21 @@ def test_installed_wheel_imports_every_module_and_runs_without_the_checkout(inst
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["flowrl"].startswith(str(target))
+
+
+def test_the_checkouts_kernels_folder_does_not_shadow_the_kernels_distribution(tmp_path):
+    """Run from the checkout's root (its folder first on sys.path, as ``python -c`` and ``python -m``
+    put it), ``import kernels`` reaches the ``kernels`` distribution (Hugging Face's, which transformers
+    >= 5.25 imports on ``import diffusers`` pipelines), here a stand-in, not flowrl's kernels/; and
+    flowrl.kernels still loads beside it."""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("CUDAProperties = 'stand-in'\n")
+    (site / "kernels" / "layer.py").write_text("from kernels import CUDAProperties\n")
+    code = ("import kernels.layer, flowrl.kernels.step; "
+            "print(kernels.layer.CUDAProperties, flowrl.kernels.__name__, flowrl.kernels.step.__name__)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-3:] == ["stand-in", "flowrl.kernels", "flowrl.kernels.step"], done.stdout
