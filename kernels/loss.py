@@ -32,7 +32,7 @@ from .common import (
     to_f32, total_grad,
 )
 from .common import KIND_KL
-from .step import _block_offsets, _element_terms, _philox_eps, _span_offsets
+from .step import _block_offsets, _element_terms, _philox_eps, _tile_offsets
 
 # where mu_old (the trust-region variants' rollout mean) comes from: none, a stored float32 tensor,
 # or replayed from x' and the rollout's Philox noise (flowrl.losses.TrustSource)
@@ -227,7 +227,7 @@ def grpo_backward_kernel(
         if part > 0:
             tl.debug_barrier()
         first = block_first + part * PART
-        in_row, offs, mask = _span_offsets(row, first, n_per_sample, PART)
+        in_row, offs, mask = _tile_offsets(row, first, n_per_sample, PART)
         a, c, std, scored, weight = _loss_element_terms(a0, c0, std0, row, in_row, mask, tok_ptr, tok_groups,
                                                         tok_stride, frozen_ptr, frozen_groups, frozen_stride,
                                                         PER_TOKEN, HAS_FROZEN, RUN)

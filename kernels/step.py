@@ -72,16 +72,7 @@ def _block_offsets(n_per_sample, n_blocks, blocks_magic, blocks_shift, BLOCK: tl
     pid = tl.program_id(0)
     row = magic_quotient(pid.to(tl.uint32), blocks_magic.to(tl.uint32), blocks_shift).to(tl.int64)
     first = (pid - row * n_blocks) * BLOCK
-    return (row, first) + _span_offsets(row, first, n_per_sample, BLOCK)
-
-
-@triton.jit
-def _span_offsets(row, first, n_per_sample, SPAN: tl.constexpr):
-    """The in-sample offsets, int64 element offsets and mask of the SPAN elements of sample ``row``
-    from in-sample ``first`` (a block, or a part of one); the mask in 32 bits."""
-    in_row = first + tl.arange(0, SPAN)
-    mask = tl.arange(0, SPAN) < (n_per_sample - first).to(tl.int32)
-    return in_row, row * n_per_sample + in_row, mask
+    return (row, first) + _tile_offsets(row, first, n_per_sample, BLOCK)
 
 
 @triton.jit
@@ -152,14 +143,16 @@ def _philox_stream(seeds_ptr, row, stream_stride):
 
 
 @triton.jit
-def _tile_offsets(row, first, n_per_sample, TILE: tl.constexpr, EVEN: tl.constexpr):
-    """A tile's in-sample offsets, int64 element offsets and mask (EVEN: the sample size is a multiple
-    of the program's block, so every tile is whole and the mask is all True: the compiler drops it)."""
+def _tile_offsets(row, first, n_per_sample, TILE: tl.constexpr, EVEN: tl.constexpr = False):
+    """The in-sample offsets, int64 element offsets and mask of the TILE elements of sample ``row`` from
+    in-sample ``first`` (a block, a tile or a part of one). The mask is computed in 32 bits (in-sample
+    offsets fit: _triton_ops.MAX_SAMPLE_ELEMENTS); EVEN: the sample size is a multiple of the program's
+    block, so every tile is whole and the mask is all True (the compiler drops it)."""
     in_row = first + tl.arange(0, TILE)
     if EVEN:
         mask = tl.full((TILE,), 1, tl.int1)
     else:
-        mask = in_row < n_per_sample
+        mask = tl.arange(0, TILE) < (n_per_sample - first).to(tl.int32)
     return in_row, row * n_per_sample + in_row, mask
 
 
