@@ -1,6 +1,7 @@
 """The Triton backend (flowrl/_triton_ops.py + flowrl.kernels) against the torch reference and a
 float64 oracle. Runs under Triton's interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET) and
 natively on CUDA when present; shapes stay small so the interpreter run is fast."""
+import itertools
 import os
 import subprocess
 import sys
@@ -534,31 +535,22 @@ def test_the_aot_compile_takes_the_launchers_configurations():
     count dpm_sde's second-order forward at one tile, where the launcher runs 4)."""
     from flowrl.kernels import aot
 
-    for storage, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        for n in (8 * 1024, 8 * 1024 + 16):
-            x = torch.zeros(2, n, dtype=dtype)
-            for mode in Mode:
-                for op in Op:
-                    for backward in (False, True):
-                        rollout = op is Op.ROLLOUT and not backward
-                        for noise in (NoiseSource if rollout else (NoiseSource.TENSOR,)):
-                            for write_mean in ((False, True) if rollout else (False,)):
-                                for prev in ((False, True) if mode is Mode.DPM_SDE else (False,)):
-                                    # the launchers' second order: not for the KL's backward (x0_prev cancels)
-                                    second_order = prev and not (op is Op.KL and backward)
-                                    spec = type("Spec", (), {"elementwise": False, "mode": mode, "op": op,
-                                                             "noise_source": noise})
-                                    mean = x.float() if write_mean else None
-                                    want = _triton_ops.step_config(spec, n, (x, x, None, x, None), (None, mean),
-                                                                   backward=backward, second_order=second_order,
-                                                                   write_mean=write_mean)
-                                    philox = noise is NoiseSource.PHILOX
-                                    got = aot._step_config(storage, backward=backward,
-                                                           masked_rollout=rollout and n % 4096 != 0,
-                                                           second_order=second_order, philox=philox,
-                                                           philox_mean=philox and write_mean)
-                                    assert tuple(got) == tuple(want), (storage, n, mode, op, backward, noise,
-                                                                       write_mean, second_order)
+    cases = itertools.product((("bf16", torch.bfloat16), ("fp16", torch.float16)), (8 * 1024, 8 * 1024 + 16), Mode,
+                              Op, (False, True), NoiseSource, (False, True), (False, True))
+    for (storage, dtype), n, mode, op, backward, noise, write_mean, prev in cases:
+        rollout = op is Op.ROLLOUT and not backward
+        if (not rollout and (noise is not NoiseSource.TENSOR or write_mean)) or (prev and mode is not Mode.DPM_SDE):
+            continue  # noise sources and the mean are a rollout's; x0_prev is dpm_sde's
+        # the launchers' second order: not for the KL's backward (x0_prev cancels)
+        second_order = prev and not (op is Op.KL and backward)
+        x = torch.zeros(2, n, dtype=dtype)
+        spec = type("Spec", (), {"elementwise": False, "mode": mode, "op": op, "noise_source": noise})
+        want = _triton_ops.step_config(spec, n, (x, x, None, x, None), (None, x.float() if write_mean else None),
+                                       backward=backward, second_order=second_order, write_mean=write_mean)
+        philox = noise is NoiseSource.PHILOX
+        got = aot._step_config(storage, backward=backward, masked_rollout=rollout and n % 4096 != 0,
+                               second_order=second_order, philox=philox, philox_mean=philox and write_mean)
+        assert tuple(got) == tuple(want), (storage, n, mode, op, backward, noise, write_mean, second_order)
 
 
 def test_philox_rollouts_take_tiles_where_they_compile_without_spills():

@@ -231,6 +231,14 @@ def test_docs_state_how_many_hot_specializations_meet_their_targets():
     assert hot == len(keys)
     assert met == hot - len(NOT_YET_MET)
     assert re.search(rf"the other {len(NOT_YET_MET)} are tests/test_roofline.py's", text.replace("\n", " "))
+    # "What is left" / the eighth round: the hot specializations over 128 registers are the GRPO
+    # partials with the replayed mu_old, as many as OVER_128_REGISTERS lists
+    remain = int(re.search(r"\((\d+) remain: the GRPO partials with the replayed mu_old\)", text).group(1))
+    assert remain == len(OVER_128_REGISTERS)
+    assert all(key.startswith("grpo_partials_kernel: ") and "trust=2" in key for key in OVER_128_REGISTERS)
+    count, low, high = re.search(r"the (\d+)\s+NOT_YET_MET floors rose from \S+ to ([\d.]+)-([\d.]+)", text).groups()
+    assert (int(count), float(low), float(high)) == (len(NOT_YET_MET), min(NOT_YET_MET.values()),
+                                                     max(NOT_YET_MET.values()))
     per_storage = re.search(r"(\d+) for bf16, (\d+) for fp16", re.sub(r"\s+", " ", text)).groups()
     assert tuple(map(int, per_storage)) == tuple(len(aot.hot_specializations(storage)) for storage in STORAGES)
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text().replace("\n", " ")
