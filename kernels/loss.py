@@ -163,6 +163,13 @@ def grpo_partials_kernel(
     prev = to_f32(tl.load(prev_ptr + offs, mask=mask, other=0.0))
     x = to_f32(tl.load(x_ptr + offs, mask=mask, other=0.0))
     mu = step_mean(a, c, x, v)
+    # D_s first: with it last, ptxas sank a replayed eps' Box-Muller (its sin / cos polynomials) below
+    # the loads and the log-prob's tree, beside every loaded value: 168-204 registers, 120-128 so
+    if TRUST != TRUST_NONE:
+        old = _old_mean(old_mean_ptr, prev, std, eps, offs, mask, TRUST)
+        rt = mu - old
+        _store_partials(_element_square(rt, scored, weight, ELEMENTWISE, PER_TOKEN), mask, tr_partials_ptr, row,
+                        first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
     r = prev - mu  # step_partials_kernel's OP_LOG_PROB residual, the same operations
     _store_partials(_element_square(r, scored, weight, ELEMENTWISE, WEIGHTED), mask, lp_partials_ptr, row, first,
                     n_chunks, GROUP, CHUNK, LOG2_CHUNK)
@@ -175,11 +182,6 @@ def grpo_partials_kernel(
         else:
             rk = policy_difference(c, v, v_ref)
         _store_partials(_element_square(rk, scored, weight, ELEMENTWISE, PER_TOKEN), mask, kl_partials_ptr, row,
-                        first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
-    if TRUST != TRUST_NONE:
-        old = _old_mean(old_mean_ptr, prev, std, eps, offs, mask, TRUST)
-        rt = mu - old
-        _store_partials(_element_square(rt, scored, weight, ELEMENTWISE, PER_TOKEN), mask, tr_partials_ptr, row,
                         first, n_chunks, GROUP, CHUNK, LOG2_CHUNK)
 
 
