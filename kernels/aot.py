@@ -214,10 +214,7 @@ def _grpo_loss(storage, mode, has_ref, trust, group, warps, backward=False, kind
     cx = {"MODE": int(mode), "HAS_REF": has_ref, "TRUST": trust, "PHILOX_ALIGNED": trust == 2 and philox_aligned,
           "KL_SPACE": int(kl_space), "REF_GUIDED": guided, **_elementwise(elementwise, storage)}
     if backward:
-        from flowrl.backends._triton_losses import replay_parts
-
-        cx.update({"KIND": int(kind), "MEAN": mean, "BLOCK": group * CHUNK_SIZE,
-                   "PARTS": replay_parts(trust, group * CHUNK_SIZE, warps)})
+        cx.update({"KIND": int(kind), "MEAN": mean, "BLOCK": group * CHUNK_SIZE})
     else:
         cx.update({"CHUNK": CHUNK_SIZE, "LOG2_CHUNK": LOG2_CHUNK_SIZE, "GROUP": group})
     ptrs = tuple(k for k in sig if k.endswith("_ptr"))

@@ -67,7 +67,8 @@ def _replayed_noise(seeds_ptr, row, first, stream_stride, elem_offset, TRUST: tl
                     PHILOX_ALIGNED: tl.constexpr):
     """TRUST_REPLAY: the rollout's Philox eps of this block, drawn before the latents load (a barrier
     after it keeps ptxas from hoisting the loads above the noise's ~30 SASS per element: registers;
-    triton 3.6 spilled the partials under its own 128 otherwise); 0.0 (unused) for the other TRUSTs."""
+    triton 3.6 spilled the partials under its own 128 otherwise; the kernels use eps first, as ptxas
+    sinks its angle to the use); 0.0 (unused) for the other TRUSTs."""
     eps = 0.0
     if TRUST == TRUST_REPLAY:
         eps = _philox_eps(seeds_ptr, row, first, stream_stride, elem_offset, BLOCK, PHILOX_ALIGNED)
@@ -163,8 +164,8 @@ def grpo_partials_kernel(
     prev = to_f32(tl.load(prev_ptr + offs, mask=mask, other=0.0))
     x = to_f32(tl.load(x_ptr + offs, mask=mask, other=0.0))
     mu = step_mean(a, c, x, v)
-    # D_s first: with it last, ptxas sank a replayed eps' Box-Muller (its sin / cos polynomials) below
-    # the loads and the log-prob's tree, beside every loaded value: 168-204 registers, 120-128 so
+    # D_s first: ptxas computes a replayed eps' angle (its sin / cos polynomials) where eps is used; used
+    # last, below the loads and the log-prob's tree, beside every loaded value, it took 168-204 registers
     if TRUST != TRUST_NONE:
         old = _old_mean(old_mean_ptr, prev, std, eps, offs, mask, TRUST)
         rt = mu - old
@@ -195,18 +196,16 @@ def grpo_backward_kernel(
     ref_cond_ptr=None, ref_scale=0.0, KL_SPACE: tl.constexpr = 0, REF_GUIDED: tl.constexpr = False,
     tok_ptr=None, tok_inner=1, tok_groups=1, tok_stride=0, frozen_ptr=None, frozen_inner=1, frozen_groups=1,
     frozen_stride=0, PER_TOKEN: tl.constexpr = False, HAS_FROZEN: tl.constexpr = False,
-    WEIGHTED: tl.constexpr = False, count_ptr=None, RUN: tl.constexpr = 1, PARTS: tl.constexpr = 1,
+    WEIGHTED: tl.constexpr = False, count_ptr=None, RUN: tl.constexpr = 1,
 ):
     """d loss / d v from the per-sample grads of the log-prob, the KL and the trust-region divergence
     (always a mean): per element d value / d r = 2 coef r (common.total_grad), dmu/dv = c. KL_VELOCITY:
     the KL's 2 (v - v_ref) g, g over the element count when MEAN (no std, scored on every step).
     PER_TOKEN / HAS_FROZEN: step_backward_kernel's elementwise step: the scored count from count_ptr,
     each sample coefficient (of its own std) weighted per token and 0 off the scored elements, then
-    the element's (a, c, std). PARTS: the block run in that many parts, each after a barrier (the
-    launcher's ``replay_parts``: mu_old replayed from Philox noise on one warp)."""
+    the element's (a, c, std)."""
     ELEMENTWISE: tl.constexpr = PER_TOKEN or HAS_FROZEN
-    PART: tl.constexpr = BLOCK // PARTS
-    row, block_first, _, _, _ = _block_offsets(n_per_sample, n_blocks, blocks_magic, blocks_shift, BLOCK)
+    row, first, _, _, _ = _block_offsets(n_per_sample, n_blocks, blocks_magic, blocks_shift, BLOCK)
     step = tl.load(step_ptr + row)
     a0, c0, std0 = mode_coefficients(sigmas_ptr, step, sigma_one_tol, eta, sin_half_pi_eta, MODE, last_index)
     std_ref = std0  # the sample's own step: the value's variance (per-token weights are relative to it)
@@ -225,40 +224,39 @@ def grpo_backward_kernel(
                 kl_total = tl.div_rn(kl_total, numel_f)
         else:
             kl_total = total_grad(tl.load(grad_kl_ptr + row), std_ref, count, KIND_KL, MEAN)
-    for part in tl.static_range(PARTS):
-        if part > 0:
-            tl.debug_barrier()
-        first = block_first + part * PART
-        in_row, offs, mask = _tile_offsets(row, first, n_per_sample, PART)
-        a, c, std, scored, weight = _loss_element_terms(a0, c0, std0, row, in_row, mask, tok_ptr, tok_groups,
-                                                        tok_stride, frozen_ptr, frozen_groups, frozen_stride,
-                                                        PER_TOKEN, HAS_FROZEN, RUN)
-        eps = _replayed_noise(seeds_ptr, row, first, stream_stride, elem_offset, TRUST, PART, PHILOX_ALIGNED)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        prev = tl.load(prev_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        mu = step_mean(a, c, x, v)
-        coef_lp = _element_coef(lp_total, scored, weight, ELEMENTWISE, WEIGHTED)
-        cr = coef_lp * (prev - mu)
-        grad_mu = neg(cr + cr)
-        if TRUST != TRUST_NONE:
-            old = _old_mean(old_mean_ptr, prev, std, eps, offs, mask, TRUST)
-            coef_tr = _element_coef(tr_total, scored, weight, ELEMENTWISE, PER_TOKEN)
-            ct = coef_tr * (mu - old)
-            grad_mu = grad_mu + (ct + ct)
-        grad_v = grad_mu * c
-        if HAS_REF:
-            v_ref = tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if REF_GUIDED:
-                v_ref = _guided_reference(v_ref, ref_cond_ptr, offs, mask, ref_scale)
-            if KL_SPACE == KL_VELOCITY:
-                ck = kl_total * (v - v_ref)
-                grad_v = grad_v + (ck + ck)
-            else:
-                coef_kl = _element_coef(kl_total, scored, weight, ELEMENTWISE, PER_TOKEN)
-                ck = coef_kl * policy_difference(c, v, v_ref)
-                grad_v = grad_v + (ck + ck) * c
-        tl.store(grad_v_ptr + offs, round_to(grad_v, grad_v_ptr.dtype.element_ty), mask=mask)
+    # the element offsets after the per-sample totals (computed with them, every GRPO backward took
+    # 0.1-1 SASS per element more)
+    in_row, offs, mask = _tile_offsets(row, first, n_per_sample, BLOCK)
+    a, c, std, scored, weight = _loss_element_terms(a0, c0, std0, row, in_row, mask, tok_ptr, tok_groups,
+                                                    tok_stride, frozen_ptr, frozen_groups, frozen_stride,
+                                                    PER_TOKEN, HAS_FROZEN, RUN)
+    eps = _replayed_noise(seeds_ptr, row, first, stream_stride, elem_offset, TRUST, BLOCK, PHILOX_ALIGNED)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    prev = tl.load(prev_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    mu = step_mean(a, c, x, v)
+    if TRUST != TRUST_NONE:  # D_s's term first, as in grpo_partials_kernel (registers), added second
+        old = _old_mean(old_mean_ptr, prev, std, eps, offs, mask, TRUST)
+        coef_tr = _element_coef(tr_total, scored, weight, ELEMENTWISE, PER_TOKEN)
+        ct = coef_tr * (mu - old)
+    coef_lp = _element_coef(lp_total, scored, weight, ELEMENTWISE, WEIGHTED)
+    cr = coef_lp * (prev - mu)
+    grad_mu = neg(cr + cr)
+    if TRUST != TRUST_NONE:
+        grad_mu = grad_mu + (ct + ct)
+    grad_v = grad_mu * c
+    if HAS_REF:
+        v_ref = tl.load(ref_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if REF_GUIDED:
+            v_ref = _guided_reference(v_ref, ref_cond_ptr, offs, mask, ref_scale)
+        if KL_SPACE == KL_VELOCITY:
+            ck = kl_total * (v - v_ref)
+            grad_v = grad_v + (ck + ck)
+        else:
+            coef_kl = _element_coef(kl_total, scored, weight, ELEMENTWISE, PER_TOKEN)
+            ck = coef_kl * policy_difference(c, v, v_ref)
+            grad_v = grad_v + (ck + ck) * c
+    tl.store(grad_v_ptr + offs, round_to(grad_v, grad_v_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -75,17 +75,14 @@ def _expected_barriers(kernel, label):
     Philox noise (a step rollout, the GRPO family's replayed mu_old) keeps the latents' loads behind it;
     ddim's Philox rollout on whole 4-tile blocks runs each tile as four parts, each drawn then loaded (a
     barrier after each part's noise, one between parts and one between tiles: 7 per tile and 3); ddim's
-    backward of the mean and of the clipped KL, four parts per tile (one between parts); the GRPO
-    backward with the replayed mu_old, two halves (one after each half's noise, one between)."""
+    backward of the mean and of the clipped KL, four parts per tile (one between parts)."""
     tiles = 4 if " g4w1" in label else 1
     ddim, replay = label.startswith("ddim["), "trust=2" in label
     if kernel == "step_partials_kernel" and "noise=philox" in label:
         return 8 * tiles - 1 if ddim and tiles > 1 and label.endswith(" even") else tiles
     if kernel == "step_backward_kernel" and ddim and ("gaussian" in label or " clip] kl" in label):
         return 4 * tiles - 1
-    if kernel == "grpo_backward_kernel" and replay:
-        return 3
-    return 1 if kernel == "grpo_partials_kernel" and replay else 0
+    return 1 if kernel.startswith("grpo_") and replay else 0
 
 
 @needs_linux_x86

@@ -255,35 +255,6 @@ def test_triton_losses_and_grads_match_torch(dtype):
         torch.testing.assert_close(grad_k.float() / scale, grad_t.float() / scale, **tol, msg=name)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() or _dispatch.interpreter_enabled()), reason="needs the Triton backend")
-def test_the_replaying_backward_in_halves_gives_the_whole_blocks_bits(monkeypatch):
-    """grpo_backward_kernel's PARTS with mu_old replayed (the launcher's replay_parts): two halves on one
-    warp, the block whole on the wider launches (halves would cut their 16-byte vectors:
-    tests/test_compile.py counts the loads), and the halves give the whole block's bits."""
-    from flowrl.backends import _triton_losses as TL
-    from flowrl.backends._triton_ops import SLIM_CONFIG, WIDE_CONFIG
-    from flowrl.contract import CHUNK_SIZE
-
-    group, warps = TL.REPLAY_BACKWARD_CONFIG
-    assert TL.replay_parts(2, group * CHUNK_SIZE, warps) == 2
-    assert TL.replay_parts(1, group * CHUNK_SIZE, warps) == TL.replay_parts(0, group * CHUNK_SIZE, warps) == 1
-    assert all(TL.replay_parts(2, g * CHUNK_SIZE, w) == 1 for g, w in (WIDE_CONFIG, SLIM_CONFIG))
-    x, v, sig, out = rollout("sde", 0.7, torch.bfloat16)
-    steps, adv, v_new = STEPS.to(DEVICE), advantages(), perturbed(v, 0.3)
-
-    def loss(vv):
-        return L.grpo_guard_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=0.2,
-                                 noise_seed=11, backend="triton")
-
-    taken = []
-    monkeypatch.setattr(TL, "replay_parts", lambda *a, parts=TL.replay_parts: taken.append(parts(*a)) or taken[-1])
-    _, halves = _grad(loss, v_new)
-    monkeypatch.setattr(TL, "replay_parts", lambda *a: taken.append(1) or 1)
-    _, whole = _grad(loss, v_new)
-    assert taken == [2, 1]
-    assert halves.abs().max() > 0 and torch.equal(halves, whole)
-
-
 # -------------------------------------------------------------------- determinism, batch invariance
 
 

@@ -31,7 +31,6 @@ NOT_YET_MET = {
 }
 
 
-
 def _hot_rows(pythonpath=None):
     """(exit status, the hot rows): the hot specializations' sm_90a rows (their SASS counted) of the full
     AOT run tests/test_compile.py shares (``aot_rows``), each (storage, kernel: label) once, as

@@ -30,16 +30,6 @@ from . import reference
 REPLAY_BACKWARD_CONFIG = LAUNCH_TABLE[0][1:]
 
 
-def replay_parts(trust: int, block: int, num_warps: int) -> int:
-    """grpo_backward_kernel's PARTS: with mu_old replayed from Philox noise (trust 2), a program whose
-    threads hold 32 elements each (a chunk on one warp) runs its block in two halves behind a barrier:
-    the noise, the latents and the grads of a half at a time, 68-72 registers where whole its per-token
-    and guided variants took up to 168 (in four parts the per-part work cost 4-6% more instructions).
-    Wider launches (8 or fewer elements per thread) fit whole, and halves would cut their 16-byte
-    vector loads."""
-    return 2 if trust == 2 and block // (32 * num_warps) >= 32 else 1
-
-
 def _grpo_launch_args(spec, ks, trust, seed, x):
     seeds, stream_stride, elem_offset = seed if seed is not None else (ks.step_index, 0, 0)
     philox = trust == 2  # TrustSource.REPLAY
@@ -145,7 +135,7 @@ class _GRPOValues(torch.autograd.Function):
             x, v, prev, ref if ref is not None else v, old_mean if old_mean is not None else v, g_lp, g_kl, g_tr,
             grad_v, ks.sigmas, ks.step_index, seeds, stride, offset, n, n_blocks, *division_magic(n_blocks),
             float(spec.numel), *ks.args, ks.last_index, MODE=int(spec.mode), KIND=int(spec.kind), MEAN=spec.reduction is Reduction.MEAN, HAS_REF=ref is not None,
-            TRUST=int(trust), BLOCK=block, PHILOX_ALIGNED=aligned, PARTS=replay_parts(trust, block, num_warps),
+            TRUST=int(trust), BLOCK=block, PHILOX_ALIGNED=aligned,
             num_warps=num_warps, **_LAUNCH,
             **_kl_args(ref, ref_cond, ctx.ref_scale, ctx.kl_space, v), **_elementwise_args(ks, backward=True),
         )
@@ -266,4 +256,4 @@ def flow_sums(kind, count, xt, v, other, x0, ref, t, coefs, shard=None, noise_se
     return _flow_forward(int(kind), count, xt, v, other, x0, ref, t, coefs, shard, noise_seed)
 
 
-__all__ = ["grpo_values", "flow_sums", "REPLAY_BACKWARD_CONFIG", "replay_parts"]
+__all__ = ["grpo_values", "flow_sums", "REPLAY_BACKWARD_CONFIG"]
