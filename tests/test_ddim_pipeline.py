@@ -129,8 +129,8 @@ def test_the_clamped_radicand_gives_an_exact_zero_eps_term(backend):
     float32 operations) k is 0: x' = sqrt(a') x0_hat + std eps exactly as in exact math, with no NaN.
     The backend's square root: torch's for the torch backend (its CPU float32 sqrt is not always
     correctly rounded: about 1 in 5 off by an ulp on an AMD EPYC with torch 2.13), the correctly
-    rounded one (float64's, rounded) for the kernels' sqrt_rn (docs/contract.md, ddim)."""
-    root = torch.sqrt if backend == "torch" else (lambda t: torch.sqrt(t.double()).to(torch.float32))
+    rounded one for the kernels' sqrt_rn (flowrl.reference.sqrt_rn; docs/contract.md, ddim)."""
+    root = torch.sqrt if backend == "torch" else flowrl.reference.sqrt_rn
     a_prev = torch.linspace(0.001, 0.5, 2001)
     std = root((1 - a_prev) * (1 - 0.0 / a_prev))
     negative = a_prev[(1 - a_prev) - std * std < 0][:4]

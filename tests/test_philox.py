@@ -426,7 +426,7 @@ def test_branch_free_square_root_is_correctly_rounded():
     x = torch.cat([x, x[: (1 << 18) - x.numel()]])  # a power of two
     got = torch.empty_like(x)
     _sqrt_kernel[(1,)](x, got, N=x.numel())
-    assert torch.equal(got, torch.sqrt(x.double()).to(torch.float32))
+    assert torch.equal(got, R.sqrt_rn(x))
 
 
 @needs_triton
@@ -444,7 +444,7 @@ def test_call_free_square_root_is_correctly_rounded_from_zero_up():
     x = torch.cat([x, x[: (1 << 17) - x.numel()]])  # a power of two
     got = torch.empty_like(x)
     _sqrt_nonneg_kernel[(1,)](x, got, N=x.numel())
-    assert torch.equal(got, torch.sqrt(x.double()).to(torch.float32))
+    assert torch.equal(got, R.sqrt_rn(x))
     assert (x == 0).any() and (x < 2.0**-126).sum() > (1 << 13)
 
 
@@ -492,7 +492,7 @@ def _stream_3_box_muller(a, b, fma):
     p = fma(f, C.LOG_P7, C.LOG_P6)
     for coefficient in (C.LOG_P5, C.LOG_P4, C.LOG_P3, C.LOG_P2, C.LOG_P1, C.LOG_P0):
         p = fma(f, p, coefficient)
-    r = torch.sqrt(torch.clamp_min(fma(f, p, e.to(torch.float32) * C.NEG_2_LN2), 2.0**-100).double()).float()
+    r = R.sqrt_rn(torch.clamp_min(fma(f, p, e.to(torch.float32) * C.NEG_2_LN2), 2.0**-100))
     t = (b & 0x1FFFFFFF).to(torch.float32) * 2.0**-29 + 2.0**-30
     t2 = t * t
     sin_p = t * fma(t2, fma(t2, fma(t2, -3.59504520019982e-05, 0.00249000103212893), -0.08074543625116348),
@@ -562,6 +562,21 @@ def test_reference_fma_rounds_once():
     twice = (a.double() * b.double() + c.double()).float()  # rounded twice
     assert twice[-3:].tolist() != got[-3:].tolist()
     assert R.fma_f32(torch.tensor([3.0]), 0.5, 0.25).tolist() == [1.75]  # Python float operands
+
+
+def test_reference_sqrt_rn_is_correctly_rounded():
+    """R.sqrt_rn (the kernels' sqrt_rn in torch) against Python's IEEE double root rounded to float32
+    (two roundings are exact for a square root: 53 >= 2 * 24 + 2 bits): the normal range, subnormals,
+    zero, the largest float32 and every 509th float32 of [1, 4), on a CPU whose torch float32 and
+    float64 roots may be an ulp off."""
+    g = torch.Generator().manual_seed(5)
+    normal = (2.0 ** (torch.rand(1 << 14, generator=g, dtype=torch.float64) * 254 - 126)).to(torch.float32)
+    subnormal = torch.randint(1, 1 << 23, (1 << 12,), generator=g, dtype=torch.int32).view(torch.float32)
+    dense = (torch.arange(32960, dtype=torch.int32) * 509 + 0x3F800000).view(torch.float32)
+    x = torch.cat([normal, subnormal, dense, torch.tensor([0.0, 2.0**-149, 3.4028234663852886e38])])
+    want = torch.tensor([math.sqrt(v) for v in x.tolist()], dtype=torch.float64).to(torch.float32)
+    assert torch.equal(R.sqrt_rn(x), want)
+    assert 3.999 < float(dense[-1]) < 4 and R.sqrt_rn(x).dtype == torch.float32
 
 
 def test_branching_trees_record_the_stream_and_refuse_another():

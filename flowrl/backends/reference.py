@@ -383,6 +383,15 @@ def fma_f32(a, b, c) -> torch.Tensor:
     return torch.where(torch.isfinite(s), rounded, s.to(torch.float32))  # inf, NaN: the IEEE fma's
 
 
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root of float32 ``x`` (the kernels' ``tl.sqrt_rn``), where
+    torch's CPU float32 sqrt is not always (about 1 in 5 an ulp off on an AMD EPYC, torch 2.13):
+    float64's root rounded to float32. A float32's exact root lies at least 4 float64 ulps from every
+    float32 rounding midpoint, so a float64 root within 3 ulps (torch's CPU float64 sqrt is not always
+    correctly rounded either) rounds to the right float32 (tests/test_philox.py)."""
+    return torch.sqrt(x.double()).to(torch.float32)
+
+
 def box_muller_radius(x_radius: torch.Tensor) -> torch.Tensor:
     """float32 sqrt(-2 ln u) for u = fma(x_radius, U_SCALE, 2**-33) in [2**-33, 1 - 2**-24] of uint32
     words (int64 tensor), the same float32 operations as the kernels' ``box_muller_radius``: u = 2**e (1
@@ -397,9 +406,7 @@ def box_muller_radius(x_radius: torch.Tensor) -> torch.Tensor:
     for coefficient in (C.LOG_P5, C.LOG_P4, C.LOG_P3, C.LOG_P2, C.LOG_P1, C.LOG_P0):
         p = fma_f32(f, p, coefficient)
     r2 = fma_f32(f, p, e.to(torch.float32) * C.NEG_2_LN2)
-    # the correctly rounded float32 square root (the kernels'): float64's, rounded once more (exact
-    # for sqrt: 53 >= 2 * 24 + 2 bits); torch's float32 sqrt on the CPU is not always rounded so
-    return torch.sqrt(r2.double()).to(torch.float32)
+    return sqrt_rn(r2)
 
 
 def box_muller(x_radius: torch.Tensor, x_angle: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
