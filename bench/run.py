@@ -625,35 +625,31 @@ def roofline_table(path: str = DOCS_KERNELS) -> Dict[Tuple[str, str, str], float
     """{(kernel, label without its launch configuration, triton version): bound} from the roofline
     table ``python -m flowrl.kernels.aot --update-docs docs/kernels.md`` writes (bf16, sm_90a; the
     bound as a fraction of copy bandwidth). Empty when the file or the table is missing."""
+    from flowrl.kernels import aot
+
     try:
         with open(path) as f:
             text = f.read()
     except OSError:
         return {}
-    start, end = "<!-- roofline-table:start -->", "<!-- roofline-table:end -->"
-    if start not in text or end not in text:
-        return {}
-    lines = [ln for ln in text.split(start, 1)[1].split(end, 1)[0].strip().splitlines() if ln.startswith("|")]
-    if len(lines) < 3:
-        return {}
-    head = [c.strip() for c in lines[0].strip("|").split("|")]
-    versions = [re.match(r"bound \((.+)\)", c).group(1) for c in head if c.startswith("bound (")]
     out = {}
-    for line in lines[2:]:
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        kernel, label = cells[0].strip("`"), re.sub(r" g\d+w\d+", "", cells[1])
-        for k, version in enumerate(versions):
-            value = cells[head.index(f"bound ({version})")].split()[0]
-            if value not in ("None", "-"):
-                out[(kernel, label, version)] = float(value)
+    for row in aot.markdown_rows(text, aot.ROOFLINE_START, aot.ROOFLINE_END):
+        kernel, label = row["kernel"].strip("`"), re.sub(r" g\d+w\d+", "", row["specialization"])
+        for column, cell in row.items():
+            version = re.fullmatch(r"bound \((.+)\)", column)
+            if version and cell.split()[0] not in ("None", "-"):
+                out[(kernel, label, version.group(1))] = float(cell.split()[0])
     return out
 
 
 def _op_kernels(op: str, mode: str) -> List[Tuple[str, str]]:
     """(kernel, label prefix) of the element kernels an op launches, as aot labels them."""
+    from flowrl.contract import Mode
+    from flowrl.kernels import aot
+
     kind = baseline.LOG_PROB_KIND.get(mode, "gaussian")
-    if mode == "dpm_sde":  # the bench runs dpm_sde at order 2 (Case.x0_prev)
-        mode = "dpm_sde 2nd-order"
+    # dpm_sde at order 2 (Case.x0_prev); ddim with flowrl's defaults, epsilon-prediction without the clip
+    mode = aot.mode_label(Mode[mode.upper()], has_prev=mode == "dpm_sde")
     if op == "rollout":
         return [("step_partials_kernel", f"{mode} rollout noise=tensor")]
     if op in TREE_OPS:

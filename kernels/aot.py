@@ -129,7 +129,7 @@ def _partials(storage, mode, op, noise, write_mean, philox_aligned, group, warps
                                                         else "") + (" +mean" if write_mean else "")
                              if op is Op.ROLLOUT else "") + _elementwise_label(elementwise)
     return Specialization("step_partials_kernel", sig, cx, (ptrs + ("n_per_sample",)) if aligned else (), warps,
-                          f"{_mode_label(mode, ddim, has_prev)} {label} g{group}w{warps}" + (" even" if even else "")
+                          f"{mode_label(mode, ddim, has_prev)} {label} g{group}w{warps}" + (" even" if even else "")
                           + ("" if aligned else " unaligned-tensors"),
                           group * CHUNK_SIZE)
 
@@ -181,7 +181,7 @@ def _backward(storage, mode, kind, mean, needs, group, warps, elementwise=(), ha
     ptrs = tuple(k for k in sig if k.endswith("_ptr"))
     grads = "+".join(n for n, on in zip(("x", "v", "third"), needs) if on)
     return Specialization("step_backward_kernel", sig, cx, ptrs + ("n_per_sample",), warps,
-                          f"{_mode_label(mode, ddim, has_prev)} {kind.label} {'mean' if mean else 'sum'} grads={grads} g{group}w{warps}"
+                          f"{mode_label(mode, ddim, has_prev)} {kind.label} {'mean' if mean else 'sum'} grads={grads} g{group}w{warps}"
                           + _elementwise_label(elementwise) + (" even" if even else ""), group * CHUNK_SIZE)
 
 
@@ -349,7 +349,9 @@ def _ddim_cx(mode, ddim):
     return {"PRED": int(prediction), "CLIP": clip}
 
 
-def _mode_label(mode, ddim, has_prev=False):
+def mode_label(mode, ddim=(Prediction.EPSILON, False), has_prev=False):
+    """A specialization label's mode part: the mode, ddim's [prediction( clip)], " 2nd-order" with
+    dpm_sde's previous x0 (``has_prev``)."""
     return mode.label + (f"[{ddim[0].label}{' clip' if ddim[1] else ''}]" if mode is Mode.DDIM else "") + (
         " 2nd-order" if has_prev else "")
 
@@ -961,6 +963,19 @@ def roofline_markdown(rows: List[Dict[str, object]], storage: str = "bf16", arch
 
 TABLE_START, TABLE_END = "<!-- aot-table:start -->", "<!-- aot-table:end -->"
 ROOFLINE_START, ROOFLINE_END = "<!-- roofline-table:start -->", "<!-- roofline-table:end -->"
+
+
+def markdown_rows(text: str, start: str, end: str) -> List[Dict[str, str]]:
+    """The rows of the markdown table between the markers ``start`` and ``end`` of ``text`` (the tables
+    ``update_docs`` writes), each {column heading: cell}; empty without the markers."""
+    if start not in text or end not in text:
+        return []
+    lines = [ln for ln in text.split(start, 1)[1].split(end, 1)[0].strip().splitlines() if ln.startswith("|")]
+
+    def cells(line):
+        return [c.strip() for c in line.strip().strip("|").split("|")]
+    head = cells(lines[0]) if lines else []
+    return [dict(zip(head, cells(line))) for line in lines[2:]]
 
 
 def triton36_path() -> str:

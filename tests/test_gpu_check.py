@@ -132,3 +132,30 @@ def test_a_flowrl_implementation_that_raises_fails_the_run(tmp_path, monkeypatch
     assert notes == {"flowrl-torch": "RuntimeError: PTX compile failed", "eager": ""}
     monkeypatch.setattr(bench, "build", real_build)
     assert bench.main(argv) == 0
+
+
+def test_every_mode_and_step_op_has_its_static_bound_from_the_docs_table():
+    """bench/run.py's static bound beside each measured GB/s (docs/kernels.md's roofline table, bf16):
+    every mode of every step op has one (ddim's labels carry its prediction, dpm_sde's its order),
+    and it is the lowest of the op's kernels' bounds there."""
+    from flowrl.kernels import aot
+
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    try:
+        import baseline
+        import run as bench
+    finally:
+        sys.path.pop(0)
+    with open(bench.DOCS_KERNELS) as f:
+        rows = {(r["kernel"].strip("`"), r["specialization"]): r
+                for r in aot.markdown_rows(f.read(), aot.ROOFLINE_START, aot.ROOFLINE_END)}
+    for op in bench.OPS + bench.TREE_OPS:
+        for mode in baseline.MODES:
+            assert bench.static_bound(op, mode, "bf16", "3.6.0") > 0, (op, mode)
+        assert bench.static_bound(op, "sde", "fp32", "3.6.0") != bench.static_bound(op, "sde", "fp32", "3.6.0")  # NaN
+    philox = float(rows[("step_partials_kernel", "ddim[epsilon] rollout noise=philox g4w1 even")]["bound (3.6.0)"].split()[0])
+    assert bench.static_bound("rollout_tree", "ddim", "bf16", "3.6.0") == 100 * philox
+    fwd = float(rows[("step_partials_kernel", "dpm_sde 2nd-order log_prob g4w1 even")]["bound (3.6.0)"].split()[0])
+    bwd = [float(r["bound (3.6.0)"].split()[0]) for (k, label), r in rows.items()
+           if k == "step_backward_kernel" and label.startswith("dpm_sde 2nd-order gaussian mean grads=")]
+    assert bench.static_bound("recompute_fwd_bwd", "dpm_sde", "bf16", "3.6.0") == 100 * min([fwd, *bwd])
