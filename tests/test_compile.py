@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import aot_runs
 import pytest
@@ -19,6 +20,7 @@ triton = pytest.importorskip("triton")
 
 needs_linux_x86 = pytest.mark.skipif(not CAN_COMPILE, reason="triton's CUDA backend wheels are Linux x86_64")
 _env = compile_env
+DOCS_KERNELS = Path(__file__).resolve().parents[1] / "docs" / "kernels.md"
 
 
 def aot_rows(pythonpath=None):
@@ -68,6 +70,23 @@ def _check_rows(rows, version, archs, spot=()):
     assert one_warp
     for r in one_warp:
         assert r["shared_bytes"] == 0 and r["barriers"] == _expected_barriers(r["kernel"], r["label"]), r
+    _check_docs_table(rows, version)
+
+
+def _check_docs_table(rows, version):
+    """docs/kernels.md's per-kernel table (``python -m flowrl.kernels.aot --update-docs``) holds this run's
+    sm_90 lines for ``version`` as the compile gives them (its sm_80 lines come from --update-docs' whole
+    sm_80 compile, which CI does not run; a triton version the table does not list is not checked)."""
+    from flowrl.kernels import aot
+
+    text = DOCS_KERNELS.read_text()
+    if not any(row["triton"] == version for row in aot.markdown_rows(text, aot.TABLE_START, aot.TABLE_END)):
+        return
+    table = text.split(aot.TABLE_START, 1)[1].split(aot.TABLE_END, 1)[0].splitlines()
+    stale = [line for line in aot.markdown([r for r in rows if r["arch"] == "sm_90"]).splitlines()[2:]
+             if line not in table]
+    assert not stale, ("docs/kernels.md's per-kernel table differs from the compile: rerun "
+                       "python -m flowrl.kernels.aot --update-docs docs/kernels.md", stale)
 
 
 def _expected_barriers(kernel, label):

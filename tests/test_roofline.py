@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from test_compile import TRITON36, aot_rows, needs_linux_x86
+from test_compile import DOCS_KERNELS, TRITON36, aot_rows, needs_linux_x86
 
 triton = pytest.importorskip("triton")
 
@@ -64,6 +64,27 @@ def _check(rows, version):
             below.append(report[-1])
     print("\n".join(report))
     assert not below, below
+    _check_docs_table(rows, version)
+
+
+def _check_docs_table(rows, version):
+    """docs/kernels.md's roofline table (bf16, ``--update-docs``) states each hot bf16 row's SASS per
+    element and bound for ``version`` as the compile gives them (a triton version the table has no
+    columns for is not checked)."""
+    from flowrl.kernels import aot
+
+    documented = {(d["kernel"].strip("`"), d["specialization"]): d
+                  for d in aot.markdown_rows(DOCS_KERNELS.read_text(), aot.ROOFLINE_START, aot.ROOFLINE_END)}
+    sass, bound = f"SASS / element ({version})", f"bound ({version})"
+    if bound not in next(iter(documented.values()), {}):
+        return
+    bf16 = {(r["kernel"], r["label"]): r for r in rows if r["storage"] == "bf16"}
+    assert set(documented) == set(bf16), sorted(set(documented) ^ set(bf16))
+    stale = [(key, documented[key][sass], documented[key][bound], r["sass_per_element"], r["bound"])
+             for key, r in bf16.items()
+             if (documented[key][sass], documented[key][bound].split()[0]) != (str(r["sass_per_element"]), str(r["bound"]))]
+    assert not stale, ("docs/kernels.md's roofline table differs from the compile: rerun "
+                       "python -m flowrl.kernels.aot --update-docs docs/kernels.md", stale)
 
 
 @needs_linux_x86
