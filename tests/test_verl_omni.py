@@ -7,6 +7,8 @@ a stand-in with verl-omni's registry contract (``register_diffusion_loss(name)``
 ``DiffusionLossFn`` class; ``DIFFUSION_LOSS_REGISTRY``; ``verl_omni.pipelines.schedulers``)."""
 import copy
 import os
+import pickle
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -226,6 +228,7 @@ def test_verl_omni_loop_ratio_exactly_one(sd3, dtype, cfg, sde_type):
 
 # ------------------------------------------------------------------------------------ register()
 FAKE_ALGOS = '''
+from abc import ABC
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,7 +238,7 @@ class DiffusionLossResult:
     metrics: dict
     add_loss_metric: bool = False
 
-class DiffusionLossFn:
+class DiffusionLossFn(ABC):  # an ABC, as verl-omni's is
     required_model_output_keys = ()
     required_data_keys = ()
     def prepare_actor_batch(self, batch, reward_tensor, config):
@@ -287,6 +290,22 @@ def test_register_with_a_verl_omni_stand_in(tmp_path, monkeypatch):
         assert fn.compute_loss(old_log_prob=s.old_lp, log_prob=s.lp, advantages=s.adv, config=cfg)[0] == res.loss
         vo.register(prefix="flowrl_", scheduler=False)
         assert "flowrl_grpo_guard" in algos.DIFFUSION_LOSS_REGISTRY
+        # Ray and multiprocessing pickle loss objects: flowrl's classes live in flowrl.compat.verl_omni
+        for key in ("flow_grpo", "flowrl_grpo_guard"):
+            obj = algos.DIFFUSION_LOSS_REGISTRY[key]
+            assert type(obj).__module__ == "flowrl.compat.verl_omni"
+            back = pickle.loads(pickle.dumps(obj))
+            assert type(back) is type(obj) and back.required_data_keys == obj.required_data_keys
+        res2 = pickle.loads(pickle.dumps(fn))(config=cfg, model_output={"log_probs": s.lp},
+                                              data={"old_log_probs": s.old_lp, "advantages": s.adv})
+        assert torch.equal(res2.loss, res.loss)
+        # a fresh process that imports flowrl (and verl-omni) but never called register() unpickles them
+        blob = pickle.dumps(algos.DIFFUSION_LOSS_REGISTRY["flowrl_grpo_guard"])
+        code = ("import pickle, sys; obj = pickle.loads(sys.stdin.buffer.read()); "
+                "print(type(obj).__module__, type(obj).__name__, obj.required_data_keys[:2])")
+        out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, check=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}).stdout
+        assert out.decode().split()[:2] == ["flowrl.compat.verl_omni", "FlowRL_flowrl_grpo_guard"]
     finally:
         for name in [m for m in sys.modules if m.startswith("verl_omni")]:
             del sys.modules[name]

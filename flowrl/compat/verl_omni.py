@@ -44,6 +44,7 @@ What differs from verl-omni:
 from __future__ import annotations
 
 import math
+import re
 from numbers import Real
 from typing import Any, Dict, Optional, Tuple
 
@@ -413,6 +414,52 @@ def loss_from_batch(name: str, config, model_output, data):
     return fn(**kwargs)
 
 
+def _class_name(prefix: str, name: str) -> str:
+    return "FlowRL_" + re.sub(r"\W", "_", prefix + name)
+
+
+def _loss_class(algos, prefix: str, name: str):
+    """The verl-omni loss class ``register()`` installs for ``name`` (under ``prefix + name``): made once
+    per (prefix, name) and kept as this module's attribute ``FlowRL_<prefix><name>``, with this module as
+    its ``__module__``, so its instances pickle (Ray and multiprocessing send them) and unpickle in a
+    process that imports this module (``__getattr__`` rebuilds it there)."""
+    qualname = _class_name(prefix, name)
+    cls = globals().get(qualname)
+    if cls is not None and getattr(cls, "_flowrl_key", None) == (prefix, name):
+        return cls
+    fn, model_keys, data_keys = LOSSES[name]
+
+    def __call__(self, *, config, model_output, data, _name=name):
+        loss, metrics = loss_from_batch(_name, config, model_output, data)
+        return algos.DiffusionLossResult(loss=loss, metrics=metrics)
+
+    base = type(algos.DIFFUSION_LOSS_REGISTRY.get(name)) if name in algos.DIFFUSION_LOSS_REGISTRY \
+        else algos.DiffusionLossFn  # keeps verl-omni's prepare_actor_batch (e.g. DiffusionNFT's)
+    if getattr(base, "_flowrl_key", None) is not None:  # registered before: verl-omni's own class is its base
+        base = base.__mro__[1]
+    # verl-omni's base is an ABC: without __module__ here, ABCMeta would name the class abc.FlowRL_...
+    cls = type(qualname, (base,), {
+        "__module__": __name__, "__qualname__": qualname, "_flowrl_key": (prefix, name),
+        "required_model_output_keys": model_keys, "required_data_keys": data_keys,
+        "compute_loss": classmethod(lambda cls, _fn=fn, **kw: _fn(**kw)), "__call__": __call__,
+    })
+    globals()[qualname] = cls
+    return cls
+
+
+def __getattr__(attr: str):
+    """``FlowRL_<prefix><loss>`` in a process that unpickles a registered loss before registering."""
+    if attr.startswith("FlowRL_"):
+        for name in sorted(LOSS_NAMES, key=len, reverse=True):
+            if attr.endswith(name):
+                prefix = attr[len("FlowRL_"):-len(name)]
+                if _class_name(prefix, name) == attr:
+                    from verl_omni.trainer.diffusion import diffusion_algos as algos
+
+                    return _loss_class(algos, prefix, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+
+
 def register(*, losses: bool = True, scheduler: bool = True, prefix: str = "") -> Dict[str, Any]:
     """Register flowrl's versions with verl-omni, in this process (call it before the trainer is built).
 
@@ -436,18 +483,7 @@ def register(*, losses: bool = True, scheduler: bool = True, prefix: str = "") -
     done: Dict[str, Any] = {}
     if losses:
         for name in LOSS_NAMES:
-            fn, model_keys, data_keys = LOSSES[name]
-
-            def __call__(self, *, config, model_output, data, _name=name):
-                loss, metrics = loss_from_batch(_name, config, model_output, data)
-                return algos.DiffusionLossResult(loss=loss, metrics=metrics)
-
-            base = type(algos.DIFFUSION_LOSS_REGISTRY.get(name)) if name in algos.DIFFUSION_LOSS_REGISTRY \
-                else algos.DiffusionLossFn  # keeps verl-omni's prepare_actor_batch (e.g. DiffusionNFT's)
-            cls = type(f"FlowRL_{name}", (base,), {
-                "required_model_output_keys": model_keys, "required_data_keys": data_keys,
-                "compute_loss": classmethod(lambda cls, _fn=fn, **kw: _fn(**kw)), "__call__": __call__,
-            })
+            cls = _loss_class(algos, prefix, name)
             algos.register_diffusion_loss(prefix + name)(cls)
             done[prefix + name] = cls
     if scheduler:
