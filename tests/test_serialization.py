@@ -129,6 +129,23 @@ def test_round_trip_property(dtype, shape, seed):
 # ------------------------------------------------------------------------------ SGLang interoperability
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_raw_bytes_envelopes_as_the_released_servers_send_them(dtype):
+    """sglang 0.5.20-0.5.23 ``_maybe_serialize``: ``data`` is ``safetensors.torch.save``'s bytes, and a
+    msgpack client receives ``bytes`` (bytearray and memoryview too); ``raw_bytes=True`` writes them."""
+    t = _random((3, 5), dtype)
+    raw = {"__tensor__": True, "data": st_save({"t": t.contiguous()}), "shape": [3, 5], "dtype": str(t.dtype)}
+    for data in (raw["data"], bytearray(raw["data"]), memoryview(raw["data"])):
+        assert _bits_equal(S.from_wire(dict(raw, data=data)), t)
+    env = S.to_wire({"x": [t]}, raw_bytes=True)["x"][0]
+    assert isinstance(env["data"], bytes) and _bits_equal(st_load(env["data"])["t"], t)
+    assert _bits_equal(S.from_wire(env), t)
+    with pytest.raises(ValueError, match="exceeds max_bytes"):
+        S.from_wire(raw, max_bytes=len(raw["data"]) - 1)
+    with pytest.raises(TypeError, match="raw_bytes must be a bool"):
+        S.to_wire(t, raw_bytes="yes")
+
+
 def test_decodes_sglang_response():
     latents = _random((2, 5, 16, 8), torch.bfloat16)
     log_probs = _random((2, 4), torch.float32)
@@ -204,7 +221,7 @@ MALFORMED = {
     "not base64": (dict(GOOD, data="@@@@"), "base64"),
     "bad padding": (dict(GOOD, data=GOOD["data"][:-1]), "base64"),
     "non-ascii data": (dict(GOOD, data="é" * 8), "base64"),
-    "data not a string": (dict(GOOD, data=12), "base64 string"),
+    "data neither bytes nor text": (dict(GOOD, data=12), "safetensors bytes .a msgpack body. or their base64 text"),
     "short blob": (_env(b"\x01\x02"), "too short"),
     "header too long": (_env(struct.pack("<Q", 1 << 40)), "exceeds the limit"),
     "header past end": (_env(struct.pack("<Q", 100) + b"{}"), "runs past the end"),
@@ -250,6 +267,18 @@ def test_malformed_payloads_raise_value_error(name):
     payload, message = MALFORMED[name]
     with pytest.raises(ValueError, match=message):
         S.from_wire(payload)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (p, _) in MALFORMED.items()
+                                        if isinstance(p, dict) and isinstance(p.get("data"), str)
+                                        and "base64" not in MALFORMED[n][1]))
+def test_malformed_payloads_are_refused_the_same_as_raw_bytes(name):
+    """The released servers' msgpack body carries the same safetensors bytes unencoded: every check
+    that holds for base64 text holds for them."""
+    payload, message = MALFORMED[name]
+    raw = dict(payload, data=base64.b64decode(payload["data"]))
+    with pytest.raises(ValueError, match=message):
+        S.from_wire(raw)
 
 
 def test_bool_bytes_other_than_0_1_rejected():

@@ -2,10 +2,15 @@
 
 SGLang's ``POST /rollout/generate`` sends every tensor (and numpy array) as
 
-    {"__tensor__": true, "data": "<base64 of safetensors bytes, tensor under key 't'>",
+    {"__tensor__": true, "data": <safetensors bytes, tensor under key 't'>,
      "shape": [...], "dtype": "torch.bfloat16"}
 
-nested anywhere inside dicts and lists. ``to_wire`` / ``from_wire`` encode and decode such structures.
+nested anywhere inside dicts and lists. The released servers (sglang 0.5.20 to 0.5.23,
+entrypoints/post_training/utils.py ``_maybe_serialize``) put the raw bytes in ``data`` and send the body
+as msgpack, which hands a client ``bytes``; the JSON form (the pull requests' commits, and flowrl's own
+JSON files) carries the same bytes as base64 text. ``from_wire`` reads both; ``to_wire`` writes base64
+text (JSON-safe) or, with ``raw_bytes=True``, the raw bytes (msgpack-safe). ``to_wire`` / ``from_wire``
+encode and decode such structures.
 
 The container (8-byte little-endian header length, a JSON header, the raw tensor bytes) is written and
 parsed by the ``safetensors`` library. Payloads come from the network, so decoding adds flowrl's own
@@ -234,15 +239,16 @@ def load_safetensors(path: Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Tuple
 # JSON envelope
 
 
-def encode_tensor(t: Union[torch.Tensor, np.ndarray]) -> Dict[str, Any]:
-    """One tensor (or numpy array) -> SGLang's ``{"__tensor__": true, ...}`` envelope."""
+def encode_tensor(t: Union[torch.Tensor, np.ndarray], *, raw_bytes: bool = False) -> Dict[str, Any]:
+    """One tensor (or numpy array) -> SGLang's ``{"__tensor__": true, ...}`` envelope; ``data`` is
+    base64 text, or with ``raw_bytes=True`` the safetensors bytes themselves (the released servers')."""
     if isinstance(t, np.ndarray):
         t = _from_numpy(t, "array")
     _check_encodable(t, "tensor")
     blob = encode_safetensors({TENSOR_KEY: t})
     return {
         "__tensor__": True,
-        "data": base64.b64encode(blob).decode("ascii"),
+        "data": blob if raw_bytes else base64.b64encode(blob).decode("ascii"),
         "shape": list(t.shape),
         "dtype": str(t.dtype),
     }
@@ -257,21 +263,25 @@ def _from_numpy(a: np.ndarray, where: str) -> torch.Tensor:
         raise TypeError(f"{where}: numpy dtype {a.dtype} cannot be sent on the wire") from None
 
 
-def to_wire(obj: Any) -> Any:
+def to_wire(obj: Any, *, raw_bytes: bool = False) -> Any:
     """Encode tensors and numpy arrays nested in dicts/lists/tuples (tuples become lists) into
-    JSON-safe envelopes. Strings, numbers, bools and None pass through; numpy scalars become Python
-    numbers. Tensors may be on any device, non-contiguous, empty or 0-d; they are detached."""
-    return _encode(obj, "obj", 0)
+    envelopes: JSON-safe (base64 ``data``), or with ``raw_bytes=True`` msgpack-safe with the raw bytes
+    in ``data``, as the released SGLang servers send them. Strings, numbers, bools and None pass
+    through; numpy scalars become Python numbers. Tensors may be on any device, non-contiguous, empty
+    or 0-d; they are detached."""
+    if not isinstance(raw_bytes, bool):
+        raise TypeError(f"raw_bytes must be a bool; got {type(raw_bytes).__name__}")
+    return _encode(obj, "obj", 0, raw_bytes)
 
 
-def _encode(obj: Any, where: str, depth: int) -> Any:
+def _encode(obj: Any, where: str, depth: int, raw_bytes: bool = False) -> Any:
     if depth > MAX_DEPTH:
         raise ValueError(f"{where}: nesting deeper than {MAX_DEPTH} levels (a cycle?)")
     if isinstance(obj, torch.Tensor):
         _check_encodable(obj, where)
-        return encode_tensor(obj)
+        return encode_tensor(obj, raw_bytes=raw_bytes)
     if isinstance(obj, np.ndarray):
-        return encode_tensor(_from_numpy(obj, where))
+        return encode_tensor(_from_numpy(obj, where), raw_bytes=raw_bytes)
     if isinstance(obj, np.generic):
         return obj.item()
     if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -283,10 +293,10 @@ def _encode(obj: Any, where: str, depth: int) -> Any:
                 raise TypeError(f"{where}: dict keys must be strings for JSON; got {k!r}")
             if k == "__tensor__":
                 raise ValueError(f"{where}: the key '__tensor__' is reserved for tensor envelopes")
-            out[k] = _encode(v, f"{where}[{k!r}]", depth + 1)
+            out[k] = _encode(v, f"{where}[{k!r}]", depth + 1, raw_bytes)
         return out
     if isinstance(obj, (list, tuple)):
-        return [_encode(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(obj)]
+        return [_encode(v, f"{where}[{i}]", depth + 1, raw_bytes) for i, v in enumerate(obj)]
     raise TypeError(f"{where}: cannot encode {type(obj).__name__} on the wire")
 
 
@@ -325,14 +335,19 @@ def _decode_envelope(env: Any, where: str, budget: _Budget, device) -> torch.Ten
     if dtype is None:
         raise ValueError(f"{where}: dtype {dtype_name!r} is not allowed; allowed: {', '.join(sorted(_FROM_NAME))}")
     shape = _check_shape(shape, where)
-    if not isinstance(data, str):
-        raise ValueError(f"{where}: data must be a base64 string; got {type(data).__name__}")
-    # bound the decoded size before decoding: base64 expands 3 bytes to 4 characters
-    budget.take(len(data) // 4 * 3, where)
-    try:
-        blob = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"{where}: data is not valid base64: {exc}") from None
+    if isinstance(data, (bytes, bytearray, memoryview)):  # the released servers' msgpack body: raw bytes
+        blob = bytes(data)
+        budget.take(len(blob), where)
+    elif isinstance(data, str):  # JSON: base64 text
+        # bound the decoded size before decoding: base64 expands 3 bytes to 4 characters
+        budget.take(len(data) // 4 * 3, where)
+        try:
+            blob = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError(f"{where}: data is not valid base64: {exc}") from None
+    else:
+        raise ValueError(f"{where}: data must be safetensors bytes (a msgpack body) or their base64 text (JSON); "
+                         f"got {type(data).__name__}")
     try:
         tensors, _ = decode_safetensors(blob, max_bytes=budget.max_bytes)
     except ValueError as exc:
