@@ -11,7 +11,9 @@ serializes ``dit_trajectory.timesteps`` and ``.sigmas`` once, unsliced, and enco
 noise of the float32 sample, and the pipeline keeps the sample in the latents' dtype."""
 import copy
 import json
+import sys
 
+import msgpack
 import pytest
 import torch
 
@@ -36,8 +38,9 @@ def rollout(batch=B, steps=T, dtype=torch.float32, debug=False, **options):
     return rec.trajectory()
 
 
-def sglang_responses(traj, *, timesteps="all", env=None, debug=None):
-    """Per-sample responses as SGLang's _build_response writes them, from a batch trajectory."""
+def sglang_responses(traj, *, timesteps="all", env=None, debug=None, raw_bytes=False):
+    """Per-sample responses as SGLang's _build_response writes them, from a batch trajectory (raw_bytes:
+    the released servers' envelopes, as their msgpack body hands them to a client)."""
     steps = traj.latent_step_indices
     if timesteps == "all":  # T timesteps, K = T + 1 latents
         ts = traj.timesteps
@@ -51,7 +54,7 @@ def sglang_responses(traj, *, timesteps="all", env=None, debug=None):
              "denoising_env": None if env is None else env[i],
              "dit_trajectory": {"latents": traj.latents[i].contiguous(), "timesteps": ts, "sigmas": traj.sigmas},
              "inference_time_s": 1.0, "peak_memory_mb": None}
-        out.append(to_wire(r))
+        out.append(to_wire(r, raw_bytes=raw_bytes))
     return out
 
 
@@ -69,7 +72,8 @@ def assert_same(a, b):
 def test_from_sglang_builds_the_batch_trajectory(dtype):
     traj = rollout(dtype=dtype)
     responses = sglang_responses(traj)
-    for given in (responses, json.dumps(responses)):
+    raw = sglang_responses(traj, raw_bytes=True)  # sglang 0.5.20-0.5.23: raw bytes, a msgpack body
+    for given in (responses, json.dumps(responses), raw, msgpack.packb(raw), bytearray(msgpack.packb(raw))):
         got = from_sglang(given, request=REQUEST)
         assert_same(got, traj)
     # one response (or its JSON text): a batch of one
@@ -108,19 +112,29 @@ def test_schedule_length_equal_to_batch_size_is_never_sliced(batch, steps):
     assert_same(got, traj)
 
 
-def test_to_sglang_round_trips_bit_for_bit_with_debug_tensors_and_env():
+@pytest.mark.parametrize("server", flowrl.sglang.SERVERS)
+def test_to_sglang_round_trips_bit_for_bit_with_debug_tensors_and_env(server):
+    encode = msgpack.packb if server == "0.5.23" else json.dumps
     for traj in (rollout(dtype=torch.bfloat16, debug=True),
                  rollout(return_step_indices=[1, 3], sde_steps=[2], log_prob="sq_err", noise_level=0.3)):
-        responses = to_sglang(traj, request_id="r", seed=3)
+        responses = to_sglang(traj, server=server, request_id="r", seed=3)
         assert len(responses) == traj.batch_size and responses[0]["seed"] == 3
-        text = json.dumps(responses)
-        back = from_sglang(text)  # to_sglang writes the settings into every response
+        dit = responses[0]["dit_trajectory"]
+        if server == "0.5.23":  # raw bytes; one timestep per kept latent; no latent_step_indices
+            assert isinstance(dit["latents"]["data"], bytes) and "latent_step_indices" not in dit
+            assert from_sglang(responses).timesteps.equal(traj.timesteps)
+        else:
+            assert isinstance(dit["latents"]["data"], str) and "latent_step_indices" in dit
+        body = encode(responses)
+        back = from_sglang(body)  # to_sglang writes the settings into every response
         assert_same(back, traj)
         if traj.debug_tensors is not None:
             for k, v in traj.debug_tensors.as_dict().items():
                 assert torch.equal(getattr(back.debug_tensors, k), v), k
-        again = to_sglang(back, request_id="r", seed=3)
-        assert json.dumps(again) == text
+        again = to_sglang(back, server=server, request_id="r", seed=3)
+        assert encode(again) == body
+    with pytest.raises(ValueError, match="server must be one of"):
+        to_sglang(traj, server="0.4")
     # SGLang's denoising_env dicts travel per sample, unchanged
     traj = rollout()
     env = [{"image_kwargs": None, "pos_cond_kwargs": {"encoder_hidden_states": torch.randn(3, 2) + i, "mask": [1, 2]},
@@ -131,7 +145,7 @@ def test_to_sglang_round_trips_bit_for_bit_with_debug_tensors_and_env():
                        env[1]["pos_cond_kwargs"]["encoder_hidden_states"])
     with pytest.raises(TypeError, match="SGLang denoising_env"):
         got.model_inputs(0)
-    assert json.dumps(to_sglang(got)[1]["denoising_env"]) == json.dumps(to_wire(env[1]))
+    assert json.dumps(to_sglang(got, server="078e5e2a")[1]["denoising_env"]) == json.dumps(to_wire(env[1]))
 
 
 def _mutations():
@@ -412,3 +426,37 @@ def test_step_filters_past_t_name_the_field_and_t(field, values, upper, place):
     bad = values[-1] if values[0] >= 0 else values[0]
     with pytest.raises(ValueError, match=rf"{named}: entry {bad} is outside \[0, {upper}\]: .* has T = {T} steps"):
         from_sglang(sglang_responses(traj, timesteps="kept"), request=request)
+
+
+# ------------------------------------------------------------------------------------------------------
+# the released servers' body (msgpack) and the sample SGLang's engine scored
+
+
+def test_msgpack_bodies_are_decoded_strictly(monkeypatch):
+    traj = rollout(debug=True)
+    body = msgpack.packb(to_sglang(traj))
+    assert_same(from_sglang(body), traj)
+    with pytest.raises(ValueError, match="invalid msgpack body"):
+        from_sglang(body[:-7])
+    with pytest.raises(ValueError, match="exceeds max_bytes"):
+        from_sglang(body, max_bytes=len(body) - 1)
+    with pytest.raises(TypeError, match="body must be the response's bytes"):
+        flowrl.sglang.decode_body("text")
+    monkeypatch.setitem(sys.modules, "msgpack", None)
+    with pytest.raises(ImportError, match="needs the msgpack package"):
+        from_sglang(body)
+
+
+def test_engine_prev_sample_is_mean_plus_noise_times_std_as_sglang_forms_it():
+    """sglang 0.5.23 flow_sde_sampling: prev_sample = prev_sample_mean + variance_noise * noise_std_dev
+    (a 0-d float32 std), before step() rounds it; its debug tensors carry the three factors."""
+    traj = rollout(dtype=torch.bfloat16, debug=True)
+    d = traj.debug_tensors
+    for j in range(T):
+        std = d.rollout_noise_std_devs[0, j].reshape(())
+        expected = d.rollout_prev_sample_means[:1, j] + d.rollout_variance_noises[:1, j] * std
+        assert torch.equal(flowrl.sglang.engine_prev_sample(traj, j)[:1], expected)
+    with pytest.raises(ValueError, match="j must be a loop step"):
+        flowrl.sglang.engine_prev_sample(traj, T)
+    with pytest.raises(ValueError, match="needs the response's rollout_debug_tensors"):
+        flowrl.sglang.engine_prev_sample(rollout(), 0)

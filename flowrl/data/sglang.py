@@ -16,8 +16,11 @@ python/sglang/multimodal_gen/runtime/entrypoints/post_training/rollout_api.py ``
                         optional "latent_step_indices": <int [K]>} | None,
      "inference_time_s", "peak_memory_mb"}
 
-Tensors are flowrl's wire envelopes (``{"__tensor__": true, "data": base64 safetensors, ...}``,
-flowrl.serialization, the same code as SGLang's ``_maybe_serialize``). The sampling settings are the
+Tensors are envelopes (``{"__tensor__": true, "data": <safetensors>, "shape", "dtype"}``,
+flowrl.serialization): ``data`` is raw bytes in the released servers' msgpack bodies (sglang 0.5.20 to
+0.5.23, ``entrypoints/post_training/utils._maybe_serialize``) and base64 text in JSON (the pull requests'
+commits); both are read. The body may be given as the msgpack bytes themselves (decoded with the
+``msgpack`` package, the ``flowrl-triton[sglang]`` extra), as its JSON text, or as the decoded list. The sampling settings are the
 *request's* (``rollout_sde_type``, ``rollout_noise_level``, ``rollout_log_prob_no_const``,
 ``rollout_sde_step_indices``, ``rollout_return_step_indices``): pass the request (``request=``) or
 responses that carry them (``to_sglang`` writes them into each response). A request's
@@ -34,8 +37,19 @@ refused, named.
 Which loop steps the K latents are: ``latent_step_indices`` when given, else the request's
 ``rollout_return_step_indices`` when the timesteps are not one per latent, else each of K timesteps matched
 to the schedule's ``sigmas * num_train_timesteps`` (index T: the final latent, timestep 0), strictly
-increasing; K = T + 1 latents with T (or T + 1) timesteps are all steps. ``to_sglang`` writes T + 1
-timesteps (every loop step's and the final 0) and ``latent_step_indices``.
+increasing; K = T + 1 latents with T (or T + 1) timesteps are all steps. Layouts: sglang 0.5.23 records the kept latents with their own timesteps
+(``FlowRolloutController.record_trajectory_step``: K latents, K timesteps, the final latent's 0, no
+``latent_step_indices``); the pull requests' commits sent ``latent_step_indices``. ``to_sglang(server=)``
+writes either (``SERVERS``; default the newest).
+
+A bf16 (or fp16) rollout on sglang 0.5.23: ``scheduler.step`` upcasts the sample to float32, so
+``dit_trajectory.latents`` holds the float32 upcast of each step's input, which is the sample the model
+consumed (the previous step's output rounded to the latents' dtype). SGLang's ``rollout_log_probs``
+score the *unrounded* float32 sample ``mean + std * noise`` (``flow_sde_sampling``), which the response
+carries only through its debug tensors: ``engine_prev_sample(traj, j)`` rebuilds it bit for bit, so
+``traj.step_log_prob(j, v, prev_sample=engine_prev_sample(traj, j))`` scores what the engine scored.
+With ``flowrl.compat.sglang`` enabled the engine records flowrl's log-prob of the emitted sample
+instead, and ``traj.step_log_prob(j, v)`` reproduces it exactly.
 """
 from __future__ import annotations
 
@@ -62,6 +76,10 @@ DEBUG_FIELDS = ("rollout_variance_noises", "rollout_prev_sample_means", "rollout
                 "rollout_model_outputs")
 ENV_FIELDS = ("image_kwargs", "pos_cond_kwargs", "neg_cond_kwargs", "guidance")
 DIT_FIELDS = ("latents", "timesteps", "sigmas", "latent_step_indices")
+# to_sglang's response formats: the released server's (raw-bytes envelopes for msgpack; K timesteps, one per
+# kept latent; no latent_step_indices) and the pull requests' commit's (base64 envelopes for JSON; T + 1
+# timesteps and latent_step_indices)
+SERVERS = ("0.5.23", "078e5e2a")
 # keys SGLang forks add that flowrl accepts with any value and does not read
 IGNORED_KEYS = {"dit_trajectory": ("model_timesteps",), "denoising_env": ("sample_layout",),
                 "rollout_debug_tensors": ()}
@@ -88,8 +106,34 @@ def _tensor(obj: Any, where: str) -> torch.Tensor:
     return obj
 
 
+def _is_msgpack(body) -> bool:
+    """A msgpack body starts with an array or map marker; JSON text with '[', '{' or whitespace."""
+    return len(body) > 0 and (body[0] in (0xdc, 0xdd, 0xde, 0xdf) or 0x80 <= body[0] <= 0x9f)
+
+
+def decode_body(body: Any, max_bytes: Optional[int] = None) -> Any:
+    """The body of ``POST /rollout/generate`` as the server sent it (msgpack bytes), decoded to the
+    per-sample dicts (tensor envelopes left as they are) with the ``msgpack`` package."""
+    if not isinstance(body, (bytes, bytearray, memoryview)):
+        raise TypeError(f"body must be the response's bytes; got {type(body).__name__}")
+    limit = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+    if len(body) > limit:
+        raise ValueError(f"SGLang response: body of {len(body)} bytes exceeds max_bytes = {limit}")
+    try:
+        import msgpack
+    except ImportError:
+        raise ImportError("decoding SGLang's msgpack body needs the msgpack package (pip install msgpack, or "
+                          "flowrl-triton[sglang]); or pass the decoded list") from None
+    try:
+        return msgpack.unpackb(bytes(body), raw=False, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise ValueError(f"SGLang response: invalid msgpack body: {exc}") from None
+
+
 def _parse(response: Any, max_bytes: int) -> List[Dict[str, Any]]:
-    if isinstance(response, (str, bytes, bytearray)):
+    if isinstance(response, (bytes, bytearray, memoryview)) and _is_msgpack(bytes(response[:1])):
+        response = decode_body(response, max_bytes)
+    elif isinstance(response, (str, bytes, bytearray)):
         try:
             response = json.loads(response)
         except ValueError as exc:
@@ -191,8 +235,9 @@ def _step_indices(timesteps: torch.Tensor, sigmas: torch.Tensor, kept: int, num_
 
 def from_sglang(response: Any, *, request: Optional[Dict[str, Any]] = None, num_train_timesteps: float = 1000.0,
                 max_bytes: Optional[int] = None, device=None, reduction: str = "mean"):
-    """A batch ``RolloutTrajectory`` from SGLang ``/rollout/generate`` response(s): one per-sample
-    response dict, its JSON text, or the list of per-sample responses (batch order). Strict: anything
+    """A batch ``RolloutTrajectory`` from SGLang ``/rollout/generate`` response(s): the body as the
+    server sent it (msgpack bytes), one per-sample response dict, its JSON text, or the list of
+    per-sample responses (batch order; tensor envelopes with raw-bytes or base64 ``data``). Strict: anything
     missing, inconsistent or malformed raises ``ValueError`` naming the field. ``request``: the request
     dict whose ``rollout_*`` settings the rollout used (needed unless the responses carry them).
     ``reduction``: SGLang averages the per-element log-prob ("mean")."""
@@ -321,40 +366,66 @@ def from_sglang(response: Any, *, request: Optional[Dict[str, Any]] = None, num_
     return traj
 
 
-def to_sglang(traj, *, wire: bool = True, **fields) -> List[Dict[str, Any]]:
-    """Per-sample response dicts in SGLang's structure (see the module doc), with the sampling settings
-    added so ``from_sglang`` needs no request. ``fields`` (e.g. ``request_id``, ``prompt``, ``seed``)
-    are copied into every response. ``wire=True`` encodes tensors as envelopes (JSON-safe)."""
+def to_sglang(traj, *, server: str = SERVERS[0], wire: bool = True, **fields) -> List[Dict[str, Any]]:
+    """Per-sample response dicts in the structure ``server`` sends (``SERVERS``, see the module doc), with
+    the sampling settings added so ``from_sglang`` needs no request. ``fields`` (e.g. ``request_id``,
+    ``prompt``, ``seed``) are copied into every response. ``wire=True`` encodes tensors as envelopes:
+    raw bytes for "0.5.23" (what its msgpack body carries: ``msgpack.packb(responses)`` is such a body),
+    base64 text for "078e5e2a" (JSON-safe). The latents keep the trajectory's dtype."""
+    if server not in SERVERS:
+        raise ValueError(f"server must be one of {list(SERVERS)}; got {server!r}")
+    V.check_bool("wire", wire)
+    if traj.mode not in SDE_TYPES.values():
+        raise ValueError(f"SGLang has no rollout_sde_type for mode {traj.mode!r} (it knows {sorted(SDE_TYPES)})")
+    if traj.reduction != "mean":
+        raise ValueError(f"SGLang's log-probs are per-element means; this trajectory's reduction is {traj.reduction!r}")
     steps = traj.latent_step_indices.to("cpu")
     num_steps = traj.num_steps
-    # every loop step's timestep and the final latent's (0), as SGLang's dit_trajectory records them,
-    # with latent_step_indices naming the kept latents
-    timesteps = torch.cat([traj.timesteps.to("cpu"), traj.timesteps.new_zeros(1).to("cpu")])
+    # every loop step's timestep and the final latent's (0)
+    all_timesteps = torch.cat([traj.timesteps.to("cpu"), traj.timesteps.new_zeros(1).to("cpu")])
     settings = {
         "rollout_sde_type": traj.mode, "rollout_noise_level": float(traj.noise_level),
         "rollout_log_prob_no_const": traj.log_prob == "sq_err",
         "rollout_sde_step_indices": None if traj.sde_steps is None else traj.sde_steps.tolist(),
         "rollout_return_step_indices": None if steps.numel() == num_steps + 1 else steps.tolist(),
     }
-    if traj.mode not in SDE_TYPES.values():
-        raise ValueError(f"SGLang has no rollout_sde_type for mode {traj.mode!r} (it knows {sorted(SDE_TYPES)})")
-    if traj.reduction != "mean":
-        raise ValueError(f"SGLang's log-probs are per-element means; this trajectory's reduction is {traj.reduction!r}")
+    if server == "0.5.23":  # the kept latents' own timesteps (record_trajectory_step), no step indices
+        dit = {"timesteps": all_timesteps[steps]}
+    else:
+        dit = {"timesteps": all_timesteps, "latent_step_indices": steps}
     env = traj.denoising_env
     out = []
     for i in range(traj.batch_size):
         response = dict(fields)
         response.update(settings)
         response["rollout_log_probs"] = traj.log_probs[i]
-        response["dit_trajectory"] = {"latents": traj.latents[i], "timesteps": timesteps, "sigmas": traj.sigmas,
-                                      "latent_step_indices": steps}
+        response["dit_trajectory"] = {"latents": traj.latents[i], **dit, "sigmas": traj.sigmas}
         # flowrl's recorded per-step calls (DenoisingEnv) have no SGLang counterpart: null (docs/replay.md)
         response["denoising_env"] = env.samples[i] if isinstance(env, SGLangDenoisingEnv) else None
         debug = traj.debug_tensors
         response["rollout_debug_tensors"] = (None if debug is None else
                                              {k: getattr(debug, k)[i] for k in DEBUG_FIELDS})
-        out.append(to_wire(response) if wire else response)
+        out.append(to_wire(response, raw_bytes=server == "0.5.23") if wire else response)
     return out
 
 
-__all__ = ["from_sglang", "to_sglang", "SGLangDenoisingEnv", "SDE_TYPES", "REQUEST_DEFAULTS", "IGNORED_KEYS"]
+def engine_prev_sample(traj, j: int) -> torch.Tensor:
+    """The sample SGLang's own engine scored at loop step ``j``: ``mean + noise * std`` in float32, as
+    ``FlowRolloutController.flow_sde_sampling`` formed it before ``scheduler.step`` rounded it to the
+    latents' dtype, rebuilt bit for bit from the response's debug tensors (``rollout_debug_mode``, on
+    by default in sglang 0.5.23). Pass it as ``traj.step_log_prob(j, v, prev_sample=...)`` to score what
+    ``rollout_log_probs`` scored; in a float32 rollout it equals ``latents[:, j + 1]``."""
+    debug = traj.debug_tensors
+    if debug is None:
+        raise ValueError("engine_prev_sample needs the response's rollout_debug_tensors (request "
+                         "rollout_debug_mode=True): the unrounded sample SGLang scored is not in the latents")
+    if isinstance(j, bool) or not isinstance(j, Integral) or not 0 <= j < traj.num_steps:
+        raise ValueError(f"j must be a loop step in [0, {traj.num_steps - 1}]; got {j!r}")
+    mean = debug.rollout_prev_sample_means[:, j]
+    noise = debug.rollout_variance_noises[:, j]
+    std = debug.rollout_noise_std_devs[:, j].reshape(mean.shape[0], *([1] * (mean.dim() - 1)))
+    return mean + noise * std
+
+
+__all__ = ["from_sglang", "to_sglang", "decode_body", "engine_prev_sample", "SGLangDenoisingEnv", "SDE_TYPES",
+           "REQUEST_DEFAULTS", "IGNORED_KEYS", "SERVERS"]
