@@ -40,6 +40,13 @@ def initial_latents(batch: int, shape, dtype) -> torch.Tensor:
     return torch.randn(batch, *shape, generator=torch.Generator().manual_seed(3)).to(dtype)
 
 
+def _doc_block(doc: str, containing: str) -> str:
+    import re
+
+    text = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", doc)).read()
+    return next(b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if containing in b)
+
+
 def request_of(cfg) -> dict:
     """The /rollout/generate request a configuration stands for (the settings from_sglang needs)."""
     return {"prompt": "p", "seed": 11, "rollout_sde_type": cfg["sde_type"], "rollout_noise_level": cfg["noise_level"],
@@ -119,8 +126,8 @@ def run(cfg: dict, out_dir: str, world: int = 1) -> None:
 
     import flowrl.compat.sglang as plugin
 
-    if cfg.get("plugin"):
-        plugin.register()
+    if cfg.get("plugin"):  # docs/integration.md's lines, as written
+        exec(compile(_doc_block("integration.md", "flowrl.compat.sglang.register()"), "integration.md", "exec"), {})
     else:
         plugin.unregister()
     dtype = getattr(torch, cfg["dtype"])

@@ -231,3 +231,19 @@ def test_without_sglang_the_plugin_says_what_it_needs(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", None)
     with pytest.raises(ImportError, match="needs SGLang's diffusion rollout engine"):
         plugin.register()
+
+
+def test_the_docs_loop_on_the_engines_body_gives_ratio_one(bodies):
+    """docs/replay.md's block for flowrl inside SGLang's engine, run as written on the released engine's
+    bf16 body."""
+    import re
+
+    doc = (ROOT / "docs" / "replay.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", doc, flags=re.S) if "server's msgpack bytes" in b)
+    cfg, body, _, _ = load(bodies, "on_bf16_sde")
+    ratios = []
+    namespace = {"flowrl": flowrl, "torch": torch, "body": body, "request": E.request_of(cfg),
+                 "policy_velocity": lambda traj, j: velocity(cfg, traj, j)}
+    code = code.replace("   # exactly 1 before the first update", "\n    ratios.append(ratio)")
+    exec(compile(code, "docs/replay.md", "exec"), {**namespace, "ratios": ratios})
+    assert len(ratios) == cfg["steps"] and all(torch.equal(r, torch.ones_like(r)) for r in ratios)

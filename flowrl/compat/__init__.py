@@ -6,6 +6,7 @@ Swap one import and keep the call sites:
     from flowrl.compat.dance_grpo import flux_step                   # DanceGRPO
     python -m flowrl.compat.flow_factory config.yaml                 # Flow-Factory (registers the scheduler)
     from flowrl.compat.verl_omni import FlowMatchSDEDiscreteScheduler  # verl-omni (and register() for its losses)
+    import flowrl.compat.sglang; flowrl.compat.sglang.register()     # SGLang's rollout engine (in the server)
 
 Each adapter keeps its peer's signature and returns; where flowrl deliberately differs (the log-prob
 of the emitted, rounded sample; log-prob 0 on deterministic steps; the table's sigmas; the bf16-safe
