@@ -32,7 +32,8 @@ over the bytes its kernels move by their launch design (``kernel_bytes``, "model
 says how close they run to the bandwidth limit. Both byte counts are shown per element. Peak memory of
 ``recompute_fwd_bwd`` is what the op allocates beyond its inputs (GPU: ``max_memory_allocated``;
 CPU: the allocator's running total as recorded by ``torch.profiler`` with ``profile_memory=True``).
-Results: a markdown table on stdout and a CSV (plus the table as .md) under bench/results/;
+Results: a markdown table on stdout and a CSV (plus the table as .md) under bench/local/ (ignored by git;
+--out bench/results for the recorded ones);
 ``--table-from CSV`` prints an earlier CSV's table with the byte columns recomputed from its times.
 """
 from __future__ import annotations
@@ -1229,6 +1230,10 @@ def default_ops(quick: bool) -> List[str]:
     return list(OPS + COND_OPS + (() if quick else TREE_OPS))
 
 
+# where a run writes unless told (--out, $OUT): a folder git ignores, so a run leaves the checkout clean
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "local")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
@@ -1256,8 +1261,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="print the table of an earlier results CSV, its byte columns recomputed (no run)")
     p.add_argument("--tag", default="",
                    help="appended to the results' file names (several runs on one machine and day)")
-    p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"),
-                   help="directory for the CSV and .md (default: $OUT, else bench/results)")
+    p.add_argument("--out", default=os.environ.get("OUT") or DEFAULT_OUT,
+                   help="directory for the CSV and .md (default: $OUT, else bench/local/, which git ignores; "
+                        "the recorded tables go to bench/results/ by --out bench/results)")
     args = p.parse_args(argv)
     if args.table_from:
         rows, header = retabulate(args.table_from)

@@ -159,3 +159,19 @@ def test_every_mode_and_step_op_has_its_static_bound_from_the_docs_table():
     bwd = [float(r["bound (3.6.0)"].split()[0]) for (k, label), r in rows.items()
            if k == "step_backward_kernel" and label.startswith("dpm_sde 2nd-order gaussian mean grads=")]
     assert bench.static_bound("recompute_fwd_bwd", "dpm_sde", "bf16", "3.6.0") == 100 * min([fwd, *bwd])
+
+
+def test_a_benchmark_run_writes_where_git_does_not_look_unless_told(monkeypatch):
+    """./run bench --quick leaves the checkout clean: its default folder is ignored; --out bench/results
+    records a table on purpose."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    try:
+        import run as bench
+    finally:
+        sys.path.pop(0)
+    assert os.path.relpath(bench.DEFAULT_OUT, REPO) == os.path.join("bench", "local")
+    ignored = subprocess.run(["git", "check-ignore", "-q", os.path.join(bench.DEFAULT_OUT, "x-2026-12-04.csv")],
+                             cwd=REPO)
+    assert ignored.returncode == 0
+    kept = subprocess.run(["git", "check-ignore", "-q", os.path.join(REPO, "bench", "results", "x.csv")], cwd=REPO)
+    assert kept.returncode == 1
