@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.slow  # builds and installs the wheel (./run test -m 'n
 
 ROOT = Path(__file__).resolve().parents[1]
 # what a source distribution of the checkout holds for the build (the tests, docs and bench stay out)
-BUILD_FILES = ("flowrl", "kernels", "setup.py", "setup.cfg", "pyproject.toml", "README.md")
+BUILD_FILES = ("flowrl", "kernels", "setup.py", "setup.cfg", "pyproject.toml", "README.md", "LICENSE")
 
 pytest.importorskip("setuptools")
 
@@ -97,6 +98,23 @@ SCRIPT = textwrap.dedent("""
     assert torch.isfinite(v.grad).all() and v.grad.abs().sum() > 0
     print(json.dumps({"flowrl": flowrl.__file__, "loss": float(loss.loss)}))
 """)
+
+
+def test_the_wheels_metadata_has_the_license_and_no_link_that_breaks_on_a_package_index(installed):
+    """The long description is README.md with each relative link made plain text (a package index has no
+    docs/ folder); the Apache-2.0 text ships in the wheel."""
+    import email
+
+    wheel, _ = installed
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        meta = email.message_from_string(archive.read(next(n for n in names if n.endswith("METADATA"))).decode())
+        (license_file,) = [n for n in names if n.endswith("LICENSE")]
+        assert "Apache License" in archive.read(license_file).decode()
+    body = meta.get_payload()
+    assert meta["License"] == "Apache-2.0" and body.startswith("# flowrl")
+    relative = re.findall(r"\]\((?![a-z]+://|#)[^)]*\)", body)
+    assert relative == [] and "(`docs/guide.md#api` in the source tree)" in body
 
 
 def test_installed_wheel_imports_every_module_and_runs_without_the_checkout(installed, tmp_path):
