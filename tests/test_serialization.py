@@ -532,7 +532,7 @@ def test_trajectory_load_rejects(tmp_path):
     traj.save(path)
     blob = path.read_bytes()
     (tmp_path / "cut").write_bytes(blob[:-3])
-    with pytest.raises(ValueError, match="cut: the safetensors library rejected the data"):
+    with pytest.raises(ValueError, match=r"cut: safetensors data is truncated: its header describes \d+ bytes, there are"):
         RolloutTrajectory.load(tmp_path / "cut")
     with pytest.raises(ValueError, match="max_bytes"):
         RolloutTrajectory.load(path, max_bytes=100)
@@ -548,6 +548,45 @@ def test_trajectory_load_rejects(tmp_path):
                        "log_prob": "gaussian", "reduction": "mean"})
     with pytest.raises(ValueError, match="noise_level"):
         RolloutTrajectory.load(tmp_path / "nl")
+
+
+def test_a_damaged_trajectory_file_is_refused_naming_what_is_damaged(tmp_path):
+    """Files carry a checksum of every tensor and of the metadata (format /3): one flipped byte in a
+    tensor, or an edited setting, is refused by name; files that are no trajectory say what they look like."""
+    import pickle
+    from flowrl.data.trajectory import FILE_FORMAT
+
+    traj = _trajectory()
+    path = tmp_path / "t.safetensors"
+    traj.save(path)
+    blob = path.read_bytes()
+    tensors, metadata = S.load_safetensors(path)
+    assert metadata["format"] == FILE_FORMAT and "checksums" in metadata
+    header = struct.unpack("<Q", blob[:8])[0]
+    offsets = json.loads(blob[8:8 + header])
+    for name in ("latents", "log_probs", "sigmas"):
+        start = 8 + header + offsets[name]["data_offsets"][0]
+        damaged = bytearray(blob)
+        damaged[start + 1] ^= 0x10
+        (tmp_path / "d").write_bytes(bytes(damaged))
+        with pytest.raises(ValueError, match=f"damaged: tensor '{name}' does not match its checksum"):
+            RolloutTrajectory.load(tmp_path / "d")
+    value = repr(traj.noise_level)  # edited in place: the same length, so the file stays well-formed
+    edited = blob.replace(f'"noise_level":"{value}"'.encode(),
+                          f'"noise_level":"{value[:-1]}{(int(value[-1]) + 1) % 10}"'.encode())
+    assert edited != blob
+    (tmp_path / "e").write_bytes(edited)
+    with pytest.raises(ValueError, match="damaged: the metadata .* does not match its checksum"):
+        RolloutTrajectory.load(tmp_path / "e")
+    for kind, data in (("JSON text", json.dumps({"latents": [1, 2]}).encode()),
+                       ("a Python pickle", pickle.dumps({"latents": [1.0]}))):
+        (tmp_path / "x").write_bytes(data)
+        with pytest.raises(ValueError, match=f"not a readable flowrl trajectory file: .*it starts like {kind}"):
+            RolloutTrajectory.load(tmp_path / "x")
+    # a file written before checksums (format /2) still loads
+    S.save_safetensors(tmp_path / "v2", traj._tensors(), {"format": FORMAT, "mode": traj.mode, "noise_level":
+                       repr(traj.noise_level), "log_prob": traj.log_prob, "reduction": traj.reduction})
+    assert torch.equal(RolloutTrajectory.load(tmp_path / "v2").latents, traj.latents)
 
 
 

@@ -157,13 +157,26 @@ def _unique_keys(pairs):
     return out
 
 
+def _looks_like(prefix: bytes) -> str:
+    """What a file whose first 8 bytes are no safetensors header length probably is, for the message."""
+    head = prefix.lstrip()
+    if head[:1] in (b"{", b"["):
+        return "not a safetensors file (it starts like JSON text)"
+    if prefix[:1] == b"\x80":
+        return "not a safetensors file (it starts like a Python pickle, e.g. torch.save's)"
+    if prefix[:2] == b"PK":
+        return "not a safetensors file (it starts like a zip archive, e.g. torch.save's)"
+    return "not a safetensors file, or a damaged one"
+
+
 def _header_length(prefix: bytes, total: int, max_bytes: int) -> int:
     """The container's header length, bounded before anything is allocated for the header or data."""
     if len(prefix) < 8:
         raise ValueError(f"safetensors data too short: {len(prefix)} bytes, need at least 8 for the header length")
     (n,) = struct.unpack("<Q", prefix[:8])
     if n > MAX_HEADER_BYTES:
-        raise ValueError(f"safetensors header length {n} exceeds the limit of {MAX_HEADER_BYTES} bytes")
+        raise ValueError(f"safetensors header length {n} exceeds the limit of {MAX_HEADER_BYTES} bytes: "
+                         f"{_looks_like(prefix)}")
     if 8 + n > total:
         raise ValueError(f"safetensors header length {n} runs past the end of the data ({total} bytes)")
     if total > max_bytes:
@@ -196,6 +209,16 @@ def _read_header(head: bytes) -> Tuple[Dict[str, Tuple[torch.dtype, list]], Dict
     return promised, metadata
 
 
+def _data_end(head: bytes) -> Optional[int]:
+    """The largest data offset the (already checked) header names; None if it names none readably."""
+    try:
+        entries = json.loads(head.decode("utf-8"))
+        ends = [int(v["data_offsets"][1]) for k, v in entries.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    return max(ends, default=0)
+
+
 def decode_safetensors(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
     """Parse safetensors ``data`` strictly with the library: returns (name -> CPU tensor, metadata).
     Any malformed input raises ``ValueError``."""
@@ -204,6 +227,10 @@ def decode_safetensors(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Tu
     data = bytes(data)
     n = _header_length(data[:8], len(data), max_bytes)
     promised, metadata = _read_header(data[8:8 + n])
+    end = _data_end(data[8:8 + n])
+    if end is not None and 8 + n + end > len(data):  # other disagreements: the library's own message
+        raise ValueError(f"safetensors data is truncated: its header describes {8 + n + end} bytes, there are "
+                         f"{len(data)}")
     try:
         tensors = safetensors.torch.load(data)
     except (safetensors.SafetensorError, RuntimeError, OverflowError) as exc:

@@ -1,6 +1,7 @@
 """``RolloutTrajectory``: what a rollout records, for training to recompute log-probs from."""
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, replace
 from numbers import Integral, Real
@@ -24,6 +25,9 @@ from .trajectory_store import check_device, move, nbytes_per_sample_step
 # present only when there is a tree, so a /2 payload without one is unchanged.
 FORMAT = "flowrl.RolloutTrajectory/2"
 FORMAT_V1 = "flowrl.RolloutTrajectory/1"
+# files only: /2 plus the metadata key "checksums" (a digest of every tensor's bytes, dtype and shape, and
+# one of the other metadata), verified on load; /2 and /1 files (written before) load without it
+FILE_FORMAT = "flowrl.RolloutTrajectory/3"
 _TENSOR_FIELDS = ("latents", "log_probs", "timesteps", "sigmas", "latent_step_indices")
 # /2 adds the last four (prev_x0_preds: dpm_sde's second order)
 _OPTIONAL_TENSORS = ("sde_steps", "token_sigmas", "frozen", "counts", "prev_x0_preds")
@@ -408,8 +412,8 @@ class RolloutTrajectory:
 
     def save(self, path) -> None:
         """Write a safetensors file: the tensors under their field names (a joint rollout's streams under
-        ``streams.<k>.<field>``), the settings (and the format tag) as string metadata. Readable by any
-        safetensors reader."""
+        ``streams.<k>.<field>``), the settings (and the format tag) as string metadata, and a checksum of
+        every tensor and of the metadata (``load`` verifies them). Readable by any safetensors reader."""
         metadata = {name: str(getattr(self, name)) for name in ("mode", "log_prob", "reduction")}
         metadata["noise_level"] = repr(float(self.noise_level))  # repr round-trips a float exactly
         if _has_ddim_fields(self.mode):  # JSON: None and a float round-trip exactly
@@ -423,16 +427,28 @@ class RolloutTrajectory:
             tensors.update({f"tree.{name}": t for name, t in self.tree.to_tensors().items()})
         if self.stream_weights is not None:  # JSON: a float round-trips exactly
             metadata["stream_weights"] = json.dumps(list(self.stream_weights))
+        metadata["format"] = FILE_FORMAT
+        metadata["checksums"] = json.dumps(_checksums(tensors, metadata))
         save_safetensors(path, tensors, metadata)
 
     @classmethod
     def load(cls, path, *, max_bytes: Optional[int] = None, device=None) -> "RolloutTrajectory":
-        """Read a file written by ``save`` (format /2, or /1), validated as strictly as ``from_wire``."""
+        """Read a file written by ``save`` (format /3; /2 and /1 files too), validated as strictly as
+        ``from_wire``; a /3 file's checksums are verified first, and a damaged tensor or metadata is
+        refused by name."""
         where = f"RolloutTrajectory file {str(path)!r}"
-        tensors, metadata = load_safetensors(path, max_bytes=DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
+        try:
+            tensors, metadata = load_safetensors(path, max_bytes=DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
+        except ValueError as exc:
+            raise ValueError(f"{where}: not a readable flowrl trajectory file: {exc}") from None
         version = metadata.get("format")
-        if version not in (FORMAT, FORMAT_V1):
-            raise ValueError(f"{where}: metadata format must be {FORMAT!r} (or {FORMAT_V1!r}); got {version!r}")
+        if version == FILE_FORMAT:
+            _verify_checksums(tensors, metadata, where)
+            metadata = {k: v for k, v in metadata.items() if k != "checksums"}
+            version = metadata["format"] = FORMAT
+        elif version not in (FORMAT, FORMAT_V1):
+            raise ValueError(f"{where}: metadata format must be {FILE_FORMAT!r} (or the older {FORMAT!r}, "
+                             f"{FORMAT_V1!r}); got {version!r}: not a flowrl trajectory file")
         expected = set(_SETTING_FIELDS) | {"format"} | (set(_DDIM_FIELDS) if _has_ddim_fields(metadata.get("mode")) else set())
         optional_keys = {"streams", "stream_weights"}
         if set(metadata) - optional_keys != expected or (version == FORMAT_V1 and optional_keys & set(metadata)):
@@ -593,3 +609,37 @@ class RolloutTrajectory:
             fields.update(prediction_type=ddim["prediction"].label, clip_sample_range=ddim["clip_sample_range"])
         return cls(**fields, mode=mode, noise_level=noise_level, log_prob=settings["log_prob"],
                    reduction=settings["reduction"], streams=streams, tree=tree, stream_weights=stream_weights)
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _checksums(tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]) -> Dict[str, Any]:
+    """A digest per tensor (its dtype, shape and bytes) and one of the metadata (every key but this one)."""
+    out = {}
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        head = f"{t.dtype}{list(t.shape)}".encode()
+        out[name] = _digest(head + (t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""))
+    settings = {k: v for k, v in metadata.items() if k != "checksums"}
+    return {"tensors": out, "metadata": _digest(json.dumps(settings, sort_keys=True).encode())}
+
+
+def _verify_checksums(tensors: Dict[str, torch.Tensor], metadata: Dict[str, str], where: str) -> None:
+    try:
+        recorded = json.loads(metadata.get("checksums", ""))
+        recorded["tensors"], recorded["metadata"]  # noqa: B018  (both present)
+    except (ValueError, TypeError, KeyError):
+        raise ValueError(f"{where}: the checksums metadata is missing or unreadable: the file is damaged") from None
+    actual = _checksums(tensors, metadata)
+    if set(recorded["tensors"]) != set(actual["tensors"]):
+        raise ValueError(f"{where}: damaged: it holds tensors {sorted(actual['tensors'])}, its checksums name "
+                         f"{sorted(recorded['tensors'])}")
+    for name in sorted(actual["tensors"]):
+        if actual["tensors"][name] != recorded["tensors"][name]:
+            raise ValueError(f"{where}: damaged: tensor {name!r} does not match its checksum (its bytes changed "
+                             "since it was saved)")
+    if actual["metadata"] != recorded["metadata"]:
+        raise ValueError(f"{where}: damaged: the metadata (settings {sorted(k for k in metadata if k != 'checksums')}) "
+                         "does not match its checksum (edited since it was saved)")
