@@ -32,6 +32,9 @@ _LAZY = {
     "distributed": ("flowrl.distributed", None),
     "reference": ("flowrl.backends.reference", None),
     "losses": ("flowrl.losses", None),
+    "consistency": ("flowrl.consistency", None),
+    "compat": ("flowrl.compat", None),
+    "kernels": ("flowrl.kernels", None),  # the package imports no triton; its kernel modules do
     "step_weights": ("flowrl.ops.weights", "step_weights"),
     "StepWeights": ("flowrl.ops.weights", "StepWeights"),
 }
