@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import flowrl
-import flowrl.recorder
 import flowrl.sglang
 
 pytest.importorskip("diffusers")
@@ -17,12 +16,15 @@ import tiny_pipelines as tp  # noqa: E402
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "replay.md"
 
 
-def blocks():
-    return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+def block(containing):
+    """The one python block of docs/replay.md that contains ``containing``."""
+    found = [b for b in re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S) if containing in b]
+    assert len(found) == 1, (containing, len(found))
+    return found[0]
 
 
 def test_recorder_loop_in_the_docs_gives_ratio_one():
-    code = blocks()[0]
+    code = block('env_device="cpu"')
     assert "traj.step_model_output" in code and "rec.trajectory()" in code
     pipe = tp.tiny_StableDiffusion3Pipeline(torch.bfloat16)
     ratios = []
@@ -37,8 +39,7 @@ def test_recorder_loop_in_the_docs_gives_ratio_one():
 
 
 def test_sglang_loop_in_the_docs_gives_ratio_one():
-    code = blocks()[1]
-    assert "from_sglang" in code
+    code = block("from_sglang(responses, request=request)")
     sched = flowrl.FlowMatchEulerDiscreteScheduler(shift=3.0)
     sched.set_timesteps(4)
     g = torch.Generator().manual_seed(0)
