@@ -810,9 +810,9 @@ def run_sweep(
 #   losses.dpo_loss (an even batch; odd ones are skipped with a note).
 # - dgpo_loss: Luo-Yihong/DGPO's loss block (the DSM clip against the old policy, the group sigmoid of
 #   compute_group_dgpo_loss_allreduce on one process, the KL), two groups (the batch's halves), x standing
-#   in for the old policy's output, upcast to float32 as the DPO peers do (DGPO's own code reduces a bf16
-#   output in bf16, whose rounding times beta flips clip decisions and group weights); flowrl:
-#   losses.dgpo_loss.
+#   in for the old policy's output, in float32 (DGPO's own code computes the score-matching errors in float32,
+#   its float32 target promoting the bf16 output, and only the KL, a difference of two bf16 outputs, in bf16;
+#   upcast here as the DPO peers do); flowrl: losses.dgpo_loss.
 # - grpo_velocity_kl: Flow-Factory's GRPO loss with kl_type="v-based" (trainers/grpo.py: the per-sample
 #   mean of (v - v_ref)^2 times kl_beta) on Flow-GRPO's recompute, the difference upcast to float32 (in
 #   bf16, as their code runs it, its rounding moves the gradient by a few percent); flowrl:
