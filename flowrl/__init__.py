@@ -11,7 +11,7 @@ from . import _moved
 
 _moved.install()  # the old module paths (flowrl.scheduler, flowrl.trajectory, ...) stay importable
 
-from .core._validate import no_value_checks
+from .core._validate import checks, no_value_checks
 from .contract import CHUNK_SIZE
 from .ops.functional import LogProbWithCount, SDEStepOutput, combine_streams, draw_noise, sde_step, step_kl, step_log_prob
 from .core.step_spec import StepSpec
@@ -57,7 +57,7 @@ def available_backends():
 
 __all__ = [
     "SDEStepOutput", "LogProbWithCount", "combine_streams", "sde_step", "step_log_prob", "step_kl", "draw_noise", "CHUNK_SIZE", "StepSpec",
-    "no_value_checks",
+    "no_value_checks", "checks",
     "FlowMatchEulerDiscreteScheduler", "DDIMScheduler", "RolloutRecorder", "RolloutTrajectory", "available_backends",
     "step_weights", "StepWeights",
 ]

@@ -174,7 +174,7 @@ def test_grpo_family_gradcheck_on_the_torch_backend(variant):
             return L.flow_dppo_loss(x, vv, prev, sig, steps, old_lp, adv, kl_threshold=1e9,
                                     old_prev_sample_mean=old_mean, backend="torch").loss
         src = dict(noise_seed=11) if variant == "guard_replay" else dict(old_prev_sample_mean=old_mean)
-        return L.grpo_guard_loss(x, vv, prev, sig, steps, old_lp, adv, clip_range=10.0, kl_coef=0.5,
+        return L.grpo_guard_loss(x, vv, prev, sig, steps, old_lp, adv, clip_range=(0.9, 10.0), kl_coef=0.5,
                                  ref_model_output=v_ref, backend="torch", **src).loss
 
     assert torch.autograd.gradcheck(loss, (v0,), eps=1e-6, atol=1e-6, rtol=1e-5)
@@ -187,7 +187,7 @@ def test_flow_losses_gradcheck_on_the_torch_backend():
     xt = (1 - t.reshape(-1, 1, 1)) * x0 + t.reshape(-1, 1, 1) * eps
     adv, old_lp = torch.tensor([0.5, -2.0], dtype=F64), torch.tensor([-2.0, -1.9], dtype=F64)
     for weighting in L.AWM_WEIGHTINGS:
-        fn = lambda vv: L.awm_loss(vv, eps, x0, t, old_lp, adv, clip_range=5.0, weighting=weighting,  # noqa: E731
+        fn = lambda vv: L.awm_loss(vv, eps, x0, t, old_lp, adv, clip_range=(0.9, 5.0), weighting=weighting,  # noqa: E731
                                    backend="torch").loss
         assert torch.autograd.gradcheck(fn, (v.clone().requires_grad_(),), eps=1e-6, atol=1e-6, rtol=1e-5), weighting
     # NFT's weights are stop-grad: compare with autograd of the formula written out instead of finite differences

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 import weakref
 from numbers import Integral, Real
@@ -65,13 +66,47 @@ def no_value_checks():
         _skip.active = previous
 
 
+class checks:
+    """The checked mode: every float tensor a public op or loss validates (model outputs, samples, old
+    log-probs, advantages, weights, ...) must be finite, asserted on its device without a host sync
+    (``torch._assert_async``: a device-side assert on CUDA, which fails at the next sync; an immediate
+    ``RuntimeError`` on the CPU) whose message names the argument. The first thing to try when a loss
+    goes NaN. ``flowrl.checks(True)`` turns it on for the process (``flowrl.checks(False)`` off), ``with
+    flowrl.checks():`` for a block; the environment variable ``FLOWRL_CHECKS=1`` turns it on at import.
+    Skipped while torch.compile traces. Off, it costs nothing."""
+
+    _enabled = os.environ.get("FLOWRL_CHECKS", "0") not in ("", "0", "false", "False")
+
+    def __init__(self, enabled: bool = True):
+        self._previous = checks._enabled
+        checks._enabled = check_bool("enabled", enabled)
+
+    def __enter__(self) -> "checks":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        checks._enabled = self._previous
+
+    @staticmethod
+    def enabled() -> bool:
+        return checks._enabled
+
+
+def assert_finite(name: str, t: torch.Tensor) -> None:
+    """In the checked mode, assert on ``t``'s device that it holds no NaN or infinity."""
+    if checks._enabled and t.device.type != "meta" and t.is_floating_point() and not torch.compiler.is_compiling():
+        torch._assert_async(torch.isfinite(t).all(), f"flowrl.checks: {name} holds a NaN or an infinity")
+
+
 def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _skip_value_reads() -> bool:
-    # compiling first: the other two are host state that torch.compile need not trace
-    return torch.compiler.is_compiling() or getattr(_skip, "active", False) or capturing()
+def _skip_value_reads(t: torch.Tensor = None) -> bool:
+    # compiling first: the other two are host state that torch.compile need not trace; a meta tensor
+    # (shape inference) has no values to read
+    return (torch.compiler.is_compiling() or getattr(_skip, "active", False) or capturing()
+            or (t is not None and t.device.type == "meta"))
 
 
 def check_choice(name: str, value, choices: Sequence[str]) -> str:
@@ -96,6 +131,7 @@ def check_float_tensor(name: str, t, *, allow_float64: bool = True) -> torch.Ten
             f"{name} must have a floating dtype in "
             f"({', '.join(str(d).replace('torch.', '') for d in allowed)}); got {t.dtype}"
         )
+    assert_finite(name, t)
     return t
 
 
@@ -157,7 +193,10 @@ def check_sigmas(sigmas, device: torch.device) -> torch.Tensor:
         raise ValueError(f"sigmas must hold at least 2 values (T >= 1); got {sigmas.numel()}")
     if sigmas.device != device:
         raise ValueError(f"sigmas is on {sigmas.device} but sample is on {device}; move them to one device")
-    if _skip_value_reads() or sigmas in _checked_schedules:
+    if sigmas.requires_grad:
+        raise ValueError("sigmas requires grad, but the schedule is rollout data that flowrl does not "
+                         "differentiate (gradients flow to model_output, sample and prev_sample); pass sigmas.detach()")
+    if _skip_value_reads(sigmas) or sigmas in _checked_schedules:
         return sigmas
     s = sigmas.detach().double().cpu()
     if not bool(torch.isfinite(s).all()):
@@ -198,7 +237,7 @@ def check_alpha_bar_table(table, device: torch.device, *, allow_zero_alpha: bool
     if table.device != device:
         raise ValueError(f"sigmas is on {table.device} but sample is on {device}; move them to one device")
     checked = _checked_alpha_bar_tables[bool(allow_zero_alpha)]
-    if _skip_value_reads() or table in checked:
+    if _skip_value_reads(table) or table in checked:
         return table
     pairs = table.detach().double().cpu().reshape(-1, 2)
     a_t, a_prev = pairs[:, 0], pairs[:, 1]
@@ -247,7 +286,7 @@ def check_step_index(step_index, num_steps: int, batch: int, device: torch.devic
     if step_index.dim() != 1 or step_index.shape[0] != batch:
         raise ValueError(f"{name} must be an int or a tensor of shape [B] = [{batch}]; got shape {tuple(step_index.shape)}")
     checked = _checked_step_indices.setdefault(num_steps, _CheckedValues())
-    if not _skip_value_reads() and step_index not in checked:
+    if not _skip_value_reads(step_index) and step_index not in checked:
         lo, hi = torch.stack(torch.aminmax(step_index)).tolist()  # one device-to-host copy for both bounds
         if lo < 0 or hi >= num_steps:
             raise ValueError(
@@ -308,7 +347,7 @@ def check_token_sigmas(token_sigmas, sample: torch.Tensor, name: str = "token_si
             f"{name} must be float32 (or float64), like the schedule; got {token_sigmas.dtype} "
             "(a half-precision sigma is not a schedule value)"
         )
-    if not _skip_value_reads() and token_sigmas not in _checked_token_sigmas:
+    if not _skip_value_reads(token_sigmas) and token_sigmas not in _checked_token_sigmas:
         lo, hi = torch.stack(torch.aminmax(token_sigmas.detach().double())).tolist()
         if not (math.isfinite(lo) and math.isfinite(hi)) or lo < 0 or hi > 1:
             raise ValueError(f"{name} must be finite sigmas in [0, 1]; got values in [{lo}, {hi}]")

@@ -10,6 +10,7 @@ from typing import Tuple
 import torch
 
 from ..backends import _dispatch
+from ..core import _validate as V
 
 
 def _check_no_grad(**tensors):
@@ -28,6 +29,7 @@ def _check_per_sample(name: str, t, batch: int, device) -> torch.Tensor:
         raise ValueError(f"{name} must have shape [B] = [{batch}]; got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but sample is on {device}")
+    V.assert_finite(name, t)  # the checked mode (flowrl.checks)
     return t
 
 
@@ -42,14 +44,21 @@ def _check_scalar(name: str, value, *, minimum: float = 0.0, strict: bool = Fals
 
 def check_clip_range(clip_range) -> Tuple[float, float]:
     """``clip_range``: eps (ratio clipped to [1 - eps, 1 + eps]) or a pair (eps_low, eps_high) (ratio
-    clipped to [1 - eps_low, 1 + eps_high]); each finite and >= 0."""
+    clipped to [1 - eps_low, 1 + eps_high]); each finite and >= 0, and eps_low < 1: a ratio is positive,
+    so a lower bound at or below 0 would never clip (eps = 1.5 is a typo for 0.15, not a setting)."""
     if isinstance(clip_range, (tuple, list)):
         if len(clip_range) != 2:
             raise ValueError(f"clip_range must be a float or a pair (eps_low, eps_high); got {clip_range!r}")
-        return (_check_scalar("clip_range[0] (eps_low)", clip_range[0]),
-                _check_scalar("clip_range[1] (eps_high)", clip_range[1]))
-    eps = _check_scalar("clip_range", clip_range)
-    return eps, eps
+        low, high = (_check_scalar("clip_range[0] (eps_low)", clip_range[0]),
+                     _check_scalar("clip_range[1] (eps_high)", clip_range[1]))
+        name = "clip_range[0] (eps_low)"
+    else:
+        low = high = _check_scalar("clip_range", clip_range)
+        name = "clip_range"
+    if low >= 1:
+        raise ValueError(f"{name} must be < 1 (the ratio's lower clip bound is 1 - eps_low, and a ratio is "
+                         f"positive); got {low}")
+    return low, high
 
 
 def _flow_backend(backend_arg, *tensors):
