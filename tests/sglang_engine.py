@@ -126,6 +126,9 @@ def run(cfg: dict, out_dir: str, world: int = 1) -> None:
 
     import flowrl.compat.sglang as plugin
 
+    # flowrl's backend in the engine ("auto": torch on the CPU; "triton": the kernels, through Triton's
+    # interpreter without a GPU)
+    os.environ["FLOWRL_BACKEND"] = cfg.get("backend", "auto")
     if cfg.get("plugin"):  # docs/integration.md's lines, as written
         exec(compile(_doc_block("integration.md", "flowrl.compat.sglang.register()"), "integration.md", "exec"), {})
     else:

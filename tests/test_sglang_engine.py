@@ -37,7 +37,10 @@ ON = [_cfg("on_fp32_sde", "float32"), _cfg("on_bf16_sde"), _cfg("on_bf16_cps", s
       _cfg("on_bf16_ode", sde_type="ode", no_const=True), _cfg("on_fp32_ode_gaussian", "float32", "ode"),
       _cfg("on_bf16_steps", sde_steps=[1, 2], return_steps=[1, 2, 3]),
       _cfg("on_bf16_noconst_uniform", noise_level=0.5, no_const=True, uniform=True, debug=False),
-      _cfg("on_fp32_sde_sp2", "float32", sp=2), _cfg("on_bf16_cps_sp2", sde_type="cps", sp=2)]
+      _cfg("on_fp32_sde_sp2", "float32", sp=2), _cfg("on_bf16_cps_sp2", sde_type="cps", sp=2),
+      # the Triton kernels in the engine (Triton's interpreter here), recomputed on the same backend
+      _cfg("on_bf16_sde_triton", steps=3, backend="triton"), _cfg("on_bf16_cps_triton_sp2", "bfloat16", "cps", steps=3,
+                                                                   backend="triton", sp=2)]
 CONFIGS = {c["name"]: c for c in OFF + ON}
 
 
@@ -151,8 +154,9 @@ def test_with_flowrl_in_the_engine_the_ratio_is_exactly_one(bodies, name, capsys
     assert meta == {"controller": "FlowRLRolloutController", "plugin_registered": True}
     steps = recomputable(traj)
     assert steps and bool(torch.isfinite(traj.log_probs).all())
+    backend = cfg.get("backend", "auto")
     for j in steps:
-        lp = traj.step_log_prob(j, velocity(cfg, traj, j))
+        lp = traj.step_log_prob(j, velocity(cfg, traj, j), backend=backend)
         assert torch.equal(torch.exp(lp - traj.log_probs[:, j]), torch.ones_like(lp)), j
     assert traj.mode == cfg["sde_type"] and traj.log_prob == ("sq_err" if cfg["no_const"] else "gaussian")
     if cfg.get("return_steps"):
@@ -169,7 +173,7 @@ def test_with_flowrl_in_the_engine_the_ratio_is_exactly_one(bodies, name, capsys
     else:
         assert traj.debug_tensors is None
     with capsys.disabled():
-        print(f"\n[sglang 0.5.23 + flowrl.compat.sglang] {name}: |ratio - 1| = 0 on steps {steps}")
+        print(f"\n[sglang 0.5.23 + flowrl.compat.sglang] {name}: |ratio - 1| = 0 on steps {steps} ({backend})")
 
 
 def test_with_flowrl_sglangs_noise_and_samples_stay_sglangs(bodies):
