@@ -21,6 +21,7 @@ from flowrl.sglang import engine_prev_sample, from_sglang
 
 import sglang_engine as E
 
+pytestmark = pytest.mark.slow  # one subprocess drives SGLang for every configuration (about a minute)
 ROOT = Path(__file__).resolve().parents[1]
 SGLANG_DIR = Path(os.environ.get("FLOWRL_SGLANG_DIR", Path(sys.prefix) / "sglang-0.5.23"))
 SHAPE = [4, 8, 8]  # the SP runs split the height (8) over 2 ranks
