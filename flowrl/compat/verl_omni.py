@@ -425,7 +425,8 @@ def _loss_class(algos, prefix: str, name: str):
     process that imports this module (``__getattr__`` rebuilds it there)."""
     qualname = _class_name(prefix, name)
     cls = globals().get(qualname)
-    if cls is not None and getattr(cls, "_flowrl_key", None) == (prefix, name):
+    # the same verl-omni module: a re-imported one (another process's, a test's stand-in) gets a new class
+    if cls is not None and getattr(cls, "_flowrl_key", None) == (prefix, name) and cls._flowrl_algos is algos:
         return cls
     fn, model_keys, data_keys = LOSSES[name]
 
@@ -439,7 +440,7 @@ def _loss_class(algos, prefix: str, name: str):
         base = base.__mro__[1]
     # verl-omni's base is an ABC: without __module__ here, ABCMeta would name the class abc.FlowRL_...
     cls = type(qualname, (base,), {
-        "__module__": __name__, "__qualname__": qualname, "_flowrl_key": (prefix, name),
+        "__module__": __name__, "__qualname__": qualname, "_flowrl_key": (prefix, name), "_flowrl_algos": algos,
         "required_model_output_keys": model_keys, "required_data_keys": data_keys,
         "compute_loss": classmethod(lambda cls, _fn=fn, **kw: _fn(**kw)), "__call__": __call__,
     })
