@@ -378,37 +378,13 @@ def run_dance_grpo_import(block, tmp_path, monkeypatch):
     assert run(block, {})["flux_step"] is dance_grpo.flux_step
 
 
-VERL_OMNI_ALGOS = '''
-from abc import ABC
-
-class DiffusionLossFn(ABC):  # an ABC, as verl-omni's is
-    required_model_output_keys = ()
-    required_data_keys = ()
-    def prepare_actor_batch(self, batch, reward_tensor, config):
-        return batch
-
-DIFFUSION_LOSS_REGISTRY = {}
-
-def register_diffusion_loss(name):
-    def decorator(cls):
-        DIFFUSION_LOSS_REGISTRY[name] = cls()
-        return cls
-    return decorator
-'''
-
-
 def run_verl_omni(block, tmp_path, monkeypatch):
-    """On a stand-in with verl-omni's registry and scheduler module (tests/test_verl_omni.py has the fuller one)."""
+    """On tests/test_verl_omni.py's stand-in of verl-omni (its registry and scheduler module)."""
     import flowrl.compat.verl_omni as vo
 
-    root = tmp_path / "verl_omni"
-    for sub in ("trainer/diffusion", "pipelines/schedulers"):
-        (root / sub).mkdir(parents=True)
-    for d in (root, root / "trainer", root / "trainer/diffusion", root / "pipelines"):
-        (d / "__init__.py").write_text("")
-    (root / "trainer/diffusion/diffusion_algos.py").write_text(VERL_OMNI_ALGOS)
-    (root / "pipelines/schedulers/__init__.py").write_text("class FlowMatchSDEDiscreteScheduler:\n    pass\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    from test_verl_omni import verl_omni_stand_in
+
+    verl_omni_stand_in(tmp_path, monkeypatch)
     try:
         ns = run(block, {})
         from verl_omni.pipelines import schedulers
@@ -592,14 +568,12 @@ def run_wire_response(block, tmp_path, monkeypatch):
 SP_B, SP_S, SP_C = 2, 32, 64  # each of 2 ranks holds 16 rows of 64: one 1024-element chunk
 
 
-class _SPModel(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(SP_C, SP_C)
+def _SPModel():
+    """tests/test_trajectory_shard.py's model (its width is SP_C)."""
+    from test_trajectory_shard import C, _Model
 
-    def forward(self, hidden_states, timestep):
-        h = self.lin(hidden_states)
-        return (h * (1 + timestep.view(-1, 1, 1) / 1000).to(h.dtype),)
+    assert C == SP_C
+    return _Model()
 
 
 def _sp_block(key):

@@ -261,7 +261,9 @@ def get_diffusion_loss_fn(name):
 '''
 
 
-def test_register_with_a_verl_omni_stand_in(tmp_path, monkeypatch):
+def verl_omni_stand_in(tmp_path, monkeypatch):
+    """A verl_omni package under tmp_path (FAKE_ALGOS, its scheduler module and an adapter that bound the
+    scheduler's name), first on sys.path, with any verl_omni imported before dropped."""
     root = tmp_path / "verl_omni"
     for sub in ("trainer/diffusion", "pipelines/schedulers", "pipelines/sd3_flow_grpo"):
         (root / sub).mkdir(parents=True, exist_ok=True)
@@ -274,6 +276,10 @@ def test_register_with_a_verl_omni_stand_in(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m.startswith("verl_omni")]:
         monkeypatch.delitem(sys.modules, name)
+
+
+def test_register_with_a_verl_omni_stand_in(tmp_path, monkeypatch):
+    verl_omni_stand_in(tmp_path, monkeypatch)
     try:
         import verl_omni.pipelines.sd3_flow_grpo as adapter
         from verl_omni.trainer.diffusion import diffusion_algos as algos
