@@ -95,7 +95,9 @@ class FlowRLRolloutController:
             raise ValueError(f"flowrl.compat.sglang: step {step_index}'s sigma {float(current_sigma)} is not the "
                              f"controller's schedule's ({float(self.sigmas[step_index])}): set_timesteps ran again "
                              "after the rollout began")
-        local_noise = None if ode else self._rollout_variance_noise(batch, model_output.float())
+        # SGLang's float32 model output (its noise's dtype, and its debug tensor on sde steps), made once
+        v32 = None if ode else model_output.float()
+        local_noise = None if ode else self._rollout_variance_noise(batch, v32)
         out_dtype = model_output.dtype
         sp = self._should_do_sp_collective(batch)
         if sp:  # the whole sample on every rank: the unsharded step's log-prob, bit for bit
@@ -115,7 +117,7 @@ class FlowRLRolloutController:
             self.append_local_rollout_debug_tensors(
                 variance_noise=torch.zeros_like(model_output) if ode else local_noise,
                 prev_sample_mean=mean, noise_std_dev=out.std_dev.reshape(-1, 1),
-                model_output=model_output if ode else model_output.float())
+                model_output=model_output if ode else v32)
         # the mean itself (count 1): collect_rollout_log_probs divides the sums by the counts
         self.append_local_rollout_log_probs(out.log_prob, torch.ones_like(out.log_prob))
         return prev

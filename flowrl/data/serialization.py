@@ -184,10 +184,12 @@ def _header_length(prefix: bytes, total: int, max_bytes: int) -> int:
     return n
 
 
-def _read_header(head: bytes) -> Tuple[Dict[str, Tuple[torch.dtype, list]], Dict[str, str]]:
+def _read_header(head: bytes) -> Tuple[Dict[str, Tuple[torch.dtype, list]], Dict[str, str], Optional[int]]:
     """What the header promises, checked against flowrl's allowlist before the library allocates:
-    returns (name -> (dtype, shape), metadata). Offsets and byte counts are left to the library; the
-    metadata is read here because the library's bytes API does not return it."""
+    returns (name -> (dtype, shape), metadata, the largest data offset it names, None if one is not an
+    int). Offsets and byte counts are checked by the library, except that the data reaches that end (a
+    truncated file is named as such); the metadata is read here because the library's bytes API does not
+    return it."""
     try:
         header = json.loads(head.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -197,7 +199,7 @@ def _read_header(head: bytes) -> Tuple[Dict[str, Tuple[torch.dtype, list]], Dict
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise ValueError("invalid safetensors header: __metadata__ must map strings to strings")
-    promised = {}
+    promised, end = {}, 0
     for name, info in header.items():
         where = f"safetensors header entry {name!r}"
         if not isinstance(info, dict) or set(info) != _ENTRY_KEYS:
@@ -206,17 +208,10 @@ def _read_header(head: bytes) -> Tuple[Dict[str, Tuple[torch.dtype, list]], Dict
         if dtype is None:
             raise ValueError(f"{where}: dtype {info['dtype']!r} is not allowed; allowed: {', '.join(_FROM_ST)}")
         promised[name] = (dtype, _check_shape(info["shape"], where))
-    return promised, metadata
-
-
-def _data_end(head: bytes) -> Optional[int]:
-    """The largest data offset the (already checked) header names; None if it names none readably."""
-    try:
-        entries = json.loads(head.decode("utf-8"))
-        ends = [int(v["data_offsets"][1]) for k, v in entries.items() if k != "__metadata__"]
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-        return None
-    return max(ends, default=0)
+        offsets = info["data_offsets"]
+        ok = isinstance(offsets, list) and len(offsets) == 2 and type(offsets[1]) is int
+        end = max(end, offsets[1]) if ok and end is not None else None
+    return promised, metadata, end
 
 
 def decode_safetensors(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
@@ -226,8 +221,7 @@ def decode_safetensors(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Tu
         raise TypeError(f"data must be bytes; got {type(data).__name__}")
     data = bytes(data)
     n = _header_length(data[:8], len(data), max_bytes)
-    promised, metadata = _read_header(data[8:8 + n])
-    end = _data_end(data[8:8 + n])
+    promised, metadata, end = _read_header(data[8:8 + n])
     if end is not None and 8 + n + end > len(data):  # other disagreements: the library's own message
         raise ValueError(f"safetensors data is truncated: its header describes {8 + n + end} bytes, there are "
                          f"{len(data)}")
