@@ -578,8 +578,10 @@ def test_a_damaged_trajectory_file_is_refused_naming_what_is_damaged(tmp_path):
     (tmp_path / "e").write_bytes(edited)
     with pytest.raises(ValueError, match="damaged: the metadata .* does not match its checksum"):
         RolloutTrajectory.load(tmp_path / "e")
+    torch.save({"latents": traj.latents}, tmp_path / "saved.pt")  # torch.save's zip archive
     for kind, data in (("JSON text", json.dumps({"latents": [1, 2]}).encode()),
-                       ("a Python pickle", pickle.dumps({"latents": [1.0]}))):
+                       ("a Python pickle", pickle.dumps({"latents": [1.0]})),
+                       ("a zip archive", (tmp_path / "saved.pt").read_bytes())):
         (tmp_path / "x").write_bytes(data)
         with pytest.raises(ValueError, match=f"not a readable flowrl trajectory file: .*it starts like {kind}"):
             RolloutTrajectory.load(tmp_path / "x")
