@@ -4,7 +4,7 @@ This follows Flow-GRPO's ``sde_step_with_logprob`` (``flow_grpo/diffusers_patch/
 term for term: inputs upcast to float32, one torch op per term of the formula, the log-prob as the
 mean over all non-batch dims. ``mode="sde"`` is Flow-GRPO's (and SGLang's ``rollout_sde_type="sde"``)
 step with the Gaussian log-density; ``mode="cps"`` is its Coefficients-Preserving Sampling branch,
-whose log-prob drops every constant (``-r^2``, flowrl's ``log_prob="sq_err"``). The KL follows
+whose log-prob drops every constant (``-r^2``, flowrl's ``log_prob_kind="sq_err"``). The KL follows
 Flow-GRPO's training loop: ``((mean - mean_ref) ** 2).mean(non-batch dims) / (2 * variance)`` with the
 reference mean computed under ``torch.no_grad``.
 

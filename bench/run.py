@@ -228,7 +228,7 @@ class Case:
     tree_keys: Optional[torch.Tensor] = None  # rollout_tree: each row's node key at the fork step (int64 [B])
 
     @property
-    def log_prob(self) -> str:
+    def log_prob_kind(self) -> str:
         return baseline.LOG_PROB_KIND[self.mode]
 
 
@@ -243,7 +243,7 @@ def make_case(shape, dtype, mode, device, seed: int = 0) -> Case:
     x0_prev = rand().to(dtype) if mode == "dpm_sde" else None  # dpm_sde runs its second order
     prev = flowrl.sde_step(
         x, v, sigmas, STEP_INDEX, mode=mode, noise_level=noise_level(mode), noise=noise,
-        log_prob=baseline.LOG_PROB_KIND[mode], backend="torch", return_prev_sample_mean=False, prev_x0_pred=x0_prev,
+        log_prob_kind=baseline.LOG_PROB_KIND[mode], backend="torch", return_prev_sample_mean=False, prev_x0_pred=x0_prev,
     ).prev_sample
     cond = {}
     if len(shape) == 5 and mode not in ("ddim", "dpm_sde"):  # masks are the flow modes' (first order)
@@ -253,7 +253,7 @@ def make_case(shape, dtype, mode, device, seed: int = 0) -> Case:
         frozen = torch.zeros(1, 1, frames, 1, 1, dtype=torch.bool, device=device)
         frozen[:, :, 0] = True
         prev_cond = flowrl.sde_step(
-            x, v, sigmas, STEP_INDEX, mode=mode, noise_level=noise_level(mode), noise=noise, log_prob=baseline.LOG_PROB_KIND[mode],
+            x, v, sigmas, STEP_INDEX, mode=mode, noise_level=noise_level(mode), noise=noise, log_prob_kind=baseline.LOG_PROB_KIND[mode],
             backend="torch", return_prev_sample_mean=False, token_sigmas=token_sigmas, frozen=frozen,
         ).prev_sample
         cond = dict(token_sigmas=token_sigmas, frozen=frozen, prev_cond=prev_cond)
@@ -281,7 +281,7 @@ def _check_cond(case: Case, op: str) -> None:
 
 def _flowrl_cond_fn(case: Case, op: str, backend: str) -> Callable[[], Tuple[torch.Tensor, ...]]:
     common = dict(mode=case.mode, noise_level=noise_level(case.mode), backend=backend, token_sigmas=case.token_sigmas,
-                  frozen=case.frozen, log_prob=case.log_prob)
+                  frozen=case.frozen, log_prob=case.log_prob_kind)
     if op == "rollout_cond":
         def fn():
             out = flowrl.sde_step(case.x, case.v, case.sigmas, STEP_INDEX, noise=case.noise,
@@ -307,12 +307,12 @@ def _flowrl_fn(case: Case, op: str, backend: str) -> Callable[[], Tuple[torch.Te
     if op == "rollout_tree":
         def fn():
             out = flowrl.sde_step(case.x, case.v, case.sigmas, STEP_INDEX, noise_seed=case.tree_keys,
-                                  log_prob=case.log_prob, return_prev_sample_mean=False, **common)
+                                  log_prob_kind=case.log_prob_kind, return_prev_sample_mean=False, **common)
             return out.prev_sample, out.log_prob
     elif op == "rollout":
         def fn():
             out = flowrl.sde_step(
-                case.x, case.v, case.sigmas, STEP_INDEX, noise=case.noise, log_prob=case.log_prob,
+                case.x, case.v, case.sigmas, STEP_INDEX, noise=case.noise, log_prob_kind=case.log_prob_kind,
                 return_prev_sample_mean=False, **common,
             )
             return out.prev_sample, out.log_prob
@@ -320,11 +320,11 @@ def _flowrl_fn(case: Case, op: str, backend: str) -> Callable[[], Tuple[torch.Te
         def fn():
             with torch.no_grad():
                 return (flowrl.step_log_prob(
-                    case.x, case.v, case.prev, case.sigmas, STEP_INDEX, log_prob=case.log_prob, **common),)
+                    case.x, case.v, case.prev, case.sigmas, STEP_INDEX, log_prob_kind=case.log_prob_kind, **common),)
     elif op == "recompute_fwd_bwd":
         def fn():
             lp = flowrl.step_log_prob(
-                case.x, case.v_grad, case.prev, case.sigmas, STEP_INDEX, log_prob=case.log_prob, **common)
+                case.x, case.v_grad, case.prev, case.sigmas, STEP_INDEX, log_prob_kind=case.log_prob_kind, **common)
             (grad,) = torch.autograd.grad(lp, case.v_grad, case.grad_out)
             return lp.detach(), grad
     elif op == "kl_fwd_bwd":
@@ -1033,27 +1033,30 @@ def _flowrl_loss(case: LossCase, op: str, v: torch.Tensor, backend: str) -> torc
     if op in ("grpo_velocity_kl", "grpo_guided_ref"):
         ref = dict(ref_model_output=case.v_ref, kl_space="velocity") if op == "grpo_velocity_kl" else dict(
             ref_model_output=(case.v_uncond, case.v_cond), ref_guidance_scale=GUIDANCE_SCALE)
-        return losses.grpo_loss(case.x, v, case.prev, case.sigmas, STEP_INDEX, case.old_lp, case.adv,
+        return losses.grpo_loss(case.x, v, case.prev, case.sigmas, STEP_INDEX, old_log_prob=case.old_lp,
+                                advantages=case.adv,
                                 clip_range=LOSS_CLIP, noise_level=NOISE_LEVEL, kl_coef=LOSS_KL_COEF, backend=backend,
                                 **ref).loss
     if op == "grpo_joint":
         xa, va, prev_a, sigmas_a = case.audio
         return losses.grpo_loss((case.x, xa), (v, va), (case.prev, prev_a), (case.sigmas, sigmas_a), STEP_INDEX,
-                                case.joint_old_lp, case.adv, clip_range=LOSS_CLIP, noise_level=NOISE_LEVEL,
+                                old_log_prob=case.joint_old_lp, advantages=case.adv, clip_range=LOSS_CLIP, noise_level=NOISE_LEVEL,
                                 stream_weights=JOINT_WEIGHTS, backend=backend).loss
 
     if op == "grpo_loss":
-        return losses.grpo_loss(case.x, v, case.prev, case.sigmas, STEP_INDEX, case.old_lp, case.adv,
+        return losses.grpo_loss(case.x, v, case.prev, case.sigmas, STEP_INDEX, old_log_prob=case.old_lp,
+                                advantages=case.adv,
                                 clip_range=LOSS_CLIP, noise_level=NOISE_LEVEL, kl_coef=LOSS_KL_COEF,
                                 ref_model_output=case.v_ref, backend=backend).loss
     if op == "grpo_guard":
         seeds = torch.arange(case.shape[0], device=case.x.device) + LOSS_SEED
-        return losses.grpo_guard_loss(case.x, v, case.prev32, case.sigmas, STEP_INDEX, case.old_lp32, case.adv,
+        return losses.grpo_guard_loss(case.x, v, case.prev32, case.sigmas, STEP_INDEX, old_log_prob=case.old_lp32,
+                                      advantages=case.adv,
                                       clip_range=LOSS_CLIP, noise_seed=seeds, noise_level=NOISE_LEVEL,
                                       backend=backend).loss
     if op == "nft_loss":
         # v_ref stands in for the old policy's output and case.v for the reference (same tensors as eager)
-        return losses.nft_loss(case.xt, v, case.v_ref, case.x0, case.t, case.adv, beta=NFT_BETA,
+        return losses.nft_loss(case.xt, v, case.v_ref, case.x0, case.t, advantages=case.adv, beta=NFT_BETA,
                                adv_clip_max=NFT_ADV_MAX, kl_coef=LOSS_KL_COEF, ref_model_output=case.v,
                                backend=backend).loss
     if op == "dpo_loss":
@@ -1061,10 +1064,12 @@ def _flowrl_loss(case: LossCase, op: str, v: torch.Tensor, backend: str) -> torc
     if op == "dgpo_loss":
         b = case.shape[0]
         groups = torch.arange(b, device=v.device) * 2 // b
-        return losses.dgpo_loss(v, case.v_ref, case.eps, case.x0, case.adv, groups, beta=DGPO_BETA,
+        return losses.dgpo_loss(v, case.v_ref, case.eps, case.x0, advantages=case.adv, group_index=groups,
+                                beta=DGPO_BETA,
                                 group_size=(b + 1) // 2, old_model_output=case.x, clip_range=LOSS_CLIP,
                                 kl_coef=LOSS_KL_COEF, backend=backend).loss
-    return losses.awm_loss(v, case.eps, case.x0, case.t, case.awm_old_lp, case.adv, clip_range=LOSS_CLIP, weighting="t",
+    return losses.awm_loss(v, case.eps, case.x0, case.t, old_log_prob=case.awm_old_lp, advantages=case.adv,
+                           clip_range=LOSS_CLIP, weighting="t",
                            backend=backend).loss
 
 

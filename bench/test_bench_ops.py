@@ -91,7 +91,7 @@ def test_baseline_per_sample_steps_including_sigma_one(mode):
     _, lp, mean, _ = baseline.flow_grpo_step(
         x, v, sigmas, steps, float(sigmas[1]), mode=mode, noise_level=0.7, prev_sample=prev)
     want = flowrl.step_log_prob(
-        x, v, prev, sigmas, steps, mode=mode, noise_level=0.7, log_prob=baseline.LOG_PROB_KIND[mode], backend="torch")
+        x, v, prev, sigmas, steps, mode=mode, noise_level=0.7, log_prob_kind=baseline.LOG_PROB_KIND[mode], backend="torch")
     torch.testing.assert_close(lp, want, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(mean).all()
 

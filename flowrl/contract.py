@@ -116,7 +116,7 @@ assert set(MODE_RULES) == set(Mode), "every Mode needs its row in MODE_RULES"
 
 
 class LogProbKind(_Named):
-    """What is reduced per element: the log-prob kinds of ``log_prob=`` and, for ``step_kl``, the KL."""
+    """What is reduced per element: the log-prob kinds of ``log_prob_kind=`` and, for ``step_kl``, the KL."""
 
     GAUSSIAN = 0
     KERNEL = 1
@@ -124,7 +124,7 @@ class LogProbKind(_Named):
     KL = 3
 
 
-# the kinds ``log_prob=`` accepts (KL is step_kl's value, not a log-prob kind)
+# the kinds ``log_prob_kind=`` accepts (KL is step_kl's value, not a log-prob kind)
 LOG_PROB_KINDS = tuple(k.label for k in LogProbKind if k is not LogProbKind.KL)
 
 

@@ -30,8 +30,9 @@ def test_the_checked_mode_names_the_input_that_is_not_finite(name, bad):
     args[name].view(-1)[1] = bad
 
     def loss():
-        return grpo_loss(args["sample"], args["model_output"], args["prev_sample"], SIGMAS, 1, args["old_log_prob"],
-                         args["advantages"], clip_range=0.2, backend="torch").loss
+        return grpo_loss(args["sample"], args["model_output"], args["prev_sample"], SIGMAS, 1,
+                         old_log_prob=args["old_log_prob"],
+                         advantages=args["advantages"], clip_range=0.2, backend="torch").loss
 
     assert not checks.enabled()
     silent = loss()  # off: no check (a NaN loss, or a finite one: -inf makes a ratio 0 or inf, then clipped)
@@ -73,8 +74,9 @@ def test_the_checked_mode_covers_the_step_ops_and_starts_from_the_environment():
 def test_a_clip_range_whose_lower_bound_is_not_positive_is_refused(clip_range, name):
     x, v, prev, old, adv = _step()
     with pytest.raises(ValueError, match=f"^{name} must be < 1"):
-        grpo_loss(x, v, prev, SIGMAS, 1, old, adv, clip_range=clip_range)
-    grpo_loss(x, v, prev, SIGMAS, 1, old, adv, clip_range=(0.2, 1.5))  # a high clip above 1 is a setting
+        grpo_loss(x, v, prev, SIGMAS, 1, old_log_prob=old, advantages=adv, clip_range=clip_range)
+    grpo_loss(x, v, prev, SIGMAS, 1, old_log_prob=old, advantages=adv,
+              clip_range=(0.2, 1.5))  # a high clip above 1 is a setting
 
 
 def test_a_schedule_that_requires_grad_is_refused():
@@ -82,7 +84,7 @@ def test_a_schedule_that_requires_grad_is_refused():
     sigmas = SIGMAS.clone().requires_grad_()
     for call in (lambda: flowrl.sde_step(x, v, sigmas, 1, noise=torch.zeros_like(x)),
                  lambda: flowrl.step_log_prob(x, v, prev, sigmas, 1),
-                 lambda: grpo_loss(x, v, prev, sigmas, 1, old, adv, clip_range=0.2)):
+                 lambda: grpo_loss(x, v, prev, sigmas, 1, old_log_prob=old, advantages=adv, clip_range=0.2)):
         with pytest.raises(ValueError, match="sigmas requires grad.*sigmas.detach"):
             call()
 
@@ -95,7 +97,8 @@ def test_meta_tensors_give_shapes_without_reading_values(backend):
     out = flowrl.sde_step(x, v, sigmas, 1, noise=torch.empty(3, 4, 8, **meta), backend=backend)
     assert out.prev_sample.shape == (3, 4, 8) and out.log_prob.shape == (3,) and out.prev_sample.is_meta
     assert flowrl.step_log_prob(x, v, x, sigmas, torch.zeros(3, dtype=torch.int64, **meta), backend=backend).shape == (3,)
-    res = grpo_loss(x, v, x, sigmas, 1, torch.empty(3, **meta), torch.empty(3, **meta), clip_range=0.2, backend=backend)
+    res = grpo_loss(x, v, x, sigmas, 1, old_log_prob=torch.empty(3, **meta), advantages=torch.empty(3, **meta),
+                    clip_range=0.2, backend=backend)
     assert res.loss.shape == () and res.loss.is_meta
 
 

@@ -689,14 +689,14 @@ VERL_OMNI_MODES = {"sde": "sde", "cps": "cps", "dance_sde": "dance"}
 @pytest.mark.parametrize("normalizer", [True, False])
 def test_verl_omni_sde_types_map_to_flowrl_modes(sde_type, normalizer):
     """docs/integration.md's verl-omni table: sde_type -> mode; include_logprob_normalizer=False ->
-    log_prob="kernel" (cps is "sq_err" either way)."""
+    log_prob_kind="kernel" (cps is "sq_err" either way)."""
     sched = diffusers_scheduler()
     x, v = tensors()
     idx = torch.tensor([0, 3, 7])
     mode = VERL_OMNI_MODES[sde_type]
     kind = "sq_err" if mode == "cps" else ("gaussian" if normalizer else "kernel")
     prev = flowrl.sde_step(x, v, sched.sigmas, idx, mode=mode, noise_level=0.5, generator=gen(0)).prev_sample
-    ours = flowrl.step_log_prob(x, v, prev, sched.sigmas, idx, mode=mode, noise_level=0.5, log_prob=kind)
+    ours = flowrl.step_log_prob(x, v, prev, sched.sigmas, idx, mode=mode, noise_level=0.5, log_prob_kind=kind)
     peer_lp, peer_mean = peer_verl_omni(sched, x, v, sched.timesteps[idx], 0.5, prev, sde_type, normalizer)
     torch.testing.assert_close(ours, peer_lp, **TOL)
     torch.testing.assert_close(flowrl.sde_step(x, v, sched.sigmas, idx, mode=mode, noise_level=0.5,
@@ -777,7 +777,7 @@ def test_first_update_ratio_flowrl_recorder_and_wire():
     assert traj.latents.dtype == BF16
     for j in range(STEPS):
         lp = flowrl.step_log_prob(traj.latents[:, j], velocities[j], traj.latents[:, j + 1], traj.sigmas, j,
-                                  mode=traj.mode, noise_level=traj.noise_level, log_prob=traj.log_prob,
+                                  mode=traj.mode, noise_level=traj.noise_level, log_prob_kind=traj.log_prob_kind,
                                   reduction=traj.reduction)
         assert torch.equal(torch.exp(lp - traj.log_probs[:, j]), torch.ones(SHAPE[0]))
 

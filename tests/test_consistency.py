@@ -254,7 +254,8 @@ def test_clip_fraction_is_the_first_updates_clip_fraction_of_grpo_loss(backend):
     g = torch.Generator().manual_seed(5)
     engine = lp + torch.randn(lp.shape, generator=g).to(lp.device) * 3e-4  # another engine's rounding
     for clip in (1e-4, (2e-4, 5e-4), 0.2):
-        out = L.grpo_loss(x, v, prev, sig, 3, engine, torch.ones_like(lp), clip_range=clip, backend=backend)
+        out = L.grpo_loss(x, v, prev, sig, 3, old_log_prob=engine, advantages=torch.ones_like(lp), clip_range=clip,
+                          backend=backend)
         m = C.mismatch(engine, out.log_prob, clip_range=clip, warn=False)
         assert m.overall.clip_fraction == float(out.clip_fraction)
     assert m.overall.clip_fraction == 0.0 and float(C.mismatch(engine, lp, clip_range=1e-4, warn=False)
@@ -308,14 +309,17 @@ def _loss(name, backend, v_new, weights, x, prev, sig, old, adv):
     if name == "awm":
         g = torch.Generator().manual_seed(9)
         noise, clean = torch.randn(x.shape, generator=g).to(DEVICE), torch.randn(x.shape, generator=g).to(DEVICE)
-        return L.awm_loss(v_new, noise, clean, 0.6, old - 0.4, adv, clip_range=0.2, backend=backend,
+        return L.awm_loss(v_new, noise, clean, 0.6, old_log_prob=old - 0.4, advantages=adv, clip_range=0.2,
+                          backend=backend,
                           rollout_is_weights=weights)
     common = dict(backend=backend, rollout_is_weights=weights)
     if name == "grpo":
-        return L.grpo_loss(x, v_new, prev, sig, 3, old, adv, clip_range=(0.02, 0.03), **common)
+        return L.grpo_loss(x, v_new, prev, sig, 3, old_log_prob=old, advantages=adv, clip_range=(0.02, 0.03), **common)
     if name == "grpo_guard":
-        return L.grpo_guard_loss(x, v_new, prev, sig, 3, old, adv, clip_range=0.02, noise_seed=7, **common)
-    return L.flow_dppo_loss(x, v_new, prev, sig, 3, old, adv, kl_threshold=1e-4, noise_seed=7, **common)
+        return L.grpo_guard_loss(x, v_new, prev, sig, 3, old_log_prob=old, advantages=adv, clip_range=0.02,
+                                 noise_seed=7, **common)
+    return L.flow_dppo_loss(x, v_new, prev, sig, 3, old_log_prob=old, advantages=adv, kl_threshold=1e-4,
+                            noise_seed=7, **common)
 
 
 @pytest.mark.parametrize("name", LOSSES)
@@ -361,7 +365,8 @@ def test_grpo_loss_with_weights_equals_verl_omnis_flow_grpo_loss():
     adv = torch.tensor([1.0, -0.5, 2.0, -1.5], device=DEVICE)
     w = C.correction_weights(rollout[:, None], old[:, None], rollout_is="token", rollout_is_threshold=1.2)[:, 0]
     v_new = v + 0.01
-    out = L.grpo_loss(x, v_new, prev, sig, 3, old, adv, clip_range=0.02, backend="torch", rollout_is_weights=w)
+    out = L.grpo_loss(x, v_new, prev, sig, 3, old_log_prob=old, advantages=adv, clip_range=0.02, backend="torch",
+                      rollout_is_weights=w)
     ratio = torch.exp(out.log_prob - old)
     per = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - 0.02, 1.0 + 0.02)) * w.detach()
     assert torch.equal(out.policy_loss, torch.mean(per))
@@ -377,7 +382,8 @@ def test_loss_refuses_bad_rollout_is_weights():
                               (torch.ones(4, requires_grad=True), ValueError, "rollout_is_weights requires grad")):
         bad = bad.to(DEVICE) if isinstance(bad, torch.Tensor) and not bad.requires_grad else bad
         with pytest.raises(exc, match=pattern):
-            L.grpo_loss(x, v, prev, sig, 3, old, adv, clip_range=0.2, backend="torch", rollout_is_weights=bad)
+            L.grpo_loss(x, v, prev, sig, 3, old_log_prob=old, advantages=adv, clip_range=0.2, backend="torch",
+                        rollout_is_weights=bad)
 
 
 # ------------------------------------------------------------------------------------------- docs

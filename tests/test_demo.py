@@ -29,7 +29,7 @@ def demo(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "flags", [["--mode", "sde"], ["--mode", "cps", "--log-prob", "sq_err"], ["--mode", "ode"], ["--mode", "dance"],
+    "flags", [["--mode", "sde"], ["--mode", "cps", "--log-prob-kind", "sq_err"], ["--mode", "ode"], ["--mode", "dance"],
               ["--mode", "ddim"], ["--mode", "dpm_sde"], ["--mode", "flash_sde"]],
     ids=["sde", "cps-sq_err", "ode", "dance", "ddim", "dpm_sde", "flash_sde"],
 )

@@ -50,7 +50,7 @@ def test_the_spec_carries_every_argument_to_the_backend(spy_backend):
     """A parameter is followed from the public op to the backend through the spec's named fields."""
     x, v, prev = data()
     flowrl.step_log_prob(x, v, prev, schedule(), torch.tensor([3, 4]), mode="dance", noise_level=0.25,
-                         log_prob="sq_err", reduction="sum", backend="torch")
+                         log_prob_kind="sq_err", reduction="sum", backend="torch")
     flowrl.step_kl(x, v, prev, schedule(), 2, mode="cps", noise_level=0.5, backend="torch")
     lp_spec, kl_spec = spy_backend
     assert (lp_spec.op, lp_spec.mode, lp_spec.noise_level, lp_spec.kind, lp_spec.reduction) == (

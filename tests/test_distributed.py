@@ -64,7 +64,7 @@ def _check_split(rank, S, rows, exact, modes):
     tag = f"S={S} rows={rows} rank={rank}"
 
     for mode, kind, reduction in modes:
-        kw = dict(mode=mode, noise_level=0.7, log_prob=kind, reduction=reduction, backend="torch")
+        kw = dict(mode=mode, noise_level=0.7, log_prob_kind=kind, reduction=reduction, backend="torch")
         gens = lambda: [torch.Generator().manual_seed(7 + i) for i in range(B)]  # noqa: E731
 
         # rollout: sde_step with per-sample generators

@@ -519,7 +519,7 @@ def run_recording(block, tmp_path, monkeypatch):
     ns = run(block, {"pipe": pipe, "pipeline_kwargs": kwargs})
     traj = ns["traj"]
     assert isinstance(traj, flowrl.RolloutTrajectory)
-    assert (traj.mode, traj.noise_level, traj.log_prob) == ("sde", 0.7, "gaussian")
+    assert (traj.mode, traj.noise_level, traj.log_prob_kind) == ("sde", 0.7, "gaussian")
     assert traj.latents.shape[:2] == (2, 5) and traj.log_probs.shape == (2, 4)
     assert torch.equal(ns["images"], traj.latents[:, -1])  # output_type="latent": the final latent
 
@@ -627,7 +627,8 @@ def _sp_check(key, rank, world):
         ns = run(block, {"x": shard(x), "v": v_shard, "x_next": shard(x_next), "sigmas": sched.sigmas, "step_index": 1,
                          "old_lp": old_lp, "adv": adv, "v_ref": shard(v_ref), "group": None})
         v_full = v.clone().requires_grad_()
-        one = losses.grpo_loss(x, v_full, x_next, sched.sigmas, 1, old_lp, adv, clip_range=0.2, kl_coef=0.04,
+        one = losses.grpo_loss(x, v_full, x_next, sched.sigmas, 1, old_log_prob=old_lp, advantages=adv, clip_range=0.2,
+                               kl_coef=0.04,
                                ref_model_output=v_ref)
         one.loss.backward()
         assert torch.equal(ns["out"].loss, one.loss) and torch.equal(v_shard.grad, v_full.grad[:, lo:hi])

@@ -188,7 +188,7 @@ def test_dance_grpo_step_log_prob_is_the_kernel_kind():
     gaussian = flowrl.step_log_prob(x, v, prev, sigmas, 3, mode="dance", noise_level=0.7)
     std = 0.7 * math.sqrt(float(sigmas[3] - sigmas[4]))
     torch.testing.assert_close(gaussian, lp - math.log(std) - math.log(math.sqrt(2 * math.pi)), **TOL)
-    assert torch.equal(lp, flowrl.step_log_prob(x, v, prev, sigmas, 3, mode="dance", noise_level=0.7, log_prob="kernel"))
+    assert torch.equal(lp, flowrl.step_log_prob(x, v, prev, sigmas, 3, mode="dance", noise_level=0.7, log_prob_kind="kernel"))
 
 
 def test_ddim_step_is_cps_at_the_mapped_noise_level_and_first_order_dpm_sde_at_eta_one():

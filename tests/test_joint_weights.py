@@ -138,8 +138,9 @@ def test_weighted_joint_rollout_with_a_shift_per_stream_recomputes_exactly(backe
         sums = [s.log_probs[:, j] for s in traj.streams]
         counts = [s.counts[:, j] for s in traj.streams]
         assert torch.equal(traj.log_probs[:, j], flowrl.combine_streams(sums, counts, "mean", H3))
-        out = grpo_loss(inputs["sample"], (v, a), inputs["prev_sample"], inputs["sigmas"], j, traj.log_probs[:, j],
-                        torch.tensor([1.0, -1.0]), clip_range=0.2, stream_weights=H3, backend=backend)
+        out = grpo_loss(inputs["sample"], (v, a), inputs["prev_sample"], inputs["sigmas"], j,
+                        old_log_prob=traj.log_probs[:, j],
+                        advantages=torch.tensor([1.0, -1.0]), clip_range=0.2, stream_weights=H3, backend=backend)
         assert torch.equal(out.ratio, torch.ones(2)) and torch.equal(out.log_prob, lp)
     # the wire format and the file keep the weights; each stream's schedule comes back
     for back in (flowrl.RolloutTrajectory.from_wire(json.loads(json.dumps(traj.to_wire()))),
@@ -178,7 +179,7 @@ def test_losses_on_tuples_are_the_combination_of_the_streams(backend, weights):
     old = flowrl.combine_streams([ov.log_prob, oa.log_prob], [ov.count, oa.count], "mean", weights) - 0.05
     adv = torch.tensor([1.0, -0.5, 2.0])
     vg, ag = vv.clone().requires_grad_(), va.clone().requires_grad_()
-    out = grpo_loss((xv, xa), (vg, ag), prev, sig, 1, old, adv, clip_range=0.2, kl_coef=0.3,
+    out = grpo_loss((xv, xa), (vg, ag), prev, sig, 1, old_log_prob=old, advantages=adv, clip_range=0.2, kl_coef=0.3,
                     ref_model_output=(rv, ra), stream_weights=weights, backend=backend)
     out.loss.backward()
     vr, ar = vv.clone().requires_grad_(), va.clone().requires_grad_()
@@ -192,7 +193,8 @@ def test_losses_on_tuples_are_the_combination_of_the_streams(backend, weights):
     for got, ref in ((vg.grad, vr.grad), (ag.grad, ar.grad)):
         assert got.abs().sum() > 0
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
-    dppo = flow_dppo_loss((xv, xa), (vv, va), prev, sig, 1, old, adv, kl_threshold=0.01, noise_seed=(1, 2),
+    dppo = flow_dppo_loss((xv, xa), (vv, va), prev, sig, 1, old_log_prob=old, advantages=adv, kl_threshold=0.01,
+                          noise_seed=(1, 2),
                           stream_weights=weights, backend=backend)
     assert torch.equal(dppo.log_prob, lp.detach())
     assert dppo.trust_divergence.abs().max() < 1e-6  # mu_old replayed from the rollout's own noise: D_s ~ 0
@@ -242,7 +244,8 @@ def test_joint_grpo_guard_matches_verl_omni_h3(weights):
     adv = torch.tensor([1.0, -0.7, 0.4], dtype=F64)
 
     def ours(video, audio):
-        return grpo_guard_loss((xv, xa), (video, audio), prev, sig, step, old_lp, adv, clip_range=clip,
+        return grpo_guard_loss((xv, xa), (video, audio), prev, sig, step, old_log_prob=old_lp, advantages=adv,
+                               clip_range=clip,
                                old_prev_sample_mean=(old_v, old_a), noise_level=eta, stream_weights=weights,
                                backend="torch")
 
@@ -278,9 +281,10 @@ def test_joint_grpo_guard_matches_verl_omni_h3(weights):
         assert got.abs().sum() > 0
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12 * float(want.abs().max()))
     # one stream alone is grpo_guard_loss on that stream (scale = std, loss / D)
-    single = grpo_guard_loss((xv,), (vv,), prev[:1], VIDEO_SIGMAS, step, old_lp, adv, clip_range=clip,
+    single = grpo_guard_loss((xv,), (vv,), prev[:1], VIDEO_SIGMAS, step, old_log_prob=old_lp, advantages=adv,
+                             clip_range=clip,
                              old_prev_sample_mean=(old_v,), noise_level=eta, backend="torch")
-    plain = grpo_guard_loss(xv, vv, prev[0], VIDEO_SIGMAS, step, old_lp, adv, clip_range=clip,
+    plain = grpo_guard_loss(xv, vv, prev[0], VIDEO_SIGMAS, step, old_log_prob=old_lp, advantages=adv, clip_range=clip,
                             old_prev_sample_mean=old_v, noise_level=eta, backend="torch")
     for field in ("loss", "log_prob", "trust_divergence", "ratio"):
         torch.testing.assert_close(getattr(single, field), getattr(plain, field), rtol=1e-13, atol=1e-15)
@@ -301,11 +305,13 @@ def test_joint_grpo_guard_triton_matches_torch_and_replays(weights):
         for source, kw in (("given", dict(old_prev_sample_mean=(ov.prev_sample_mean, oa.prev_sample_mean))),
                            ("replay", dict(noise_seed=(3, 4)))):
             v, a = (vv * 1.01).requires_grad_(), (va * 0.99).requires_grad_()
-            out = grpo_guard_loss((xv, xa), (v, a), prev, sig, 1, old, adv, clip_range=0.2, kl_coef=0.1,
+            out = grpo_guard_loss((xv, xa), (v, a), prev, sig, 1, old_log_prob=old, advantages=adv, clip_range=0.2,
+                                  kl_coef=0.1,
                                   ref_model_output=(rv, ra), stream_weights=weights, backend=backend, **kw)
             out.loss.backward()
             outs[backend, source], grads[backend, source] = out, (v.grad, a.grad)
-        at_old = grpo_guard_loss((xv, xa), (vv, va), prev, sig, 1, old, adv, clip_range=0.2, noise_seed=(3, 4),
+        at_old = grpo_guard_loss((xv, xa), (vv, va), prev, sig, 1, old_log_prob=old, advantages=adv, clip_range=0.2,
+                                 noise_seed=(3, 4),
                                  stream_weights=weights, backend=backend)
         assert at_old.trust_divergence.abs().max() < 1e-9 and torch.allclose(at_old.ratio, torch.ones(3), atol=1e-6)
     for source in ("given", "replay"):
@@ -340,7 +346,8 @@ def test_bad_weights_name_the_argument(weights, exc, needle):
     with pytest.raises(exc, match=needle):
         flowrl.step_kl(*args, stream_weights=weights, backend="torch")
     with pytest.raises(exc, match=needle):
-        grpo_loss(*args, torch.zeros(3), torch.zeros(3), clip_range=0.2, stream_weights=weights, backend="torch")
+        grpo_loss(*args, old_log_prob=torch.zeros(3), advantages=torch.zeros(3), clip_range=0.2, stream_weights=weights,
+                  backend="torch")
     with pytest.raises(exc, match=needle.replace("stream_weights", "weights")):
         flowrl.combine_streams([torch.zeros(3)] * 2, [torch.ones(3)] * 2, "mean", weights)
     if not isinstance(weights, (float, torch.Tensor)) and len(weights) == 2:
@@ -354,27 +361,33 @@ def test_bad_joint_arguments_name_themselves():
     with pytest.raises(ValueError, match="stream_weights weights the streams of a joint step"):
         flowrl.step_log_prob(xv, vv, xv, VIDEO_SIGMAS, 1, stream_weights=H3)
     with pytest.raises(ValueError, match="stream_weights weights the streams of a joint step"):
-        grpo_loss(xv, vv, xv, VIDEO_SIGMAS, 1, z, z, clip_range=0.2, stream_weights=H3)
+        grpo_loss(xv, vv, xv, VIDEO_SIGMAS, 1, old_log_prob=z, advantages=z, clip_range=0.2, stream_weights=H3)
     with pytest.raises(TypeError, match="prev_sample"):
-        grpo_loss((xv, xa), (vv, va), xv, VIDEO_SIGMAS, 1, z, z, clip_range=0.2)
+        grpo_loss((xv, xa), (vv, va), xv, VIDEO_SIGMAS, 1, old_log_prob=z, advantages=z, clip_range=0.2)
     with pytest.raises(ValueError, match="ref_model_output"):
-        grpo_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, z, z, clip_range=0.2, kl_coef=0.1,
+        grpo_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, old_log_prob=z, advantages=z, clip_range=0.2,
+                  kl_coef=0.1,
                   ref_model_output=(vv,))
     with pytest.raises(ValueError, match="sigmas"):
-        grpo_loss((xv, xa), (vv, va), (xv, xa), (VIDEO_SIGMAS,), 1, z, z, clip_range=0.2)
+        grpo_loss((xv, xa), (vv, va), (xv, xa), (VIDEO_SIGMAS,), 1, old_log_prob=z, advantages=z, clip_range=0.2)
     with pytest.raises(ValueError, match="shard: a joint step"):
-        grpo_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, z, z, clip_range=0.2, shard=object())
+        grpo_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, old_log_prob=z, advantages=z, clip_range=0.2,
+                  shard=object())
     with pytest.raises(ValueError, match="shard: a joint step"):
-        grpo_guard_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, z, z, clip_range=0.2, noise_seed=1,
+        grpo_guard_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, old_log_prob=z, advantages=z, clip_range=0.2,
+                        noise_seed=1,
                         shard=object())
     with pytest.raises(ValueError, match="old_prev_sample_mean must be a tuple of 2"):
-        grpo_guard_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, z, z, clip_range=0.2, old_prev_sample_mean=(xv,))
+        grpo_guard_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, old_log_prob=z, advantages=z, clip_range=0.2,
+                        old_prev_sample_mean=(xv,))
     with pytest.raises(ValueError, match="pass exactly one of old_prev_sample_mean"):
-        grpo_guard_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, z, z, clip_range=0.2)
+        grpo_guard_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, old_log_prob=z, advantages=z, clip_range=0.2)
     with pytest.raises(ValueError, match="noise_seed must have one entry per stream"):
-        grpo_guard_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, z, z, clip_range=0.2, noise_seed=(1, 2, 3))
+        grpo_guard_loss((xv, xa), (vv, va), (xv, xa), VIDEO_SIGMAS, 1, old_log_prob=z, advantages=z, clip_range=0.2,
+                        noise_seed=(1, 2, 3))
     with pytest.raises(ValueError, match="stream_weights weights the streams of a joint step"):
-        grpo_guard_loss(xv, vv, xv, VIDEO_SIGMAS, 1, z, z, clip_range=0.2, noise_seed=1, stream_weights=H3)
+        grpo_guard_loss(xv, vv, xv, VIDEO_SIGMAS, 1, old_log_prob=z, advantages=z, clip_range=0.2, noise_seed=1,
+                        stream_weights=H3)
 
 
 def test_bad_wire_weights_are_refused(tmp_path):
@@ -475,7 +488,7 @@ def test_nft_loss_on_tuples_matches_the_weighted_oracle(weights):
     w = _count_weights([s[0] for s in streams], weights)
     v = [s[1].clone().requires_grad_() for s in streams]
     out = flowrl.losses.nft_loss(tuple(s[0] for s in streams), tuple(v), tuple(s[2] for s in streams),
-                                 tuple(s[3] for s in streams), ts, adv, beta=0.1, adv_clip_max=1.0, kl_coef=0.2,
+                                 tuple(s[3] for s in streams), ts, advantages=adv, beta=0.1, adv_clip_max=1.0, kl_coef=0.2,
                                  ref_model_output=tuple(s[4] for s in streams), stream_weights=weights,
                                  backend="torch")
     out.loss.backward()
@@ -491,9 +504,9 @@ def test_nft_loss_on_tuples_matches_the_weighted_oracle(weights):
     if weights is None:  # one shared sigma: the packed tensors, within float64 rounding
         packed = [torch.cat([s[j].flatten(1) for s in streams], 1) for j in range(5)]
         shared = flowrl.losses.nft_loss(tuple(s[0] for s in streams), tuple(s[1] for s in streams),
-                                        tuple(s[2] for s in streams), tuple(s[3] for s in streams), ts[0], adv,
+                                        tuple(s[2] for s in streams), tuple(s[3] for s in streams), ts[0], advantages=adv,
                                         beta=0.1, adv_clip_max=1.0, backend="torch")
-        one = flowrl.losses.nft_loss(packed[0], packed[1], packed[2], packed[3], ts[0], adv, beta=0.1,
+        one = flowrl.losses.nft_loss(packed[0], packed[1], packed[2], packed[3], ts[0], advantages=adv, beta=0.1,
                                      adv_clip_max=1.0, backend="torch")
         torch.testing.assert_close(shared.per_sample_loss, one.per_sample_loss, rtol=1e-13, atol=1e-15)
 
@@ -518,7 +531,7 @@ def test_awm_on_tuples_matches_the_weighted_oracle(weights, weighting):
     want = _awm_oracle([s[1] for s in streams], eps, x0, t, w, weighting)
     torch.testing.assert_close(lp, want, rtol=1e-12, atol=1e-14)
     old, adv = want.detach() + torch.tensor([0.1, -0.2, 0.0], dtype=F64), torch.tensor([1.0, -1.0, 0.5], dtype=F64)
-    out = flowrl.losses.awm_loss(v, eps, x0, t, old, adv, clip_range=0.05, weighting=weighting,
+    out = flowrl.losses.awm_loss(v, eps, x0, t, old_log_prob=old, advantages=adv, clip_range=0.05, weighting=weighting,
                                  stream_weights=weights, backend="torch")
     out.loss.backward()
     v2 = [s[1].clone().requires_grad_() for s in streams]
@@ -541,11 +554,11 @@ def test_forward_process_losses_on_tuples_triton_matches_torch(weights):
     for backend in BACKENDS:
         v = tuple(s[1].clone().requires_grad_() for s in streams)
         nft = flowrl.losses.nft_loss(tuple(s[0] for s in streams), v, tuple(s[2] for s in streams),
-                                     tuple(s[3] for s in streams), t, adv, beta=0.1, adv_clip_max=1.0, kl_coef=0.2,
+                                     tuple(s[3] for s in streams), t, advantages=adv, beta=0.1, adv_clip_max=1.0, kl_coef=0.2,
                                      ref_model_output=tuple(s[4] for s in streams), stream_weights=weights,
                                      backend=backend)
         awm = flowrl.losses.awm_loss(v, tuple(s[5] for s in streams), tuple(s[3] for s in streams), t,
-                                     torch.zeros(3), adv, clip_range=0.2, weighting="t", stream_weights=weights,
+                                     old_log_prob=torch.zeros(3), advantages=adv, clip_range=0.2, weighting="t", stream_weights=weights,
                                      backend=backend)
         (nft.loss + awm.loss).backward()
         got[backend] = (nft, awm, [u.grad for u in v])
@@ -561,37 +574,40 @@ def test_forward_process_losses_on_tuples_name_bad_arguments():
     adv, t = torch.zeros(3), 0.5
     nft = flowrl.losses.nft_loss
     with pytest.raises(ValueError, match="model_output must be a tuple of 2"):
-        nft((xt, xt2), (v,), (vo, vo2), (x0, x02), t, adv, beta=0.1, adv_clip_max=1.0)
+        nft((xt, xt2), (v,), (vo, vo2), (x0, x02), t, advantages=adv, beta=0.1, adv_clip_max=1.0)
     with pytest.raises(TypeError, match="old_model_output must be a tuple of 2"):
-        nft((xt, xt2), (v, v2), vo, (x0, x02), t, adv, beta=0.1, adv_clip_max=1.0)
+        nft((xt, xt2), (v, v2), vo, (x0, x02), t, advantages=adv, beta=0.1, adv_clip_max=1.0)
     with pytest.raises(ValueError, match=r"model_output\[1\] must have the shape of noised_sample\[1\]"):
-        nft((xt, xt2), (v, v), (vo, vo2), (x0, x02), t, adv, beta=0.1, adv_clip_max=1.0)
+        nft((xt, xt2), (v, v), (vo, vo2), (x0, x02), t, advantages=adv, beta=0.1, adv_clip_max=1.0)
     with pytest.raises(ValueError, match="ref_model_output: give every stream's"):
-        nft((xt, xt2), (v, v2), (vo, vo2), (x0, x02), t, adv, beta=0.1, adv_clip_max=1.0, ref_model_output=(vr, None))
+        nft((xt, xt2), (v, v2), (vo, vo2), (x0, x02), t, advantages=adv, beta=0.1, adv_clip_max=1.0,
+            ref_model_output=(vr, None))
     with pytest.raises(ValueError, match="sigma must have one entry per stream"):
-        nft((xt, xt2), (v, v2), (vo, vo2), (x0, x02), (t, t, t), adv, beta=0.1, adv_clip_max=1.0)
+        nft((xt, xt2), (v, v2), (vo, vo2), (x0, x02), (t, t, t), advantages=adv, beta=0.1, adv_clip_max=1.0)
     with pytest.raises(ValueError, match=r"old_model_output\[0\] requires grad"):
-        nft((xt, xt2), (v, v2), (vo.requires_grad_(), vo2), (x0, x02), t, adv, beta=0.1, adv_clip_max=1.0)
+        nft((xt, xt2), (v, v2), (vo.requires_grad_(), vo2), (x0, x02), t, advantages=adv, beta=0.1, adv_clip_max=1.0)
     with pytest.raises(ValueError, match="stream_weights weights the streams of a joint step"):
-        nft(xt, v, vo.detach(), x0, t, adv, beta=0.1, adv_clip_max=1.0, stream_weights=H3)
+        nft(xt, v, vo.detach(), x0, t, advantages=adv, beta=0.1, adv_clip_max=1.0, stream_weights=H3)
     with pytest.raises(ValueError, match="one weight per stream"):
-        nft((xt, xt2), (v, v2), (vo.detach(), vo2), (x0, x02), t, adv, beta=0.1, adv_clip_max=1.0,
+        nft((xt, xt2), (v, v2), (vo.detach(), vo2), (x0, x02), t, advantages=adv, beta=0.1, adv_clip_max=1.0,
             stream_weights=(1.0,))
     with pytest.raises(ValueError, match="sigma: a joint step's AWM weighting reads one t"):
         flowrl.losses.awm_log_prob((v, v2), (eps, eps2), (x0, x02), (t, t))
     with pytest.raises(ValueError, match="noise must be a tuple of 2"):
         flowrl.losses.awm_log_prob((v, v2), (eps,), (x0, x02), t)
     with pytest.raises(ValueError, match="stream_weights weights the streams of a joint step"):
-        flowrl.losses.awm_loss(v, eps, x0, t, adv, adv, clip_range=0.2, stream_weights=H3)
+        flowrl.losses.awm_loss(v, eps, x0, t, old_log_prob=adv, advantages=adv, clip_range=0.2, stream_weights=H3)
     with pytest.raises(ValueError, match="shard: a joint step"):
         flowrl.losses.awm_log_prob((v, v2), (eps, eps2), (x0, x02), t, shard=object())
     with pytest.raises(ValueError, match="shard: a joint step"):
-        nft((xt, xt2), (v, v2), (vo.detach(), vo2), (x0, x02), t, adv, beta=0.1, adv_clip_max=1.0, shard=object())
+        nft((xt, xt2), (v, v2), (vo.detach(), vo2), (x0, x02), t, advantages=adv, beta=0.1, adv_clip_max=1.0,
+            shard=object())
     # the preference losses take one stream
     with pytest.raises(TypeError, match="model_output must be a torch.Tensor; got tuple"):
         flowrl.losses.dpo_loss((v, v2), (vr, vr2), (eps, eps2), (x0, x02), beta=1.0)
     with pytest.raises(TypeError, match="model_output must be a torch.Tensor; got tuple"):
-        flowrl.losses.dgpo_loss((v, v2), (vr, vr2), (eps, eps2), (x0, x02), adv, torch.zeros(3, dtype=torch.long),
+        flowrl.losses.dgpo_loss((v, v2), (vr, vr2), (eps, eps2), (x0, x02), advantages=adv,
+                                group_index=torch.zeros(3, dtype=torch.long),
                                 beta=1.0)
 
 
@@ -617,7 +633,8 @@ def test_joint_steps_take_a_guided_reference_per_stream(backend, kl_space):
         got = {}
         for name, kw in forms.items():
             v, a = (vv * 1.01).requires_grad_(), (va * 0.99).requires_grad_()
-            out = loss((xv, xa), (v, a), prev, sig, 1, old, adv, kl_coef=0.3, kl_space=kl_space, stream_weights=H3,
+            out = loss((xv, xa), (v, a), prev, sig, 1, old_log_prob=old, advantages=adv, kl_coef=0.3, kl_space=kl_space,
+                       stream_weights=H3,
                        backend=backend, **extra, **kw)
             out.loss.backward()
             got[name] = (out, v.grad, a.grad)
@@ -626,8 +643,8 @@ def test_joint_steps_take_a_guided_reference_per_stream(backend, kl_space):
             assert torch.equal(getattr(p, field), getattr(o, field)), (loss.__name__, field)
         assert torch.equal(pv, ov_) and torch.equal(pa, oa_) and float(p.kl.abs().min()) > 0
     with pytest.raises(ValueError, match="ref_guidance_scale is given but ref_model_output is not a pair"):
-        grpo_loss((xv, xa), (vv, va), prev, sig, 1, old, adv, clip_range=0.2, kl_coef=0.3,
+        grpo_loss((xv, xa), (vv, va), prev, sig, 1, old_log_prob=old, advantages=adv, clip_range=0.2, kl_coef=0.3,
                   ref_model_output=((rv, cv), ra), ref_guidance_scale=4.5)
     with pytest.raises(ValueError, match="ref_model_output is a pair"):
-        grpo_loss((xv, xa), (vv, va), prev, sig, 1, old, adv, clip_range=0.2, kl_coef=0.3,
+        grpo_loss((xv, xa), (vv, va), prev, sig, 1, old_log_prob=old, advantages=adv, clip_range=0.2, kl_coef=0.3,
                   ref_model_output=((rv, cv), (ra, ca)))

@@ -98,9 +98,9 @@ def check_all_ops(shape, dtype, device, mode, kind, reduction, step_index, seed=
 
     # sde_step: the emitted sample within 1 ulp of the reference's, its log-prob vs the float64
     # log-prob of that same emitted sample
-    out = flowrl.sde_step(x, v, sigmas, step_index, noise=noise, log_prob=kind, reduction=reduction,
+    out = flowrl.sde_step(x, v, sigmas, step_index, noise=noise, log_prob_kind=kind, reduction=reduction,
                           backend="triton", **common)
-    ref = flowrl.sde_step(x, v, sigmas, step_index, noise=noise, log_prob=kind, reduction=reduction,
+    ref = flowrl.sde_step(x, v, sigmas, step_index, noise=noise, log_prob_kind=kind, reduction=reduction,
                           backend="torch", **common)
     assert out.prev_sample.dtype == dtype and out.prev_sample.shape == x.shape
     assert out.log_prob.dtype == torch.float32 and out.log_prob.shape == (shape[0],)
@@ -109,20 +109,20 @@ def check_all_ops(shape, dtype, device, mode, kind, reduction, step_index, seed=
     torch.testing.assert_close(out.prev_sample_mean, ref.prev_sample_mean, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(out.std_dev, ref.std_dev, rtol=1e-6, atol=0)
     assert_close_dtype(out.log_prob, ref.log_prob, dtype, "sde_step log_prob vs torch")
-    oracle = flowrl.step_log_prob(*f64(x, v, out.prev_sample), sigmas, step_index, log_prob=kind,
+    oracle = flowrl.step_log_prob(*f64(x, v, out.prev_sample), sigmas, step_index, log_prob_kind=kind,
                                   reduction=reduction, backend="torch", **common)
-    torch_oracle = flowrl.step_log_prob(*f64(x, v, ref.prev_sample), sigmas, step_index, log_prob=kind,
+    torch_oracle = flowrl.step_log_prob(*f64(x, v, ref.prev_sample), sigmas, step_index, log_prob_kind=kind,
                                         reduction=reduction, backend="torch", **common)
     err, torch_err = (out.log_prob.double() - oracle).abs(), (ref.log_prob.double() - torch_oracle).abs()
     assert bool((err <= 2 * torch_err + 2e-6 * (1 + oracle.abs())).all()), (err, torch_err)
 
     # step_log_prob of a stored sample
     _, _, prev = inputs(shape, dtype, device, seed + 1)
-    lp = flowrl.step_log_prob(x, v, prev, sigmas, step_index, log_prob=kind, reduction=reduction,
+    lp = flowrl.step_log_prob(x, v, prev, sigmas, step_index, log_prob_kind=kind, reduction=reduction,
                               backend="triton", **common)
-    lp_ref = flowrl.step_log_prob(x, v, prev, sigmas, step_index, log_prob=kind, reduction=reduction,
+    lp_ref = flowrl.step_log_prob(x, v, prev, sigmas, step_index, log_prob_kind=kind, reduction=reduction,
                                   backend="torch", **common)
-    lp64 = flowrl.step_log_prob(*f64(x, v, prev), sigmas, step_index, log_prob=kind, reduction=reduction,
+    lp64 = flowrl.step_log_prob(*f64(x, v, prev), sigmas, step_index, log_prob_kind=kind, reduction=reduction,
                                 backend="torch", **common)
     assert_close_dtype(lp, lp_ref, torch.float32, "step_log_prob vs torch")
     assert_no_worse(lp, lp_ref, lp64, "step_log_prob vs float64")
@@ -171,14 +171,14 @@ def test_non_contiguous_inputs_match_the_reference(device, kind):
     noise = noise[:, :, ::2]  # strided
     assert not (x.is_contiguous() or v.is_contiguous() or prev.is_contiguous() or noise.is_contiguous())
     for backend_out in (("triton", "torch"),):
-        outs = {b: _grads(lambda a, m, p: flowrl.step_log_prob(a, m, p, sigmas, steps_for(4, device), log_prob=kind,
+        outs = {b: _grads(lambda a, m, p: flowrl.step_log_prob(a, m, p, sigmas, steps_for(4, device), log_prob_kind=kind,
                                                                  backend=b), (x, v, prev)) for b in backend_out}
     (lp, grads), (lp_ref, grads_ref) = outs["triton"], outs["torch"]
     torch.testing.assert_close(lp, lp_ref, rtol=2e-5, atol=2e-5)
     for g, g_ref in zip(grads, grads_ref):
         torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-7)
-    step = flowrl.sde_step(x, v, sigmas, 3, noise=noise, log_prob=kind, backend="triton")
-    step_ref = flowrl.sde_step(x, v, sigmas, 3, noise=noise, log_prob=kind, backend="torch")
+    step = flowrl.sde_step(x, v, sigmas, 3, noise=noise, log_prob_kind=kind, backend="triton")
+    step_ref = flowrl.sde_step(x, v, sigmas, 3, noise=noise, log_prob_kind=kind, backend="torch")
     assert_within_one_ulp(step.prev_sample, step_ref.prev_sample)
     assert_close_dtype(step.log_prob, step_ref.log_prob, torch.float32, "non-contiguous sde_step")
 
@@ -215,7 +215,7 @@ def test_backward_matches_reference_autograd(device, mode, kind, reduction):
             return lambda a, b, c: flowrl.step_kl(a, b, c, sigmas, step_index, backend=backend, **common)
     else:
         def run(backend):
-            return lambda a, b, c: flowrl.step_log_prob(a, b, c, sigmas, step_index, log_prob=kind,
+            return lambda a, b, c: flowrl.step_log_prob(a, b, c, sigmas, step_index, log_prob_kind=kind,
                                                         backend=backend, **common)
     out, grads = _grads(run("triton"), (x, v, third))
     out_ref, grads_ref = _grads(run("torch"), (x, v, third))
@@ -256,7 +256,7 @@ def test_deterministic_steps_have_zero_value_and_grad(device, mode, eta, step, k
     if kind == "kl":
         out = flowrl.step_kl(x, v, third, sigmas, step, mode=mode, noise_level=eta, backend="triton")
     else:
-        out = flowrl.step_log_prob(x, v, third, sigmas, step, mode=mode, noise_level=eta, log_prob=kind,
+        out = flowrl.step_log_prob(x, v, third, sigmas, step, mode=mode, noise_level=eta, log_prob_kind=kind,
                                    backend="triton")
     assert torch.equal(out, torch.zeros_like(out))
     out.sum().backward()
@@ -297,9 +297,9 @@ def test_rollout_log_prob_equals_recompute_bitwise(device, mode, dtype):
     x, v, noise = inputs((3, 1100), dtype, device, 12, third="noise")
     for kind, reduction in (("gaussian", "mean"), ("sq_err", "sum")):
         out = flowrl.sde_step(x, v, sigmas, step_index, mode=mode, noise_level=eta_for(mode), noise=noise,
-                              log_prob=kind, reduction=reduction, backend="triton")
+                              log_prob_kind=kind, reduction=reduction, backend="triton")
         lp = flowrl.step_log_prob(x, v, out.prev_sample, sigmas, step_index, mode=mode, noise_level=eta_for(mode),
-                                  log_prob=kind, reduction=reduction, backend="triton")
+                                  log_prob_kind=kind, reduction=reduction, backend="triton")
         assert torch.equal(out.log_prob, lp), (out.log_prob, lp)
 
 
@@ -436,11 +436,16 @@ def test_multi_tile_programs_give_the_same_bits(device, monkeypatch, n, dtype):
         assert torch.equal(a, b), k
 
 
+# ~8-10 s each through the interpreter: the quick loop keeps ddim's clipped epsilon and dpm_sde
 @pytest.mark.parametrize("opts,n", [(dict(mode="ddim", prediction_type="epsilon", clip_sample_range=1.0), 8 * 1024),
-                                    (dict(mode="ddim", prediction_type="epsilon"), 8 * 1024),  # DDPO's (SD's config)
-                                    (dict(mode="ddim", prediction_type="sample", clip_sample_range=1.5), 8 * 1024),
-                                    (dict(mode="ddim", prediction_type="v_prediction"), 8 * 1024),
-                                    (dict(mode="ddim", prediction_type="epsilon", clip_sample_range=1.0), 8 * 1024 + 16),
+                                    pytest.param(dict(mode="ddim", prediction_type="epsilon"), 8 * 1024,  # DDPO's (SD's config)
+                                                 marks=pytest.mark.slow),
+                                    pytest.param(dict(mode="ddim", prediction_type="sample", clip_sample_range=1.5), 8 * 1024,
+                                                 marks=pytest.mark.slow),
+                                    pytest.param(dict(mode="ddim", prediction_type="v_prediction"), 8 * 1024,
+                                                 marks=pytest.mark.slow),
+                                    pytest.param(dict(mode="ddim", prediction_type="epsilon", clip_sample_range=1.0),
+                                                 8 * 1024 + 16, marks=pytest.mark.slow),
                                     (dict(mode="dpm_sde", noise_level=1.0), 8 * 1024)])
 def test_multi_tile_ddim_and_second_order_kl_give_the_same_bits(device, monkeypatch, opts, n):
     """ddim's log-prob, rollouts (their divisions through common.div_rn_by_scalar; drawing Philox noise,
@@ -623,7 +628,8 @@ def test_the_launchers_refuse_what_their_index_math_cannot_reach(monkeypatch):
     calls = {
         "step": lambda: flowrl.sde_step(x, v, sigmas, steps, noise=v_ref, backend="triton"),
         "philox": lambda: flowrl.sde_step(x, v, sigmas, steps, noise_seed=5, backend="triton"),
-        "replay": lambda: L.grpo_guard_loss(x, v, seeded.prev_sample, sigmas, steps, seeded.log_prob, adv,
+        "replay": lambda: L.grpo_guard_loss(x, v, seeded.prev_sample, sigmas, steps, old_log_prob=seeded.log_prob,
+                                            advantages=adv,
                                             noise_seed=5, clip_range=0.2, backend="triton"),
         "dpo": lambda: L.dpo_loss(v, v_ref, None, x, beta=1.0, noise_seed=3, backend="triton"),
         "tokens": lambda: flowrl.step_log_prob(x, v, seeded.prev_sample, sigmas, steps, token_sigmas=token_sigmas,
@@ -767,7 +773,7 @@ def test_wide_finalize_runs_the_same_tree(device, monkeypatch, kind):
     def run():
         if kind == "kl":
             return flowrl.step_kl(x, v, prev, sigmas, steps, reduction="sum", backend="triton")
-        return flowrl.step_log_prob(x, v, prev, sigmas, steps, log_prob=kind, backend="triton")
+        return flowrl.step_log_prob(x, v, prev, sigmas, steps, log_prob_kind=kind, backend="triton")
     want = run()
     for width in (4, 2):  # 6 partials: padded to 8, then one or two torch levels
         monkeypatch.setattr(_triton_ops, "MAX_FINALIZE_WIDTH", width)

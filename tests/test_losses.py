@@ -68,10 +68,11 @@ def test_grpo_log_prob_is_step_log_prob_bit_for_bit_and_first_ratio_is_one(backe
     eta = 1.0 if mode == "dpm_sde" else 0.5
     x, v, sig, _ = rollout(mode, eta, dtype)
     steps = STEPS.to(DEVICE)
-    out = flowrl.sde_step(x, v, sig, steps, mode=mode, noise_level=eta, noise_seed=3, log_prob=kind, backend=backend)
-    res = L.grpo_loss(x, v, out.prev_sample, sig, steps, out.log_prob, advantages(), clip_range=0.2, mode=mode,
-                      noise_level=eta, log_prob=kind, kl_coef=0.1, ref_model_output=perturbed(v), backend=backend)
-    lp = flowrl.step_log_prob(x, v, out.prev_sample, sig, steps, mode=mode, noise_level=eta, log_prob=kind,
+    out = flowrl.sde_step(x, v, sig, steps, mode=mode, noise_level=eta, noise_seed=3, log_prob_kind=kind, backend=backend)
+    res = L.grpo_loss(x, v, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=advantages(),
+                      clip_range=0.2, mode=mode,
+                      noise_level=eta, log_prob_kind=kind, kl_coef=0.1, ref_model_output=perturbed(v), backend=backend)
+    lp = flowrl.step_log_prob(x, v, out.prev_sample, sig, steps, mode=mode, noise_level=eta, log_prob_kind=kind,
                               backend=backend)
     assert torch.equal(res.log_prob, lp) and torch.equal(res.log_prob, out.log_prob)
     assert torch.equal(res.ratio, torch.ones_like(res.ratio))
@@ -124,7 +125,8 @@ def test_grpo_family_matches_the_float64_oracle(backend, mode):
     v_new, v_ref, adv, steps = perturbed(v, 0.3), perturbed(v, 0.1, seed=5), advantages(), STEPS.to(DEVICE)
     args = [_cpu(t) for t in (x, v_new, out.prev_sample)] + [sig.cpu(), STEPS, _cpu(out.log_prob), _cpu(adv)]
     common = dict(mode=mode, noise_level=eta, backend=backend)
-    res = L.grpo_loss(x, v_new, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=(0.01, 0.3), kl_coef=0.3,
+    res = L.grpo_loss(x, v_new, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=adv,
+                      clip_range=(0.01, 0.3), kl_coef=0.3,
                       ref_model_output=v_ref, **common)
     loss, lp, ratio, kl, _ = oracle_grpo(*args, mode, eta, (0.01, 0.3), 0.3, _cpu(v_ref))
     assert 0 < float(res.clip_fraction) <= 1  # some samples clipped: the test covers both branches
@@ -136,7 +138,8 @@ def test_grpo_family_matches_the_float64_oracle(backend, mode):
     torch.testing.assert_close(_cpu(res.approx_kl).double(), 0.5 * ((lp - _cpu(out.log_prob).double()) ** 2).mean(),
                                rtol=1e-4, atol=1e-9)
     old_mean = _cpu(out.prev_sample_mean)
-    guard = L.grpo_guard_loss(x, v_new, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=0.2,
+    guard = L.grpo_guard_loss(x, v_new, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=adv,
+                              clip_range=0.2,
                               old_prev_sample_mean=out.prev_sample_mean, **common)
     loss, _, ratio, _, tr = oracle_grpo(*args, mode, eta, (0.2, 0.2), old_mean=old_mean, variant="guard")
     torch.testing.assert_close(_cpu(guard.trust_divergence).double(), tr, rtol=2e-5, atol=1e-9)
@@ -144,7 +147,8 @@ def test_grpo_family_matches_the_float64_oracle(backend, mode):
     torch.testing.assert_close(_cpu(guard.loss).double(), loss, rtol=2e-5, atol=2e-6)
     low = tr.sort().values
     threshold = float(low[0] + low[1]) / 2  # one sample below it, two above
-    dppo = L.flow_dppo_loss(x, v_new, out.prev_sample, sig, steps, out.log_prob, adv, kl_threshold=threshold,
+    dppo = L.flow_dppo_loss(x, v_new, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=adv,
+                            kl_threshold=threshold,
                             old_prev_sample_mean=out.prev_sample_mean, **common)
     loss, *_ = oracle_grpo(*args, mode, eta, None, old_mean=old_mean, variant="dppo", kl_threshold=threshold)
     torch.testing.assert_close(_cpu(dppo.loss).double(), loss, rtol=2e-5, atol=2e-6)
@@ -168,13 +172,15 @@ def test_grpo_family_gradcheck_on_the_torch_backend(variant):
 
     def loss(vv):
         if variant == "grpo":
-            return L.grpo_loss(x, vv, prev, sig, steps, old_lp, adv, clip_range=(0.1, 10.0), kl_coef=0.5,
+            return L.grpo_loss(x, vv, prev, sig, steps, old_log_prob=old_lp, advantages=adv, clip_range=(0.1, 10.0),
+                               kl_coef=0.5,
                                ref_model_output=v_ref, backend="torch").loss
         if variant == "dppo":
-            return L.flow_dppo_loss(x, vv, prev, sig, steps, old_lp, adv, kl_threshold=1e9,
+            return L.flow_dppo_loss(x, vv, prev, sig, steps, old_log_prob=old_lp, advantages=adv, kl_threshold=1e9,
                                     old_prev_sample_mean=old_mean, backend="torch").loss
         src = dict(noise_seed=11) if variant == "guard_replay" else dict(old_prev_sample_mean=old_mean)
-        return L.grpo_guard_loss(x, vv, prev, sig, steps, old_lp, adv, clip_range=(0.9, 10.0), kl_coef=0.5,
+        return L.grpo_guard_loss(x, vv, prev, sig, steps, old_log_prob=old_lp, advantages=adv, clip_range=(0.9, 10.0),
+                                 kl_coef=0.5,
                                  ref_model_output=v_ref, backend="torch", **src).loss
 
     assert torch.autograd.gradcheck(loss, (v0,), eps=1e-6, atol=1e-6, rtol=1e-5)
@@ -187,12 +193,14 @@ def test_flow_losses_gradcheck_on_the_torch_backend():
     xt = (1 - t.reshape(-1, 1, 1)) * x0 + t.reshape(-1, 1, 1) * eps
     adv, old_lp = torch.tensor([0.5, -2.0], dtype=F64), torch.tensor([-2.0, -1.9], dtype=F64)
     for weighting in L.AWM_WEIGHTINGS:
-        fn = lambda vv: L.awm_loss(vv, eps, x0, t, old_lp, adv, clip_range=(0.9, 5.0), weighting=weighting,  # noqa: E731
+        fn = lambda vv: L.awm_loss(vv, eps, x0, t, old_log_prob=old_lp, advantages=adv, clip_range=(0.9, 5.0),
+                                   weighting=weighting,  # noqa: E731
                                    backend="torch").loss
         assert torch.autograd.gradcheck(fn, (v.clone().requires_grad_(),), eps=1e-6, atol=1e-6, rtol=1e-5), weighting
     # NFT's weights are stop-grad: compare with autograd of the formula written out instead of finite differences
     vv = v.clone().requires_grad_()
-    res = L.nft_loss(xt, vv, v_old, x0, t, adv, beta=0.3, adv_clip_max=1.5, kl_coef=0.2, ref_model_output=v_ref,
+    res = L.nft_loss(xt, vv, v_old, x0, t, advantages=adv, beta=0.3, adv_clip_max=1.5, kl_coef=0.2,
+                     ref_model_output=v_ref,
                      backend="torch")
     (grad,) = torch.autograd.grad(res.loss, vv)
     ve = v.clone().requires_grad_()
@@ -230,21 +238,25 @@ def test_triton_losses_and_grads_match_torch(dtype):
     # sums in float32 and rounds once: they differ by about a bf16 ulp (2**-8) of the largest term
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
     cases = {
-        "grpo": lambda vv, be: L.grpo_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=(0.05, 0.3),
+        "grpo": lambda vv, be: L.grpo_loss(x, vv, out.prev_sample, sig, steps, old_log_prob=out.log_prob,
+                                           advantages=adv, clip_range=(0.05, 0.3),
                                            kl_coef=0.3, ref_model_output=v_ref, backend=be),
-        "guard_replay": lambda vv, be: L.grpo_guard_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, adv,
+        "guard_replay": lambda vv, be: L.grpo_guard_loss(x, vv, out.prev_sample, sig, steps, old_log_prob=out.log_prob,
+                                                         advantages=adv,
                                                          clip_range=0.2, noise_seed=11, backend=be),
-        "dppo_given": lambda vv, be: L.flow_dppo_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, adv,
+        "dppo_given": lambda vv, be: L.flow_dppo_loss(x, vv, out.prev_sample, sig, steps, old_log_prob=out.log_prob,
+                                                      advantages=adv,
                                                       kl_threshold=1e-3, old_prev_sample_mean=out.prev_sample_mean,
                                                       kl_coef=0.1, ref_model_output=v_ref, backend=be),
     }
     g = torch.Generator().manual_seed(9)
     x0 = torch.randn(SHAPE, generator=g).to(DEVICE, dtype)
     t = torch.tensor([0.2, 0.5, 0.9], device=DEVICE)
-    cases["nft"] = lambda vv, be: L.nft_loss(x, vv, v, x0, t, adv, beta=0.5, adv_clip_max=2.0, kl_coef=0.2,
+    cases["nft"] = lambda vv, be: L.nft_loss(x, vv, v, x0, t, advantages=adv, beta=0.5, adv_clip_max=2.0, kl_coef=0.2,
                                              ref_model_output=v_ref, backend=be)
     old_awm = L.awm_log_prob(v, x, x0, t, weighting="ghuber", backend="torch")
-    cases["awm"] = lambda vv, be: L.awm_loss(vv, x, x0, t, old_awm, adv, clip_range=0.5, weighting="ghuber", backend=be)
+    cases["awm"] = lambda vv, be: L.awm_loss(vv, x, x0, t, old_log_prob=old_awm, advantages=adv, clip_range=0.5,
+                                             weighting="ghuber", backend=be)
     for name, fn in cases.items():
         res_t, grad_t = _grad(lambda vv: fn(vv, "torch"), v_new)
         res_k, grad_k = _grad(lambda vv: fn(vv, "triton"), v_new)
@@ -268,12 +280,14 @@ def test_losses_are_deterministic_and_per_sample_values_batch_invariant(backend)
         pick = lambda u: u[rows]  # noqa: E731
         seeds = torch.tensor([101, 102, 103], device=DEVICE)[rows]
         res, grad = _grad(lambda vv: L.grpo_guard_loss(
-            pick(x), vv, pick(out.prev_sample), sig, pick(steps), pick(out.log_prob), pick(adv), clip_range=0.2,
+            pick(x), vv, pick(out.prev_sample), sig, pick(steps), old_log_prob=pick(out.log_prob), advantages=pick(adv), clip_range=0.2,
             noise_seed=seeds, kl_coef=0.2, ref_model_output=pick(v_ref), backend=backend), pick(v_new))
-        nft = L.nft_loss(pick(x), pick(v_new), pick(v), pick(v_ref), pick(t), pick(adv), beta=0.5, adv_clip_max=2.0,
+        nft = L.nft_loss(pick(x), pick(v_new), pick(v), pick(v_ref), pick(t), advantages=pick(adv), beta=0.5,
+                         adv_clip_max=2.0,
                          backend=backend)
         awm = L.awm_log_prob(pick(v_new), pick(x), pick(v_ref), pick(t), weighting="huber", backend=backend)
-        grpo = L.grpo_loss(pick(x), pick(v_new), pick(out.prev_sample), sig, pick(steps), pick(out.log_prob), pick(adv),
+        grpo = L.grpo_loss(pick(x), pick(v_new), pick(out.prev_sample), sig, pick(steps),
+                           old_log_prob=pick(out.log_prob), advantages=pick(adv),
                            clip_range=(0.01, 0.3), kl_coef=0.2, ref_model_output=pick(v_ref), backend=backend)
         return res, grad, nft, awm, grpo
 
@@ -304,7 +318,8 @@ def test_deterministic_steps_give_finite_losses_and_zero_gradients(backend):
     for fn, extra in ((L.grpo_loss, dict(clip_range=0.2, kl_coef=0.5, ref_model_output=perturbed(v))),
                       (L.grpo_guard_loss, dict(clip_range=0.2, noise_seed=3)),
                       (L.flow_dppo_loss, dict(kl_threshold=0.0, old_prev_sample_mean=prev.float()))):
-        res, grad = _grad(lambda vv: fn(x, vv, prev, sig, steps, torch.zeros(3, device=DEVICE), adv, mode="ode",
+        res, grad = _grad(lambda vv: fn(x, vv, prev, sig, steps, old_log_prob=torch.zeros(3, device=DEVICE),
+                                        advantages=adv, mode="ode",
                                         backend=backend, **extra), perturbed(v))
         assert torch.equal(res.ratio, torch.ones(3, device=DEVICE)) and torch.equal(res.log_prob, torch.zeros(3, device=DEVICE))
         assert bool(torch.isfinite(res.loss)) and torch.equal(grad, torch.zeros_like(grad)), fn.__name__
@@ -337,18 +352,21 @@ def test_replayed_mean_is_within_one_rounding_of_the_stored_sample(backend, dtyp
         assert float((replay - mu).abs().max()) <= 2 * float(ulp(prev).max())
     # the loss: D_s(replay) vs D_s(stored) with model_output == the rollout's
     common = dict(clip_range=0.2, backend=backend)
-    given = L.grpo_guard_loss(x, v, out.prev_sample, sig, steps, out.log_prob, advantages(),
+    given = L.grpo_guard_loss(x, v, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=advantages(),
                               old_prev_sample_mean=out.prev_sample_mean, **common)
-    replayed = L.grpo_guard_loss(x, v, out.prev_sample, sig, steps, out.log_prob, advantages(), noise_seed=seed, **common)
+    replayed = L.grpo_guard_loss(x, v, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=advantages(),
+                                 noise_seed=seed, **common)
     if backend == "torch":  # the same float32 mu as the rollout's returned mean: exactly 0
         assert torch.equal(given.trust_divergence, torch.zeros(3, device=DEVICE))
     expected = (bound * bound).mean(1) / (2 * std * std)
     assert bool((replayed.trust_divergence <= expected * (1 + 1e-3)).all())
     # away from the rollout's policy both sources agree up to that rounding
     v_new = perturbed(v, 0.1)
-    d_given = L.grpo_guard_loss(x, v_new, out.prev_sample, sig, steps, out.log_prob, advantages(),
+    d_given = L.grpo_guard_loss(x, v_new, out.prev_sample, sig, steps, old_log_prob=out.log_prob,
+                                advantages=advantages(),
                                 old_prev_sample_mean=out.prev_sample_mean, **common).trust_divergence
-    d_replay = L.grpo_guard_loss(x, v_new, out.prev_sample, sig, steps, out.log_prob, advantages(), noise_seed=seed,
+    d_replay = L.grpo_guard_loss(x, v_new, out.prev_sample, sig, steps, old_log_prob=out.log_prob,
+                                 advantages=advantages(), noise_seed=seed,
                                  **common).trust_divergence
     # the replayed mean moves the RMS of mu_theta - mu_old by at most the RMS of the rounding (triangle inequality)
     slack = (d_replay.sqrt() - d_given.sqrt()).abs()
@@ -363,8 +381,8 @@ def test_replay_from_bf16_latents_moves_the_divergence_float32_does_not():
     for dtype in (torch.float32, torch.bfloat16):
         x, v, sig, out = rollout("sde", 0.7, torch.bfloat16, steps=STEPS)
         out = flowrl.sde_step(x, v, sig, STEPS.to(DEVICE), noise_seed=11, out_dtype=dtype, backend="torch")
-        common = dict(clip_range=0.2, backend="torch")
-        args = (x, perturbed(v, 0.05), out.prev_sample, sig, STEPS.to(DEVICE), out.log_prob, advantages())
+        common = dict(clip_range=0.2, backend="torch", old_log_prob=out.log_prob, advantages=advantages())
+        args = (x, perturbed(v, 0.05), out.prev_sample, sig, STEPS.to(DEVICE))
         given = L.grpo_guard_loss(*args, old_prev_sample_mean=out.prev_sample_mean, **common).trust_divergence
         replay = L.grpo_guard_loss(*args, noise_seed=11, **common).trust_divergence
         moved[dtype] = float(((replay - given).abs() / given).max())
@@ -408,7 +426,7 @@ def test_bad_arguments_name_the_argument():
     def call(fn=L.grpo_loss, **kw):
         args = dict(base)
         args.update(kw)
-        return fn(x, v, out.prev_sample, sig, steps, out.log_prob, adv, **args)
+        return fn(x, v, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=adv, **args)
 
     with pytest.raises(ValueError, match="clip_range"):
         call(clip_range=-0.1)
@@ -419,24 +437,27 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="ref_model_output"):
         call(kl_coef=0.1)
     with pytest.raises(ValueError, match="old_log_prob"):
-        L.grpo_loss(x, v, out.prev_sample, sig, steps, out.log_prob[:2], adv, **base)
+        L.grpo_loss(x, v, out.prev_sample, sig, steps, old_log_prob=out.log_prob[:2], advantages=adv, **base)
     with pytest.raises(ValueError, match="sample requires grad"):
-        L.grpo_loss(x.clone().requires_grad_(), v, out.prev_sample, sig, steps, out.log_prob, adv, **base)
+        L.grpo_loss(x.clone().requires_grad_(), v, out.prev_sample, sig, steps, old_log_prob=out.log_prob,
+                    advantages=adv, **base)
     with pytest.raises(ValueError, match="exactly one of old_prev_sample_mean"):
         call(L.grpo_guard_loss)
     with pytest.raises(ValueError, match="exactly one of old_prev_sample_mean"):
         call(L.grpo_guard_loss, noise_seed=1, old_prev_sample_mean=out.prev_sample_mean)
     with pytest.raises(TypeError, match="kl_threshold"):
-        L.flow_dppo_loss(x, v, out.prev_sample, sig, steps, out.log_prob, adv, kl_threshold=None, noise_seed=1)
+        L.flow_dppo_loss(x, v, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=adv,
+                         kl_threshold=None, noise_seed=1)
     with pytest.raises(ValueError, match="weighting"):
         L.awm_log_prob(v, x, x, 0.5, weighting="Uniform")
     with pytest.raises(ValueError, match="beta"):
-        L.nft_loss(x, v, v, x, 0.5, adv, beta=0.0, adv_clip_max=1.0)
+        L.nft_loss(x, v, v, x, 0.5, advantages=adv, beta=0.0, adv_clip_max=1.0)
     with pytest.raises(ValueError, match="old_model_output"):
-        L.nft_loss(x, v, v[:2], x, 0.5, adv, beta=0.1, adv_clip_max=1.0)
+        L.nft_loss(x, v, v[:2], x, 0.5, advantages=adv, beta=0.1, adv_clip_max=1.0)
     alpha_bar = torch.tensor([0.5, 0.6, 0.6, 0.7], dtype=torch.float32, device=DEVICE)  # ddim's [2T] table
     with pytest.raises(ValueError, match="mode='ddim' is not supported by flowrl.losses"):
-        L.grpo_loss(x, v, out.prev_sample, alpha_bar, 0, out.log_prob, adv, clip_range=0.2, mode="ddim",
+        L.grpo_loss(x, v, out.prev_sample, alpha_bar, 0, old_log_prob=out.log_prob, advantages=adv, clip_range=0.2,
+                    mode="ddim",
                     noise_level=1.0, backend="torch")
 
 
@@ -492,7 +513,7 @@ def test_grpo_family_with_token_sigmas_and_frozen_is_step_log_prob_and_step_kl_b
     for fn, extra in ((L.grpo_loss, dict(clip_range=0.2, kl_coef=0.1, ref_model_output=v_ref)),
                       (L.flow_dppo_loss, dict(kl_threshold=1e-3, noise_seed=5, kl_coef=0.1, ref_model_output=v_ref)),
                       (L.flow_dppo_loss, dict(kl_threshold=1e-3, old_prev_sample_mean=out.prev_sample_mean))):
-        res = fn(x, v, out.prev_sample, sig, steps, out.log_prob, adv, **extra, **kw)
+        res = fn(x, v, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=adv, **extra, **kw)
         assert torch.equal(res.log_prob, lp) and torch.equal(res.log_prob, out.log_prob), fn.__name__
         assert torch.equal(res.ratio, torch.ones_like(res.ratio)), fn.__name__
         if "ref_model_output" in extra:
@@ -500,11 +521,13 @@ def test_grpo_family_with_token_sigmas_and_frozen_is_step_log_prob_and_step_kl_b
         if res.trust_divergence is not None:  # mu_old is this policy's mean: D_s is 0 up to x' - std eps rounding
             assert res.trust_divergence.abs().max() < 1e-4, fn.__name__
     if given == "frozen":
-        res = L.grpo_guard_loss(x, v, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=0.2,
+        res = L.grpo_guard_loss(x, v, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=adv,
+                                clip_range=0.2,
                                 old_prev_sample_mean=out.prev_sample_mean, **kw)
         assert torch.equal(res.log_prob, lp)
     vv = v_new.clone().requires_grad_()
-    res = L.grpo_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=0.2, **kw)
+    res = L.grpo_loss(x, vv, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=adv,
+                      clip_range=0.2, **kw)
     (g_loss,) = torch.autograd.grad(res.loss, vv)
     vv = v_new.clone().requires_grad_()
     lp_new = flowrl.step_log_prob(x, vv, out.prev_sample, sig, steps, **kw)
@@ -534,7 +557,8 @@ def test_per_token_trust_divergence_is_the_per_token_kl_to_the_old_policy():
     out = flowrl.sde_step(x, v_old, sig, steps, noise_seed=7, **kw)
     want = flowrl.step_kl(x, v, v_old, sig, steps, reduction="mean", **kw)
     for trust in (dict(old_prev_sample_mean=out.prev_sample_mean), dict(noise_seed=7)):
-        res = L.flow_dppo_loss(x, v, out.prev_sample, sig, steps, out.log_prob, adv, kl_threshold=1.0, **trust, **kw)
+        res = L.flow_dppo_loss(x, v, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=adv,
+                               kl_threshold=1.0, **trust, **kw)
         torch.testing.assert_close(res.trust_divergence, want, rtol=1e-3, atol=1e-6)
 
 
@@ -544,17 +568,20 @@ def test_per_token_refusals_name_the_argument():
     tok, frozen = elementwise(ELEMENTWISE_SHAPE)
     x, v, sig, out = rollout(shape=ELEMENTWISE_SHAPE)
     steps, adv = STEPS.to(DEVICE), advantages()
-    args = (x, v, out.prev_sample, sig, steps, out.log_prob, adv)
+    args = (x, v, out.prev_sample, sig, steps)
+    args_kw = dict(old_log_prob=out.log_prob, advantages=adv)
     with pytest.raises(ValueError, match="token_sigmas.*grpo_guard_loss"):
-        L.grpo_guard_loss(*args, clip_range=0.2, noise_seed=11, token_sigmas=tok, backend="torch")
+        L.grpo_guard_loss(*args, **args_kw, clip_range=0.2, noise_seed=11, token_sigmas=tok, backend="torch")
     with pytest.raises(ValueError, match="frozen.*kl_space='velocity'"):
-        L.grpo_loss(*args, clip_range=0.2, kl_coef=0.1, ref_model_output=v, kl_space="velocity", frozen=frozen,
+        L.grpo_loss(*args, **args_kw, clip_range=0.2, kl_coef=0.1, ref_model_output=v, kl_space="velocity",
+                    frozen=frozen,
                     backend="torch")
     with pytest.raises(ValueError, match="token_sigmas: a joint step"):
-        L.grpo_loss((x, x), (v, v), (out.prev_sample,) * 2, sig, steps, out.log_prob, adv, clip_range=0.2,
+        L.grpo_loss((x, x), (v, v), (out.prev_sample,) * 2, sig, steps, **args_kw, clip_range=0.2,
                     token_sigmas=tok, backend="torch")
     with pytest.raises(ValueError, match="token_sigmas"):
-        L.grpo_loss(*args, clip_range=0.2, token_sigmas=tok[:, :2], backend="torch")  # step_log_prob's shape check
+        L.grpo_loss(*args, **args_kw, clip_range=0.2, token_sigmas=tok[:, :2],
+                    backend="torch")  # step_log_prob's shape check
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or _dispatch.interpreter_enabled()), reason="needs the Triton backend")
@@ -564,12 +591,15 @@ def test_triton_per_token_losses_and_grads_match_torch():
     steps, adv, v_ref, v_new = STEPS.to(DEVICE), advantages(), perturbed(v, 0.1, seed=5), perturbed(v, 0.3)
     kw = dict(token_sigmas=tok, frozen=frozen)
     cases = {
-        "grpo": lambda vv, be: L.grpo_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=(0.05, 0.3),
+        "grpo": lambda vv, be: L.grpo_loss(x, vv, out.prev_sample, sig, steps, old_log_prob=out.log_prob,
+                                           advantages=adv, clip_range=(0.05, 0.3),
                                            kl_coef=0.3, ref_model_output=v_ref, backend=be, **kw),
-        "dppo_replay": lambda vv, be: L.flow_dppo_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, adv,
+        "dppo_replay": lambda vv, be: L.flow_dppo_loss(x, vv, out.prev_sample, sig, steps, old_log_prob=out.log_prob,
+                                                       advantages=adv,
                                                        kl_threshold=1e-3, noise_seed=11, kl_coef=0.1,
                                                        ref_model_output=v_ref, backend=be, **kw),
-        "guard_frozen": lambda vv, be: L.grpo_guard_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, adv,
+        "guard_frozen": lambda vv, be: L.grpo_guard_loss(x, vv, out.prev_sample, sig, steps, old_log_prob=out.log_prob,
+                                                         advantages=adv,
                                                          clip_range=0.2, old_prev_sample_mean=out.prev_sample_mean,
                                                          backend=be, frozen=frozen),
     }

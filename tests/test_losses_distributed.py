@@ -96,40 +96,52 @@ def _cases(d, backend):
     roll_t = flowrl.sde_step(x, d["v_old"], sig, step, noise_seed=seed, token_sigmas=tok, frozen=fr, **kw)
     prev_t, mean_t, old_t = roll_t.prev_sample, roll_t.prev_sample_mean, roll_t.log_prob
     cases = [
-        ("grpo_loss", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_lp, adv, clip_range=(0.2, 0.28),
+        ("grpo_loss", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_log_prob=old_lp, advantages=adv,
+                                        clip_range=(0.2, 0.28),
                                         kl_coef=0.04, ref_model_output=c(d["v_ref"]), rollout_is_weights=w, **kw)),
-        ("grpo_loss velocity kl guided", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_lp, adv, clip_range=0.2,
+        ("grpo_loss velocity kl guided", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_log_prob=old_lp,
+                                                           advantages=adv, clip_range=0.2,
                                                            kl_coef=0.04, kl_space="velocity",
                                                            ref_model_output=(c(d["v_ref"]), c(d["v_old"])),
                                                            ref_guidance_scale=4.5, **kw)),
-        ("grpo_loss sq_err sum", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_lp, adv, clip_range=1e-3,
-                                                   log_prob="sq_err", reduction="sum", **kw)),
-        ("grpo_guard_loss given mean", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_lp, adv, clip_range=0.2,
+        ("grpo_loss sq_err sum", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_log_prob=old_lp, advantages=adv,
+                                                   clip_range=1e-3,
+                                                   log_prob_kind="sq_err", reduction="sum", **kw)),
+        ("grpo_guard_loss given mean", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_log_prob=old_lp,
+                                                         advantages=adv, clip_range=0.2,
                                                          old_prev_sample_mean=c(mean_old), **kw)),
-        ("grpo_guard_loss replayed", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_lp, adv, clip_range=0.2,
+        ("grpo_guard_loss replayed", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_log_prob=old_lp, advantages=adv,
+                                                       clip_range=0.2,
                                                        noise_seed=seed, kl_coef=0.1, ref_model_output=c(d["v_ref"]),
                                                        **kw)),
-        ("flow_dppo_loss replayed", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_lp, adv, kl_threshold=1e-4,
+        ("flow_dppo_loss replayed", lambda f, v, c: f(c(x), v, c(prev), sig, step, old_log_prob=old_lp, advantages=adv,
+                                                      kl_threshold=1e-4,
                                                       noise_seed=seed, **kw)),
         ("teacher_kl_loss", lambda f, v, c: f(c(x), v, c(d["v_ref"]), sig, step, **kw)),
-        ("grpo_loss per-token frozen", lambda f, v, c: f(c(x), v, c(prev_t), sig, step, old_t, adv, clip_range=0.2,
+        ("grpo_loss per-token frozen", lambda f, v, c: f(c(x), v, c(prev_t), sig, step, old_log_prob=old_t,
+                                                         advantages=adv, clip_range=0.2,
                                                          kl_coef=0.04, ref_model_output=c(d["v_ref"]),
                                                          token_sigmas=c(tok), frozen=c(fr), **kw)),
-        ("flow_dppo_loss per-token frozen replayed", lambda f, v, c: f(c(x), v, c(prev_t), sig, step, old_t, adv,
+        ("flow_dppo_loss per-token frozen replayed", lambda f, v, c: f(c(x), v, c(prev_t), sig, step,
+                                                                       old_log_prob=old_t, advantages=adv,
                                                                        kl_threshold=1e-4, noise_seed=seed,
                                                                        token_sigmas=c(tok), frozen=c(fr), **kw)),
-        ("grpo_guard_loss frozen given mean", lambda f, v, c: f(c(x), v, c(prev_t), sig, step, old_t, adv,
+        ("grpo_guard_loss frozen given mean", lambda f, v, c: f(c(x), v, c(prev_t), sig, step, old_log_prob=old_t,
+                                                                advantages=adv,
                                                                 clip_range=0.2, old_prev_sample_mean=c(mean_t),
                                                                 frozen=c(fr), **kw)),
         ("teacher_kl_loss per-token frozen", lambda f, v, c: f(c(x), v, c(d["v_ref"]), sig, step, token_sigmas=c(tok),
                                                                frozen=c(fr), **kw)),
-        ("nft_loss", lambda f, v, c: f(c(x), v, c(d["v_old"]), c(d["x0"]), d["t"], adv, beta=0.1, adv_clip_max=5.0,
+        ("nft_loss", lambda f, v, c: f(c(x), v, c(d["v_old"]), c(d["x0"]), d["t"], advantages=adv, beta=0.1,
+                                       adv_clip_max=5.0,
                                        kl_coef=0.01, ref_model_output=c(d["v_ref"]), backend=backend)),
         ("awm_log_prob", lambda f, v, c: f(v, c(d["eps"]), c(d["x0"]), d["t"], weighting="ghuber", backend=backend)),
-        ("awm_loss", lambda f, v, c: f(v, c(d["eps"]), c(d["x0"]), d["t"], -adv.abs(), adv, clip_range=0.2,
+        ("awm_loss", lambda f, v, c: f(v, c(d["eps"]), c(d["x0"]), d["t"], old_log_prob=-adv.abs(), advantages=adv,
+                                       clip_range=0.2,
                                        weighting="t", backend=backend, rollout_is_weights=w)),
         ("dpo_loss", lambda f, v, c: f(v, c(d["v_ref"]), c(d["eps"]), c(d["x0"]), beta=500.0, backend=backend)),
-        ("dgpo_loss", lambda f, v, c: f(v, c(d["v_ref"]), c(d["eps"]), c(d["x0"]), adv, d["groups"],
+        ("dgpo_loss", lambda f, v, c: f(v, c(d["v_ref"]), c(d["eps"]), c(d["x0"]), advantages=adv,
+                                        group_index=d["groups"],
                                         beta=50.0, old_model_output=c(d["v_old"]), clip_range=0.01, kl_coef=0.1,
                                         backend=backend)),
     ]
@@ -181,11 +193,11 @@ def _check_errors(rank, world):
     with pytest.raises(TypeError, match="do not pass shard"):
         fd.awm_log_prob(v, x, x, 0.5, shard=None)
     with pytest.raises(ValueError, match=r"shard_numels\[\d\]"):
-        fd.nft_loss(x, v, v, x, 0.5, d["adv"], beta=0.1, adv_clip_max=5.0, shard_numels=[7 * C] * world)
+        fd.nft_loss(x, v, v, x, 0.5, advantages=d["adv"], beta=0.1, adv_clip_max=5.0, shard_numels=[7 * C] * world)
     with pytest.raises(TypeError, match="shard must be"):
         L.dpo_loss(v, v, x, x, beta=1.0, shard="rank 0")
     with pytest.raises(TypeError, match="shard must be"):
-        L.grpo_loss(x, v, x, d["sigmas"], 1, d["adv"], d["adv"], clip_range=0.2, shard=object())
+        L.grpo_loss(x, v, x, d["sigmas"], 1, old_log_prob=d["adv"], advantages=d["adv"], clip_range=0.2, shard=object())
     # keyword first argument: the layout is read from it
     out = fd.awm_log_prob(model_output=v, noise=x, clean_sample=x, sigma=0.5, backend="torch")
     assert out.shape == (B,)

@@ -396,7 +396,7 @@ def dgpo_inputs(seed=0, dtype=torch.float32):
 
 def _ours_dgpo(case, backend, v, v_ref, v_old, eps, x0, adv, ids, clip_range=0.002, beta=100.0, group_size=3):
     clip, clip_dsm, clip_kl, kl_beta, ema = DGPO_CASES[case]
-    return L.dgpo_loss(v, v_ref, eps, x0, adv, ids, beta=beta, group_size=group_size,
+    return L.dgpo_loss(v, v_ref, eps, x0, advantages=adv, group_index=ids, beta=beta, group_size=group_size,
                        old_model_output=v_old if clip or ema else None, clip_range=clip_range if clip else None,
                        clip_dsm=clip_dsm, clip_kl=clip_kl, ema_reference=ema, kl_coef=kl_beta, backend=backend)
 
@@ -525,17 +525,17 @@ def test_bad_arguments_name_the_argument():
         L.dpo_pairs(torch.tensor([1.0, float("nan")]), torch.tensor([0, 0]))
     dv, dv_ref, dv_old, deps, dx0, adv, ids, _ = dgpo_inputs()
     with pytest.raises(ValueError, match="old_model_output"):
-        L.dgpo_loss(dv, dv_ref, deps, dx0, adv, ids, beta=1.0, clip_range=0.1)
+        L.dgpo_loss(dv, dv_ref, deps, dx0, advantages=adv, group_index=ids, beta=1.0, clip_range=0.1)
     with pytest.raises(ValueError, match="ref_model_output"):
-        L.dgpo_loss(dv, None, deps, dx0, adv, ids, beta=1.0)
+        L.dgpo_loss(dv, None, deps, dx0, advantages=adv, group_index=ids, beta=1.0)
     with pytest.raises(TypeError, match="group_index"):
-        L.dgpo_loss(dv, dv_ref, deps, dx0, adv, ids.float(), beta=1.0)
+        L.dgpo_loss(dv, dv_ref, deps, dx0, advantages=adv, group_index=ids.float(), beta=1.0)
     with pytest.raises(ValueError, match="group_size"):
-        L.dgpo_loss(dv, dv_ref, deps, dx0, adv, ids, beta=1.0, group_size=0)
+        L.dgpo_loss(dv, dv_ref, deps, dx0, advantages=adv, group_index=ids, beta=1.0, group_size=0)
     with pytest.raises(ValueError, match="advantages"):
-        L.dgpo_loss(dv, dv_ref, deps, dx0, adv[:2], ids, beta=1.0)
+        L.dgpo_loss(dv, dv_ref, deps, dx0, advantages=adv[:2], group_index=ids, beta=1.0)
     with pytest.raises(TypeError, match="clip_kl"):
-        L.dgpo_loss(dv, dv_ref, deps, dx0, adv, ids, beta=1.0, clip_kl=1)
+        L.dgpo_loss(dv, dv_ref, deps, dx0, advantages=adv, group_index=ids, beta=1.0, clip_kl=1)
 
 
 def test_docs_snippet_runs():

@@ -93,8 +93,9 @@ def test_dgpo_noise_seed_is_the_tensor_path_on_the_samples_philox_noise(backend,
                      (group_seeds[ids], NoiseSeed(group_seeds[ids], 0, 0))):  # DGPO's shared noise per group
         eps = reference.philox_normal(ns, n).reshape(v.shape)
         kw = dict(beta=100.0, group_size=3, old_model_output=v_old, clip_range=0.002, kl_coef=0.1, backend=backend)
-        seeded, g_seeded = _grad_of(lambda vv: L.dgpo_loss(vv, v_ref, None, x0, adv, ids, noise_seed=seed, **kw), v)
-        given, g_given = _grad_of(lambda vv: L.dgpo_loss(vv, v_ref, eps, x0, adv, ids, **kw), v)
+        seeded, g_seeded = _grad_of(lambda vv: L.dgpo_loss(vv, v_ref, None, x0, advantages=adv, group_index=ids,
+                                                           noise_seed=seed, **kw), v)
+        given, g_given = _grad_of(lambda vv: L.dgpo_loss(vv, v_ref, eps, x0, advantages=adv, group_index=ids, **kw), v)
         _same(seeded, given, backend, exact=backend == "torch")
         _same_grad(g_seeded, g_given, exact=backend == "torch")
     # per-sample seeds: a group's samples share eps exactly
@@ -120,7 +121,8 @@ def test_triton_seeded_matches_torch_seeded(dtype, shape):
     ids = torch.tensor([0, 0, 1, 1], device=DEVICE)
     cases = {
         "dpo": lambda vv, be: L.dpo_loss(vv, v_ref, None, x0, beta=20.0, noise_seed=77, backend=be),
-        "dgpo": lambda vv, be: L.dgpo_loss(vv, v_ref, None, x0, adv, ids, beta=10.0, old_model_output=v_old,
+        "dgpo": lambda vv, be: L.dgpo_loss(vv, v_ref, None, x0, advantages=adv, group_index=ids, beta=10.0,
+                                           old_model_output=v_old,
                                            clip_range=0.5, kl_coef=0.1, noise_seed=torch.tensor(
                                                [3, 3, 8, 8], device=DEVICE), backend=be),
     }
@@ -205,13 +207,15 @@ def test_exactly_one_of_noise_and_noise_seed():
         L.dpo_loss(v, v_ref, None, x0, beta=1.0, noise_seed=-1)
     adv, ids = torch.tensor([1.0, -1.0], device=DEVICE), torch.tensor([0, 0], device=DEVICE)
     with pytest.raises(ValueError, match="noise_seed"):
-        L.dgpo_loss(v, v_ref, None, x0, adv, ids, beta=1.0)
+        L.dgpo_loss(v, v_ref, None, x0, advantages=adv, group_index=ids, beta=1.0)
     with pytest.raises(ValueError, match="noise_seed"):
-        L.dgpo_loss(v, v_ref, eps, x0, adv, ids, beta=1.0, noise_seed=torch.tensor([1, 2], device=DEVICE))
+        L.dgpo_loss(v, v_ref, eps, x0, advantages=adv, group_index=ids, beta=1.0, noise_seed=torch.tensor([1, 2],
+                                                                                                          device=DEVICE))
     with pytest.raises(TypeError, match="noise_seed"):
-        L.dgpo_loss(v, v_ref, None, x0, adv, ids, beta=1.0, noise_seed="7")
+        L.dgpo_loss(v, v_ref, None, x0, advantages=adv, group_index=ids, beta=1.0, noise_seed="7")
     with pytest.raises(ValueError, match="noise_seed"):
-        L.dgpo_loss(v, v_ref, None, x0, adv, ids, beta=1.0, noise_seed=torch.tensor([1, 2, 3], device=DEVICE))
+        L.dgpo_loss(v, v_ref, None, x0, advantages=adv, group_index=ids, beta=1.0, noise_seed=torch.tensor([1, 2, 3],
+                                                                                                           device=DEVICE))
 
 
 def test_dpo_noise_and_dgpo_noise_are_the_losses_draws():
@@ -225,8 +229,8 @@ def test_dpo_noise_and_dgpo_noise_are_the_losses_draws():
     eps = L.dgpo_noise(seeds, v)
     assert torch.equal(eps[0], eps[2]) and not torch.equal(eps[0], eps[1])
     adv, ids = torch.tensor([1.0, -1.0, 0.5, -0.5], device=DEVICE), torch.tensor([0, 1, 0, 1], device=DEVICE)
-    _same(L.dgpo_loss(v, v_ref, None, x0, adv, ids, beta=3.0, noise_seed=seeds, backend="torch"),
-          L.dgpo_loss(v, v_ref, eps, x0, adv, ids, beta=3.0, backend="torch"))
+    _same(L.dgpo_loss(v, v_ref, None, x0, advantages=adv, group_index=ids, beta=3.0, noise_seed=seeds, backend="torch"),
+          L.dgpo_loss(v, v_ref, eps, x0, advantages=adv, group_index=ids, beta=3.0, backend="torch"))
 
 
 @pytest.mark.slow  # an Inductor compile (the quick loop leaves them out, as tests/test_torch_compile.py's)
@@ -246,7 +250,8 @@ def test_seeded_preference_losses_compile_with_no_graph_break_and_eager_bits():
         v = x @ w
         groups = torch.arange(x.shape[0]) // 2
         dpo = L.dpo_loss(v, ref, None, x, beta=50.0, noise_seed=seeds[:2], backend="torch")
-        dgpo = L.dgpo_loss(v, ref, None, x, adv, groups, beta=10.0, group_size=2, kl_coef=0.1, noise_seed=seeds,
+        dgpo = L.dgpo_loss(v, ref, None, x, advantages=adv, group_index=groups, beta=10.0, group_size=2, kl_coef=0.1,
+                           noise_seed=seeds,
                            backend="torch")
         return (dpo.loss + dgpo.loss, *dpo, *[t for t in dgpo if t is not None])
 
@@ -263,6 +268,7 @@ def test_seeded_preference_losses_compile_with_no_graph_break_and_eager_bits():
 
 
 @needs_triton
+@pytest.mark.slow  # six layouts through the interpreter (~8 s); the quick loop keeps the DPO / DGPO ones below
 def test_triton_noise_rows_for_any_div_and_mod(monkeypatch):
     """Sample b draws Philox row (b // noise_div) % noise_mod on the Triton backend as on the torch one,
     bit for bit, forward and backward: the layouts flowrl.losses makes (NOISE_DIV 1 or 2, one wrap:

@@ -75,7 +75,8 @@ def test_velocity_kl_is_flow_factorys_v_based_kl(backend, dtype):
     x, v, sig, out = rollout("sde", 0.7, dtype)
     steps, adv, v_ref = STEPS.to(DEVICE), advantages(), perturbed(v, 0.1, seed=5)
     v_new = perturbed(v, 0.02, seed=7)
-    res = L.grpo_loss(x, v_new, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=(0.01, 0.02),
+    res = L.grpo_loss(x, v_new, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=adv,
+                      clip_range=(0.01, 0.02),
                       kl_coef=0.04, ref_model_output=v_ref, kl_space="velocity", backend=backend)
     # the peer on float32 upcasts (flowrl computes in float32 whatever the storage dtype)
     loss, kl = peer_flow_factory_grpo(res.log_prob, out.log_prob, adv, (-0.01, 0.02), v_new.float(), v_ref.float(),
@@ -101,7 +102,8 @@ def test_a_guided_reference_is_the_peers_cfg_line_bit_for_bit(backend, kl_space,
     results = {}
     for name, kw in pairs.items():
         vv = v_new.clone().requires_grad_(True)
-        res = L.grpo_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=0.2, kl_coef=0.3,
+        res = L.grpo_loss(x, vv, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=adv, clip_range=0.2,
+                          kl_coef=0.3,
                           kl_space=kl_space, backend=backend, **kw)
         (grad,) = torch.autograd.grad(res.loss, vv)
         results[name] = (res, grad)
@@ -118,9 +120,11 @@ def test_half_precision_branches_are_combined_in_float32(backend):
     steps, adv = STEPS.to(DEVICE), advantages()
     uncond, cond = perturbed(v, 0.1, seed=5), perturbed(v, 0.1, seed=6)
     for kl_space in ("transition", "velocity"):
-        pair = L.grpo_loss(x, v, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=0.2, kl_coef=0.3,
+        pair = L.grpo_loss(x, v, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=adv, clip_range=0.2,
+                           kl_coef=0.3,
                            ref_model_output=(uncond, cond), ref_guidance_scale=4.5, kl_space=kl_space, backend=backend)
-        one = L.grpo_loss(x.float(), v.float(), out.prev_sample.float(), sig, steps, out.log_prob, adv,
+        one = L.grpo_loss(x.float(), v.float(), out.prev_sample.float(), sig, steps, old_log_prob=out.log_prob,
+                          advantages=adv,
                           clip_range=0.2, kl_coef=0.3, ref_model_output=peer_cfg(uncond.float(), cond.float(), 4.5),
                           kl_space=kl_space, backend=backend)
         assert torch.equal(pair.kl, one.kl), kl_space
@@ -145,8 +149,8 @@ def test_every_variant_matches_the_float64_oracle(backend, variant, kl_space):
     uncond, cond, v_new = perturbed(v, 0.1, seed=5), perturbed(v, 0.1, seed=6), perturbed(v, 0.05, seed=7)
     w = 3.7
     common = dict(kl_coef=0.25, ref_model_output=(uncond, cond), ref_guidance_scale=w, kl_space=kl_space,
-                  backend=backend)
-    args = (x, v_new, out.prev_sample, sig, steps, out.log_prob, adv)
+                  backend=backend, old_log_prob=out.log_prob, advantages=adv)
+    args = (x, v_new, out.prev_sample, sig, steps)
     if variant == "grpo":
         res = L.grpo_loss(*args, clip_range=(0.1, 0.2), **common)
     elif variant == "guard":
@@ -175,7 +179,8 @@ def test_velocity_kl_sum_reduction_and_deterministic_steps(backend, mode, eta):
     zero_adv = torch.zeros(3, device=DEVICE)
     for reduction in ("mean", "sum"):
         vv = v.clone().requires_grad_(True)
-        res = L.grpo_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, zero_adv, clip_range=0.2, mode=mode,
+        res = L.grpo_loss(x, vv, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=zero_adv,
+                          clip_range=0.2, mode=mode,
                           noise_level=eta, reduction=reduction, kl_coef=0.5, ref_model_output=v_ref,
                           kl_space="velocity", backend=backend)
         (grad,) = torch.autograd.grad(res.loss, vv)
@@ -197,7 +202,8 @@ def test_the_velocity_kl_is_the_transition_kl_times_two_std_squared_over_c_squar
 
     x, v, sig, out = rollout("sde", 0.7)
     steps, v_ref, adv = STEPS.to(DEVICE), perturbed(v, 0.1, seed=5), advantages()
-    kls = {space: L.grpo_loss(x, v, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=0.2, kl_coef=0.1,
+    kls = {space: L.grpo_loss(x, v, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=adv,
+                              clip_range=0.2, kl_coef=0.1,
                               ref_model_output=v_ref, kl_space=space, backend=backend).kl.to(F64)
            for space in ("transition", "velocity")}
     _, c, std = mode_coefficients(sig.cpu(), steps.cpu(), Mode.parse("mode", "sde"), 0.7, F64)
@@ -220,7 +226,8 @@ def test_the_triton_backend_combines_the_branches_in_its_pass(monkeypatch):
 
     def call(**kw):
         vv = v.clone().requires_grad_(True)
-        res = L.grpo_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=0.2, kl_coef=0.3,
+        res = L.grpo_loss(x, vv, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=adv, clip_range=0.2,
+                          kl_coef=0.3,
                           backend="triton", **kw)
         return res, torch.autograd.grad(res.loss, vv)[0]
 
@@ -236,7 +243,8 @@ def test_the_triton_backend_combines_the_branches_in_its_pass(monkeypatch):
     else:
         torch.testing.assert_close(got.kl, want.kl, rtol=2e-5, atol=2e-6)
     with pytest.raises(AssertionError, match="combined in torch"):  # the torch backend does combine there
-        L.grpo_loss(x, v, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=0.2, kl_coef=0.3,
+        L.grpo_loss(x, v, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=adv, clip_range=0.2,
+                    kl_coef=0.3,
                     ref_model_output=(uncond, cond), ref_guidance_scale=4.5, backend="torch")
 
 
@@ -259,8 +267,8 @@ def test_triton_matches_torch(dtype, variant, kl_space, guided, monkeypatch):
 
     def run(be):
         vv = v_new.clone().requires_grad_(True)
-        args = (x, vv, out.prev_sample, sig, steps, out.log_prob, adv)
-        kw = dict(kl_coef=0.3, kl_space=kl_space, backend=be, **ref)
+        args = (x, vv, out.prev_sample, sig, steps)
+        kw = dict(kl_coef=0.3, kl_space=kl_space, backend=be, old_log_prob=out.log_prob, advantages=adv, **ref)
         if variant == "grpo":
             res = L.grpo_loss(*args, clip_range=(0.05, 0.3), **kw)
         elif variant == "guard_replay":
@@ -311,7 +319,8 @@ def test_gradcheck_on_the_torch_backend(kl_space):
     adv = advantages(2)
 
     def f(vv):
-        return L.grpo_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, adv, clip_range=0.2, kl_coef=0.7,
+        return L.grpo_loss(x, vv, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=adv,
+                           clip_range=0.2, kl_coef=0.7,
                            ref_model_output=(uncond, cond), ref_guidance_scale=2.5, kl_space=kl_space,
                            backend="torch").loss
 
@@ -326,8 +335,9 @@ def test_velocity_kl_is_deterministic_and_batch_invariant(backend):
 
     def run(rows):
         pick = lambda u: u[rows]  # noqa: E731
-        return L.grpo_loss(pick(x), pick(v_new), pick(out.prev_sample), sig, pick(steps), pick(out.log_prob),
-                           pick(adv), clip_range=0.2, kl_coef=0.2, ref_model_output=(pick(uncond), pick(cond)),
+        return L.grpo_loss(pick(x), pick(v_new), pick(out.prev_sample), sig, pick(steps),
+                           old_log_prob=pick(out.log_prob),
+                           advantages=pick(adv), clip_range=0.2, kl_coef=0.2, ref_model_output=(pick(uncond), pick(cond)),
                            ref_guidance_scale=4.5, kl_space="velocity", backend=backend)
 
     full = run(slice(None))
@@ -353,10 +363,12 @@ def test_the_new_arguments_compile_with_no_graph_break_and_eager_bits():
     def step(x, w):
         v = x @ w
         out = flowrl.sde_step(x, v.detach(), sigmas, 1, noise_seed=11, backend="torch")
-        a = L.grpo_loss(x, v, out.prev_sample, sigmas, 1, old_lp, adv, clip_range=0.2, kl_coef=0.3,
+        a = L.grpo_loss(x, v, out.prev_sample, sigmas, 1, old_log_prob=old_lp, advantages=adv, clip_range=0.2,
+                        kl_coef=0.3,
                         ref_model_output=(uncond, cond), ref_guidance_scale=4.5, kl_space="velocity",
                         backend="torch")
-        b = L.flow_dppo_loss(x, v, out.prev_sample, sigmas, 1, old_lp, adv, kl_threshold=0.01, noise_seed=11,
+        b = L.flow_dppo_loss(x, v, out.prev_sample, sigmas, 1, old_log_prob=old_lp, advantages=adv, kl_threshold=0.01,
+                             noise_seed=11,
                              kl_coef=0.2, ref_model_output=(uncond, cond), ref_guidance_scale=2.0, backend="torch")
         return (a.loss + b.loss, a.kl, b.kl, a.log_prob)
 
@@ -387,11 +399,13 @@ def test_the_op_passes_opcheck_with_the_new_arguments(monkeypatch):
     x, v, sig, out = rollout("sde", 0.7, shape=(2, 3, 5), steps=STEPS[:2])
     steps = STEPS[:2].to(DEVICE)
     vv = v.clone().requires_grad_(True)
-    res = L.grpo_loss(x, vv, out.prev_sample, sig, steps, out.log_prob, advantages(2), clip_range=0.2, kl_coef=0.3,
+    res = L.grpo_loss(x, vv, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=advantages(2),
+                      clip_range=0.2, kl_coef=0.3,
                       ref_model_output=(perturbed(v, seed=5), perturbed(v, seed=6)), ref_guidance_scale=4.5,
                       kl_space="velocity", backend="torch")
     monkeypatch.undo()
-    eager = L.grpo_loss(x, v, out.prev_sample, sig, steps, out.log_prob, advantages(2), clip_range=0.2, kl_coef=0.3,
+    eager = L.grpo_loss(x, v, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=advantages(2),
+                        clip_range=0.2, kl_coef=0.3,
                         ref_model_output=(perturbed(v, seed=5), perturbed(v, seed=6)), ref_guidance_scale=4.5,
                         kl_space="velocity", backend="torch")
     assert len(calls) == 1 and torch.equal(res.loss, eager.loss) and torch.equal(res.kl, eager.kl)
@@ -412,7 +426,8 @@ def test_bad_arguments_name_the_argument():
             extra["kl_threshold"] = 0.1
         else:
             extra["clip_range"] = 0.2
-        return fn(x, v, out.prev_sample, sig, steps, out.log_prob, adv, backend="torch", **extra, **kw)
+        return fn(x, v, out.prev_sample, sig, steps, old_log_prob=out.log_prob, advantages=adv,
+                  backend="torch", **extra, **kw)
 
     for fn in (L.grpo_loss, L.grpo_guard_loss, L.flow_dppo_loss):
         with pytest.raises(ValueError, match="kl_space must be one of 'transition', 'velocity'"):

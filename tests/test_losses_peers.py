@@ -242,7 +242,8 @@ def _grad_of(fn, v):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grpo_loss_matches_flow_grpo_training_block(backend):
     s = _setup([1, 4, 8])
-    ours = L.grpo_loss(s.x, s.v_new, s.prev, s.sigmas, s.idx, s.old_lp, s.adv, clip_range=0.01, kl_coef=0.04,
+    ours = L.grpo_loss(s.x, s.v_new, s.prev, s.sigmas, s.idx, old_log_prob=s.old_lp, advantages=s.adv, clip_range=0.01,
+                       kl_coef=0.04,
                        ref_model_output=s.v_ref, backend=backend)
     _, policy, info = peer_flow_grpo_block(s.lp, s.old_lp, s.adv, s.mean, s.mean_ref, s.std_dev_t, 0.01, 0.04)
     torch.testing.assert_close(ours.log_prob, s.lp, **TOL)
@@ -262,7 +263,8 @@ def test_grpo_loss_matches_flow_grpo_training_block(backend):
         _, lp, mean, std_dev_t = peer_flow_grpo(s.sched, vv, s.sched.timesteps[s.idx], s.x, prev_sample=s.prev)
         return peer_flow_grpo_block(lp, s.old_lp, s.adv, mean, s.mean_ref, std_dev_t, 0.01, 0.04)[0]
 
-    (res, g_ours) = _grad_of(lambda vv: L.grpo_loss(s.x, vv, s.prev, s.sigmas, s.idx, s.old_lp, s.adv, clip_range=0.01,
+    (res, g_ours) = _grad_of(lambda vv: L.grpo_loss(s.x, vv, s.prev, s.sigmas, s.idx, old_log_prob=s.old_lp,
+                                                    advantages=s.adv, clip_range=0.01,
                                                     kl_coef=0.04 * d, ref_model_output=s.v_ref, backend=backend), s.v_new)
     loss_peer, g_peer = _grad_of(peer, s.v_new)
     torch.testing.assert_close(res.loss, loss_peer, **TOL)
@@ -273,7 +275,8 @@ def test_grpo_loss_matches_flow_grpo_training_block(backend):
 def test_grpo_loss_matches_verl_omni_flow_grpo_loss(backend):
     s = _setup([0, 5, 9])
     cfg = _cfg(adv_clip_max=5.0, clip_ratio=0.01)
-    ours = L.grpo_loss(s.x, s.v_new, s.prev, s.sigmas, s.idx, s.old_lp, s.adv, clip_range=0.01, backend=backend)
+    ours = L.grpo_loss(s.x, s.v_new, s.prev, s.sigmas, s.idx, old_log_prob=s.old_lp, advantages=s.adv, clip_range=0.01,
+                       backend=backend)
     loss, metrics = peer_verl_flow_grpo(s.old_lp, s.lp, s.adv, cfg)
     torch.testing.assert_close(ours.loss, loss, **TOL)
     assert torch.equal(ours.clip_fraction, metrics["pg_clipfrac"])
@@ -294,7 +297,8 @@ def test_grpo_guard_matches_verl_omni_and_flow_factory(backend, source):
     else:
         mu_old = dict(old_prev_sample_mean=s.old_mean)
     cfg = _cfg(adv_clip_max=5.0, clip_ratio=0.05)
-    fn = lambda vv: L.grpo_guard_loss(s.x, vv, s.prev, s.sigmas, s.idx, s.old_lp, s.adv, clip_range=0.05,  # noqa: E731
+    fn = lambda vv: L.grpo_guard_loss(s.x, vv, s.prev, s.sigmas, s.idx, old_log_prob=s.old_lp, advantages=s.adv,
+                                      clip_range=0.05,  # noqa: E731
                                       backend=backend, **mu_old)
     ours, g_ours = _grad_of(fn, s.v_new)
 
@@ -309,7 +313,8 @@ def test_grpo_guard_matches_verl_omni_and_flow_factory(backend, source):
     assert torch.equal(ours.clip_fraction, metrics["pg_clipfrac"])
     torch.testing.assert_close(g_ours, g_peer, rtol=1e-4, atol=1e-4 * float(g_peer.abs().max()))
     # Flow-Factory: the same ratio; an asymmetric clip range given as offsets; no 1/D on the loss
-    asym = L.grpo_guard_loss(s.x, s.v_new, s.prev, s.sigmas, s.idx, s.old_lp, s.adv, clip_range=(0.02, 0.05),
+    asym = L.grpo_guard_loss(s.x, s.v_new, s.prev, s.sigmas, s.idx, old_log_prob=s.old_lp, advantages=s.adv,
+                             clip_range=(0.02, 0.05),
                              backend=backend, **mu_old)
     dt = -(s.sqrt_dt ** 2)
     ff_loss, ff_ratio = peer_flow_factory_guard(s.lp, s.old_lp, s.adv, s.mean, s.old_mean, s.std_dev_t.flatten(),
@@ -327,7 +332,8 @@ def test_flow_dppo_matches_verl_omni(backend):
     threshold = float(kl[0] + kl[1]) / 2  # one sample below, two above
     loss, metrics = peer_verl_flow_dppo(s.old_lp, s.lp, s.adv, _cfg(kl_mask_threshold=threshold), s.old_mean, s.mean,
                                         s.std_dev_t, s.sqrt_dt.flatten())
-    ours = L.flow_dppo_loss(s.x, s.v_new, s.prev, s.sigmas, s.idx, s.old_lp, s.adv, kl_threshold=threshold,
+    ours = L.flow_dppo_loss(s.x, s.v_new, s.prev, s.sigmas, s.idx, old_log_prob=s.old_lp, advantages=s.adv,
+                            kl_threshold=threshold,
                             old_prev_sample_mean=s.old_mean, backend=backend)
     torch.testing.assert_close(ours.trust_divergence, metrics["kl_per_sample"], rtol=1e-4, atol=1e-9)
     assert float(metrics["masked_fraction"]) > 0
@@ -355,7 +361,8 @@ def test_nft_loss_matches_diffusion_nft(backend):
     te = t.view(-1, 1, 1, 1)
     xt = (1 - te) * x0 + te * noise
     adv = torch.tensor([3.0, -0.4, 1.1])  # one beyond adv_clip_max
-    ours, g_ours = _grad_of(lambda vv: L.nft_loss(xt, vv, v_old, x0, t, adv, beta=0.1, adv_clip_max=2.0, kl_coef=0.1,
+    ours, g_ours = _grad_of(lambda vv: L.nft_loss(xt, vv, v_old, x0, t, advantages=adv, beta=0.1, adv_clip_max=2.0,
+                                                  kl_coef=0.1,
                                                   ref_model_output=v_ref, backend=backend), v_new)
     (loss, policy, per_sample, kl), g_peer = _grad_of(
         lambda vv: peer_nft(vv, v_old, v_ref, x0, xt, t, adv, 0.1, 2.0), v_new)
@@ -380,7 +387,8 @@ def test_awm_matches_flow_factory(backend, weighting):
     old_lp = peer_awm_log_prob(v, noise - x0, t, peer_weighting)
     ours_old = L.awm_log_prob(v, noise, x0, t, weighting=weighting, backend=backend)
     torch.testing.assert_close(ours_old, old_lp, rtol=4 * 2.0**-24, atol=0)  # float64-reduction accuracy
-    ours, g_ours = _grad_of(lambda vv: L.awm_loss(vv, noise, x0, t, old_lp, adv, clip_range=(0.01, 0.02),
+    ours, g_ours = _grad_of(lambda vv: L.awm_loss(vv, noise, x0, t, old_log_prob=old_lp, advantages=adv,
+                                                  clip_range=(0.01, 0.02),
                                                   weighting=weighting, backend=backend), v_new)
     (loss, ratio), g_peer = _grad_of(
         lambda vv: peer_awm_loss(peer_awm_log_prob(vv, noise - x0, t, peer_weighting), old_lp, adv, (-0.01, 0.02)),

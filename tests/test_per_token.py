@@ -182,7 +182,7 @@ def test_per_token_and_frozen_against_the_float64_oracle(mode, dtype):
         for kind in ("kernel", "sq_err"):
             for reduction in ("mean", "sum"):
                 lp = flowrl.step_log_prob(x, v, out.prev_sample, SIGMAS, 2, mode=mode, noise_level=eta, token_sigmas=ts,
-                                          frozen=fz, log_prob=kind, reduction=reduction, backend=backend)
+                                          frozen=fz, log_prob_kind=kind, reduction=reduction, backend=backend)
                 want, _ = _oracle(x, v, out.prev_sample, ts, fz, mode, eta, kind=kind, reduction=reduction)
                 _within(lp, want, torch.zeros_like(want), 1e-4, 1e-4 * (want.abs().max() + 1), f"{backend} {kind}")
 
@@ -251,8 +251,8 @@ def test_uniform_token_sigmas_are_the_ordinary_step_bit_for_bit(backend, mode):
             assert torch.equal(getattr(out, name), getattr(plain, name)), (name, extra)
         for kind in ("gaussian", "sq_err"):
             vg1, vg2 = v.clone().requires_grad_(), v.clone().requires_grad_()
-            a = flowrl.step_log_prob(x, vg1, plain.prev_sample, SIGMAS, step, log_prob=kind, reduction="sum", **kw)
-            b = flowrl.step_log_prob(x, vg2, plain.prev_sample, SIGMAS, step, log_prob=kind, reduction="sum", **kw,
+            a = flowrl.step_log_prob(x, vg1, plain.prev_sample, SIGMAS, step, log_prob_kind=kind, reduction="sum", **kw)
+            b = flowrl.step_log_prob(x, vg2, plain.prev_sample, SIGMAS, step, log_prob_kind=kind, reduction="sum", **kw,
                                      **extra)
             assert torch.equal(a, b)
             a.sum().backward()
@@ -272,13 +272,13 @@ def test_rollout_equals_recompute_and_batch_invariance(backend):
     kw = dict(token_sigmas=ts, frozen=fz, backend=backend)
     for source in (dict(noise=noise), dict(noise_seed=torch.tensor([11, 12, 13]))):
         for kind, reduction in (("gaussian", "mean"), ("kernel", "sum")):
-            out = flowrl.sde_step(x, v, SIGMAS, step, log_prob=kind, reduction=reduction, **source, **kw)
-            lp = flowrl.step_log_prob(x, v, out.prev_sample, SIGMAS, step, log_prob=kind, reduction=reduction,
+            out = flowrl.sde_step(x, v, SIGMAS, step, log_prob_kind=kind, reduction=reduction, **source, **kw)
+            lp = flowrl.step_log_prob(x, v, out.prev_sample, SIGMAS, step, log_prob_kind=kind, reduction=reduction,
                                       return_count=True, **kw)
             assert torch.equal(lp.log_prob, out.log_prob) and torch.equal(lp.count, out.count)
             # sample 1 alone (its own token sigmas, the shared mask)
             one = dict(noise=noise[1:2]) if "noise" in source else dict(noise_seed=torch.tensor([12]))
-            alone = flowrl.sde_step(x[1:2], v[1:2], SIGMAS, step[1:2], log_prob=kind, reduction=reduction,
+            alone = flowrl.sde_step(x[1:2], v[1:2], SIGMAS, step[1:2], log_prob_kind=kind, reduction=reduction,
                                     token_sigmas=ts[1:2], frozen=fz, backend=backend, **one)
             assert torch.equal(alone.prev_sample, out.prev_sample[1:2]) and torch.equal(alone.log_prob, out.log_prob[1:2])
 
@@ -321,7 +321,7 @@ def test_shard_invariance(backend):
     prev = flowrl.sde_step(x, v, SIGMAS, 2, token_sigmas=ts, frozen=fz, generator=g, backend=backend).prev_sample
     for kind, exact in (("kernel", True), ("sq_err", True), ("gaussian", False)):
         vf = v.clone().requires_grad_()
-        full = flowrl.step_log_prob(x, vf, prev, SIGMAS, 2, token_sigmas=ts, frozen=fz, log_prob=kind,
+        full = flowrl.step_log_prob(x, vf, prev, SIGMAS, 2, token_sigmas=ts, frozen=fz, log_prob_kind=kind,
                                     return_count=True, backend=backend)
         full.log_prob.sum().backward()
         bounds = [(0, rows[0]), (rows[0], s)]
@@ -330,7 +330,7 @@ def test_shard_invariance(backend):
             lo, hi = bounds[k]
             vs = v[:, lo:hi].clone().requires_grad_()
             out = flowrl.step_log_prob(x[:, lo:hi], vs, prev[:, lo:hi], SIGMAS, 2, token_sigmas=ts[:, lo:hi],
-                                       frozen=fz[:, lo:hi], log_prob=kind, return_count=True, backend=backend,
+                                       frozen=fz[:, lo:hi], log_prob_kind=kind, return_count=True, backend=backend,
                                        shard=make(s * c, lo * c))
             return out, vs
 
@@ -359,7 +359,7 @@ def test_gradcheck_float64():
     fz[0, 1, 0] = True
     for kind, reduction in (("gaussian", "mean"), ("kernel", "sum"), ("sq_err", "mean")):
         def f(a, b, c, kind=kind, reduction=reduction):
-            return flowrl.step_log_prob(a, b, c, SIGMAS, 3, token_sigmas=ts, frozen=fz, log_prob=kind,
+            return flowrl.step_log_prob(a, b, c, SIGMAS, 3, token_sigmas=ts, frozen=fz, log_prob_kind=kind,
                                         reduction=reduction, backend="torch")
         assert torch.autograd.gradcheck(f, (x.clone().requires_grad_(), v.clone().requires_grad_(),
                                             xp.clone().requires_grad_()))

@@ -36,11 +36,11 @@ def _check(rank, world):
     assert torch.equal(part.count, full.count)
     for kind, exact in (("kernel", True), ("sq_err", True), ("gaussian", False)):
         vf = v.clone().requires_grad_()
-        want = flowrl.step_log_prob(x, vf, full.prev_sample, sigmas, 2, token_sigmas=ts, frozen=fz, log_prob=kind, **kw)
+        want = flowrl.step_log_prob(x, vf, full.prev_sample, sigmas, 2, token_sigmas=ts, frozen=fz, log_prob_kind=kind, **kw)
         (want * w).sum().backward()
         vs = cut(v).requires_grad_()
         got = fd.step_log_prob(cut(x), vs, cut(full.prev_sample), sigmas, 2, token_sigmas=cut(ts), frozen=cut(fz),
-                               log_prob=kind, **kw)
+                               log_prob_kind=kind, **kw)
         (got * w).sum().backward()
         if exact:
             assert torch.equal(got, want), (kind, got, want)

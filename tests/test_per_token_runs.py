@@ -106,7 +106,7 @@ def _outputs(x, v, v_ref, noise, ts, fz, step, mode, eta):
     res = [out.prev_sample, out.log_prob, out.prev_sample_mean, out.count, seeded.prev_sample, seeded.log_prob]
     for kind in ("gaussian", "sq_err"):
         xg, vg, pg = (t.clone().requires_grad_() for t in (x, v, out.prev_sample))
-        lp = flowrl.step_log_prob(xg, vg, pg, SIGMAS, step, log_prob=kind, **kw)
+        lp = flowrl.step_log_prob(xg, vg, pg, SIGMAS, step, log_prob_kind=kind, **kw)
         lp.sum().backward()
         res += [lp, xg.grad, vg.grad, pg.grad]
     vk = v.clone().requires_grad_()
@@ -117,8 +117,8 @@ def _outputs(x, v, v_ref, noise, ts, fz, step, mode, eta):
     for old in (dict(old_prev_sample_mean=out.prev_sample_mean), dict(noise_seed=torch.tensor([5, 6]))):
         vl = v.clone().requires_grad_()
         prev = out.prev_sample if "old_prev_sample_mean" in old else seeded.prev_sample
-        loss = flowrl.losses.flow_dppo_loss(x, vl, prev, SIGMAS, step, out.log_prob.detach() - 0.01,
-                                            torch.tensor([1.0, -0.5]), kl_threshold=1e9, kl_coef=0.3,
+        loss = flowrl.losses.flow_dppo_loss(x, vl, prev, SIGMAS, step, old_log_prob=out.log_prob.detach() - 0.01,
+                                            advantages=torch.tensor([1.0, -0.5]), kl_threshold=1e9, kl_coef=0.3,
                                             ref_model_output=v_ref, **old, **kw)
         loss.loss.backward()
         res += [loss.loss, loss.log_prob, loss.kl, loss.trust_divergence, vl.grad]

@@ -236,7 +236,7 @@ def _inputs(shape=(5, 3, 700), dtype=torch.bfloat16, seed=0):
 def test_rollout_log_prob_equals_recompute_and_is_reproducible(backend, mode, kind, dtype):
     x, v, sigmas = _inputs(dtype=dtype)
     step = torch.tensor([0, 2, 4, 6, 8], device=DEVICE)
-    kw = dict(mode=mode, noise_level=0.7, log_prob=kind, backend=backend)
+    kw = dict(mode=mode, noise_level=0.7, log_prob_kind=kind, backend=backend)
     out = flowrl.sde_step(x, v, sigmas, step, noise_seed=99, **kw)
     again = flowrl.sde_step(x, v, sigmas, step, noise_seed=99, **kw)
     assert torch.equal(out.prev_sample, again.prev_sample) and torch.equal(out.log_prob, again.log_prob)

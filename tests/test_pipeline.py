@@ -62,7 +62,7 @@ def test_swapped_scheduler_matches_diffusers_and_records_rollouts(dtype, schedul
     for i, v in enumerate(captured):
         recomputed = flowrl.step_log_prob(
             traj.latents[:, i], v, traj.latents[:, i + 1], traj.sigmas, i,
-            mode=traj.mode, noise_level=traj.noise_level, log_prob=traj.log_prob, reduction=traj.reduction,
+            mode=traj.mode, noise_level=traj.noise_level, log_prob_kind=traj.log_prob_kind, reduction=traj.reduction,
         )
         assert torch.equal(recomputed, traj.log_probs[:, i]), i
 
@@ -147,7 +147,7 @@ def test_recorder_wraps_diffusers_own_scheduler(dtype, scheduler_config):
     for i, v in enumerate(captured):
         recomputed = flowrl.step_log_prob(
             traj.latents[:, i], v, traj.latents[:, i + 1], traj.sigmas, i,
-            mode=traj.mode, noise_level=traj.noise_level, log_prob=traj.log_prob, reduction=traj.reduction,
+            mode=traj.mode, noise_level=traj.noise_level, log_prob_kind=traj.log_prob_kind, reduction=traj.reduction,
         )
         assert torch.equal(recomputed, traj.log_probs[:, i]), i
 

@@ -366,7 +366,7 @@ def check_grads(what: str, fn, case: Case, third: torch.Tensor, names, **kw) -> 
 
 def run_case(case: Case) -> None:
     common = dict(mode=case.mode, noise_level=case.eta, backend=case.backend)
-    lp_kw = dict(common, log_prob=case.kind, reduction=case.reduction)
+    lp_kw = dict(common, log_prob_kind=case.kind, reduction=case.reduction)
     event(f"{case.mode} {str(case.dtype).replace('torch.', '')}")
     event(f"schedule {case.family}, T {'1' if case.T == 1 else '2..12' if case.T <= 12 else '13..1000'}")
     eta = case.eta
@@ -401,7 +401,7 @@ def run_case(case: Case) -> None:
     # gradients of weighted sums of the log-prob and of the KL
     prev = rollouts[0][1].prev_sample
     lp = check_grads("log_prob", flowrl.step_log_prob, case, prev, ("sample", "model_output", "prev_sample"),
-                     log_prob=case.kind)
+                     log_prob_kind=case.kind)
     assert torch.equal(lp, rollouts[0][1].log_prob)
     kl_g = check_grads("kl", flowrl.step_kl, case, case.v_ref, ("sample", "model_output", "ref_model_output"))
     assert torch.equal(kl_g, kl)

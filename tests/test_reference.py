@@ -85,7 +85,7 @@ def test_step_matches_oracle(mode, dtype, where):
         for kind in KINDS:
             for reduction in REDUCTIONS:
                 what = f"{mode} {dtype} {where} {shape} {kind} {reduction}"
-                out = sde_step(x, v, sigmas, i, mode=mode, noise_level=eta, noise=noise, log_prob=kind,
+                out = sde_step(x, v, sigmas, i, mode=mode, noise_level=eta, noise=noise, log_prob_kind=kind,
                                reduction=reduction, backend="torch")
                 assert out.prev_sample.dtype == dtype and out.prev_sample.shape == shape
                 assert out.log_prob.shape == (shape[0],)
@@ -99,7 +99,7 @@ def test_step_matches_oracle(mode, dtype, where):
                 assert torch.isfinite(out.log_prob).all()
                 # training recomputes the rollout's log-prob from the stored sample, bit for bit
                 again = step_log_prob(x, v, out.prev_sample, sigmas, i, mode=mode, noise_level=eta,
-                                      log_prob=kind, reduction=reduction, backend="torch")
+                                      log_prob_kind=kind, reduction=reduction, backend="torch")
                 assert torch.equal(again, out.log_prob), what
             kl = step_kl(x, v, v_ref, sigmas, i, mode=mode, noise_level=eta, reduction=reduction, backend="torch")
             close(kl, oracle.kl(x, v, v_ref, sigmas, i, mode, eta, reduction), lp_tol, lp_tol, f"{mode} kl")
@@ -111,7 +111,7 @@ def test_sum_is_mean_times_element_count(mode):
     x, v, noise = (randn(shape, torch.float64, k) for k in range(3))
     numel = 3 * 37 * 41
     for kind in KINDS:
-        kw = dict(mode=mode, noise_level=ETA[mode], noise=noise, log_prob=kind, backend="torch")
+        kw = dict(mode=mode, noise_level=ETA[mode], noise=noise, log_prob_kind=kind, backend="torch")
         s = sde_step(x, v, sigmas, 4, reduction="sum", **kw).log_prob
         m = sde_step(x, v, sigmas, 4, reduction="mean", **kw).log_prob
         torch.testing.assert_close(s, m * numel, rtol=1e-12, atol=1e-9)
@@ -131,13 +131,13 @@ def test_log_prob_is_of_the_emitted_sample(in_dtype, out_dtype):
     sigmas, i, mode, eta, kind = schedule(), 3, "cps", 0.005, "kernel"
     shape = (2, 4, 16, 16)
     x, v, noise = (randn(shape, in_dtype, k) for k in range(3))
-    out = sde_step(x, v, sigmas, i, mode=mode, noise_level=eta, noise=noise, out_dtype=out_dtype, log_prob=kind,
+    out = sde_step(x, v, sigmas, i, mode=mode, noise_level=eta, noise=noise, out_dtype=out_dtype, log_prob_kind=kind,
                    backend="torch")
     assert out.prev_sample.dtype == out_dtype
     emitted = oracle.log_prob(x, v, out.prev_sample, sigmas, i, mode, eta, kind)
     close(out.log_prob, emitted, 1e-5, 1e-5, "log-prob of the emitted sample")
     stored = out.prev_sample.clone()  # what a rollout buffer keeps
-    again = step_log_prob(x, v, stored, sigmas, i, mode=mode, noise_level=eta, log_prob=kind, backend="torch")
+    again = step_log_prob(x, v, stored, sigmas, i, mode=mode, noise_level=eta, log_prob_kind=kind, backend="torch")
     assert torch.equal(again, out.log_prob)
     if out_dtype != torch.float32:
         # the log-prob of the unrounded float64 sample differs by far more than the tolerance:
@@ -170,14 +170,14 @@ def test_deterministic_step_has_log_prob_zero(mode, i, eta, dtype):
     v = randn(shape, dtype, 1).requires_grad_(True)
     for kind in KINDS:
         for reduction in REDUCTIONS:
-            out = sde_step(x, v, sigmas, i, mode=mode, noise_level=eta, noise=noise, log_prob=kind,
+            out = sde_step(x, v, sigmas, i, mode=mode, noise_level=eta, noise=noise, log_prob_kind=kind,
                            reduction=reduction, backend="torch")
             assert torch.equal(out.std_dev, torch.zeros_like(out.std_dev))
             assert torch.equal(out.log_prob, torch.zeros_like(out.log_prob)), (kind, reduction)
             # x' = mu exactly: the noise is not used
             assert torch.equal(out.prev_sample, out.prev_sample_mean.to(dtype))
             lp = step_log_prob(x, v, out.prev_sample.detach(), sigmas, i, mode=mode, noise_level=eta,
-                               log_prob=kind, reduction=reduction, backend="torch")
+                               log_prob_kind=kind, reduction=reduction, backend="torch")
             assert torch.equal(lp, torch.zeros_like(lp))
             (grad,) = torch.autograd.grad(lp.sum(), v)
             assert torch.equal(grad, torch.zeros_like(grad)), "deterministic steps have zero gradient"
@@ -398,7 +398,7 @@ def test_log_prob_reduces_in_the_contract_order(n):
     g = torch.Generator().manual_seed(n)
     prev = torch.randn(2, n, generator=g) * torch.logspace(-3, 3, n)
     zero = torch.zeros(2, n)
-    lp = step_log_prob(zero, zero, prev, schedule(), 3, mode="sde", log_prob="sq_err", reduction="sum",
+    lp = step_log_prob(zero, zero, prev, schedule(), 3, mode="sde", log_prob_kind="sq_err", reduction="sum",
                        backend="torch")
     for b in range(2):
         sq = (prev[b] * prev[b]).numpy()
@@ -414,7 +414,7 @@ def test_log_probs_of_the_order_before_the_leaves_recompute_within_float32_round
     n = 3 * R.CHUNK_SIZE + 40
     prev = torch.randn(4, n, generator=g) * torch.logspace(-3, 3, n)
     zero = torch.zeros(4, n)
-    lp = step_log_prob(zero, zero, prev, schedule(), 3, mode="sde", log_prob="sq_err", reduction="sum",
+    lp = step_log_prob(zero, zero, prev, schedule(), 3, mode="sde", log_prob_kind="sq_err", reduction="sum",
                        backend="torch")
     depth = math.ceil(math.log2(R.CHUNK_SIZE)) + math.ceil(math.log2(4))  # the chunk's tree, then 4 partials
     differ = 0
@@ -445,7 +445,7 @@ def test_shard_invariance_at_a_chunk_boundary(kind):
         common = dict(mode="sde", noise_level=eta, reduction="mean", backend="torch", shard=shard)
         if kind == "kl":
             return step_kl(x[:, sl], v[:, sl], v_ref[:, sl], sigmas, torch.tensor([i, i]), **common)
-        return step_log_prob(x[:, sl], v[:, sl], prev[:, sl], sigmas, torch.tensor([i, i]), log_prob=kind, **common)
+        return step_log_prob(x[:, sl], v[:, sl], prev[:, sl], sigmas, torch.tensor([i, i]), log_prob_kind=kind, **common)
 
     whole = run(slice(None))
     captured = {}
@@ -473,7 +473,7 @@ def test_log_prob_gradients_match_float64_autograd(mode, kind):
     leaves32 = [t.clone().requires_grad_(True) for t in (x, v, prev)]
     leaves64 = [t.double().requires_grad_(True) for t in (x, v, prev)]
     for reduction in REDUCTIONS:
-        lp32 = step_log_prob(*leaves32, sigmas, idx, mode=mode, noise_level=eta, log_prob=kind,
+        lp32 = step_log_prob(*leaves32, sigmas, idx, mode=mode, noise_level=eta, log_prob_kind=kind,
                              reduction=reduction, backend="torch")
         lp64 = oracle.log_prob(*leaves64, sigmas, idx, mode, eta, kind, reduction)
         weights = torch.tensor([1.0, -2.0])
@@ -517,8 +517,8 @@ def test_kl_is_the_log_ratio_at_the_mean(mode):
                   backend="torch").prev_sample_mean
     kw = dict(mode=mode, noise_level=eta, backend="torch")
     for kind in ("gaussian", "kernel"):
-        ratio = step_log_prob(x, v, mu, sigmas, 3, log_prob=kind, **kw) - step_log_prob(
-            x, v_ref, mu, sigmas, 3, log_prob=kind, **kw)
+        ratio = step_log_prob(x, v, mu, sigmas, 3, log_prob_kind=kind, **kw) - step_log_prob(
+            x, v_ref, mu, sigmas, 3, log_prob_kind=kind, **kw)
         torch.testing.assert_close(ratio, step_kl(x, v, v_ref, sigmas, 3, **kw), rtol=1e-10, atol=1e-12)
 
 
@@ -528,7 +528,7 @@ def test_float64_reference_passes_gradcheck():
     idx = torch.tensor([0, 7])
     for mode in ("sde", "dance", "cps"):
         for kind in KINDS:
-            f = lambda a, b, c: step_log_prob(a, b, c, sigmas, idx, mode=mode, noise_level=0.5, log_prob=kind,  # noqa: E731
+            f = lambda a, b, c: step_log_prob(a, b, c, sigmas, idx, mode=mode, noise_level=0.5, log_prob_kind=kind,  # noqa: E731
                                               backend="torch")
             assert torch.autograd.gradcheck(f, (x, v, prev))
         g = lambda a, b, c: step_kl(a, b, c, sigmas, idx, mode=mode, noise_level=0.5, backend="torch")  # noqa: E731
@@ -561,7 +561,7 @@ def test_noise_level_whose_variance_underflows_gives_finite_log_probs(backend, m
     want = {"gaussian": -mean_sq / (2 * STD_FLOOR**2) + const, "kernel": -mean_sq / (2 * STD_FLOOR**2),
             "sq_err": -mean_sq}
     for kind in KINDS:
-        lp = step_log_prob(x, v, out.prev_sample, sigmas, idx, mode=mode, noise_level=1e-23, log_prob=kind,
+        lp = step_log_prob(x, v, out.prev_sample, sigmas, idx, mode=mode, noise_level=1e-23, log_prob_kind=kind,
                            backend=backend)
         assert bool(torch.isfinite(lp).all()), (kind, lp)
         close(lp.double(), want[kind], 1e-5, 1e-6, f"{kind} at std < STD_FLOOR")

@@ -57,7 +57,7 @@ def step_by_step(traj, model, steps):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("options", [
-    dict(), dict(mode="cps", noise_level=0.5, log_prob="sq_err"),
+    dict(), dict(mode="cps", noise_level=0.5, log_prob_kind="sq_err"),
     dict(sde_steps=[1, 2, 4], return_step_indices=[0, 1, 2, 3, 4, 5]),
 ], ids=["sde", "cps", "sde-steps-filtered"])
 def test_batched_replay_equals_the_step_by_step_recompute_bit_for_bit(dtype, options):

@@ -363,11 +363,11 @@ def test_rollout_records_and_recompute_is_bit_exact(mode, eta, dtype):
     assert torch.equal(traj.latents[:, 0], x0) and torch.equal(traj.latents[:, -1], out)
     assert torch.equal(traj.sigmas, sched.sigmas) and torch.equal(traj.timesteps, sched.timesteps)
     assert traj.latent_step_indices.tolist() == list(range(7))
-    assert (traj.mode, traj.noise_level, traj.log_prob, traj.reduction, traj.sde_steps) == (mode, eta, "gaussian", "mean", None)
+    assert (traj.mode, traj.noise_level, traj.log_prob_kind, traj.reduction, traj.sde_steps) == (mode, eta, "gaussian", "mean", None)
     for i, v in enumerate(outputs):
         lp = flowrl.step_log_prob(
             traj.latents[:, i], v, traj.latents[:, i + 1], traj.sigmas, i,
-            mode=traj.mode, noise_level=traj.noise_level, log_prob=traj.log_prob, reduction=traj.reduction,
+            mode=traj.mode, noise_level=traj.noise_level, log_prob_kind=traj.log_prob_kind, reduction=traj.reduction,
         )
         assert torch.equal(lp, traj.log_probs[:, i]), i
 
@@ -376,7 +376,7 @@ def test_rollout_step_output_fields_and_dtype():
     sched = Sched()
     sched.set_timesteps(3)
     x = torch.randn(2, 8, dtype=BF16)
-    with sched.rollout(log_prob="kernel", reduction="sum"):
+    with sched.rollout(log_prob_kind="kernel", reduction="sum"):
         out = sched.step(toy_velocity(x, sched.timesteps[0]), sched.timesteps[0], x)
         as_tuple = sched.step(toy_velocity(out.prev_sample, sched.timesteps[1]), sched.timesteps[1], out.prev_sample, return_dict=False)
     assert out.prev_sample.dtype == BF16 and out[0] is out.prev_sample and out["log_prob"] is out.log_prob
@@ -457,7 +457,7 @@ def test_rollout_bad_arguments_raise():
     with pytest.raises(TypeError, match="noise_level"):
         sched.rollout(noise_level="high")
     with pytest.raises(ValueError, match="log_prob"):
-        sched.rollout(log_prob="exact")
+        sched.rollout(log_prob_kind="exact")
     with pytest.raises(ValueError, match="reduction"):
         sched.rollout(reduction="max")
     with pytest.raises(TypeError, match="sde_steps"):

@@ -444,7 +444,7 @@ def _trajectory(batch=4, steps=3, sde_steps=True):
         latent_step_indices=torch.arange(steps + 1),
         mode="cps",
         noise_level=0.1 + 0.2,  # a float whose repr needs all digits
-        log_prob="sq_err",
+        log_prob_kind="sq_err",
         reduction="sum",
         sde_steps=torch.tensor([0, 1]) if sde_steps else None,
     )
@@ -456,7 +456,7 @@ def _same_trajectory(a: RolloutTrajectory, b: RolloutTrajectory):
     assert (a.sde_steps is None) == (b.sde_steps is None)
     if a.sde_steps is not None:
         assert torch.equal(a.sde_steps, b.sde_steps)
-    assert (a.mode, a.noise_level, a.log_prob, a.reduction) == (b.mode, b.noise_level, b.log_prob, b.reduction)
+    assert (a.mode, a.noise_level, a.log_prob_kind, a.reduction) == (b.mode, b.noise_level, b.log_prob_kind, b.reduction)
 
 
 @pytest.mark.parametrize("sde_steps", [True, False])
@@ -587,7 +587,7 @@ def test_a_damaged_trajectory_file_is_refused_naming_what_is_damaged(tmp_path):
             RolloutTrajectory.load(tmp_path / "x")
     # a file written before checksums (format /2) still loads
     S.save_safetensors(tmp_path / "v2", traj._tensors(), {"format": FORMAT, "mode": traj.mode, "noise_level":
-                       repr(traj.noise_level), "log_prob": traj.log_prob, "reduction": traj.reduction})
+                       repr(traj.noise_level), "log_prob": traj.log_prob_kind, "reduction": traj.reduction})
     assert torch.equal(RolloutTrajectory.load(tmp_path / "v2").latents, traj.latents)
 
 
@@ -653,7 +653,7 @@ def test_trajectory_format_1_payloads_and_files_still_load(tmp_path):
     wire["format"] = "flowrl.RolloutTrajectory/1"
     _same_trajectory(RolloutTrajectory.from_wire(wire), traj)
     metadata = {"format": "flowrl.RolloutTrajectory/1", "mode": traj.mode, "noise_level": repr(float(traj.noise_level)),
-                "log_prob": traj.log_prob, "reduction": traj.reduction}
+                "log_prob": traj.log_prob_kind, "reduction": traj.reduction}
     S.save_safetensors(tmp_path / "v1.safetensors", traj._tensors(), metadata)
     _same_trajectory(RolloutTrajectory.load(tmp_path / "v1.safetensors"), traj)
     wire["token_sigmas"] = None  # /2 keys in a /1 payload are refused

@@ -62,7 +62,7 @@ def assert_same(a, b):
     for name in ("latents", "log_probs", "timesteps", "sigmas", "latent_step_indices"):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and torch.equal(x, y), name
-    assert (a.mode, a.noise_level, a.log_prob, a.reduction) == (b.mode, b.noise_level, b.log_prob, b.reduction)
+    assert (a.mode, a.noise_level, a.log_prob_kind, a.reduction) == (b.mode, b.noise_level, b.log_prob_kind, b.reduction)
     assert (a.sde_steps is None) == (b.sde_steps is None)
     if a.sde_steps is not None:
         assert torch.equal(a.sde_steps, b.sde_steps)
@@ -91,13 +91,13 @@ def test_from_sglang_builds_the_batch_trajectory(dtype):
 
 
 def test_filtered_steps_from_timesteps_and_settings_mapping():
-    traj = rollout(return_step_indices=[0, 2, 4], sde_steps=[0, 1], mode="cps", noise_level=0.5, log_prob="sq_err")
+    traj = rollout(return_step_indices=[0, 2, 4], sde_steps=[0, 1], mode="cps", noise_level=0.5, log_prob_kind="sq_err")
     assert traj.latents.shape[1] == 3
     request = {"rollout_sde_type": "cps", "rollout_noise_level": 0.5, "rollout_log_prob_no_const": True,
                "rollout_sde_step_indices": [0, 1], "rollout_return_step_indices": [0, 2, 4]}
     got = from_sglang(sglang_responses(traj, timesteps="kept"), request=request)
     assert got.latent_step_indices.tolist() == [0, 2, 4]
-    assert (got.mode, got.noise_level, got.log_prob) == ("cps", 0.5, "sq_err")
+    assert (got.mode, got.noise_level, got.log_prob_kind) == ("cps", 0.5, "sq_err")
     assert got.sde_steps.tolist() == [0, 1]
     assert torch.equal(got.timesteps, traj.timesteps)  # the loop's timesteps, from the schedule
     assert_same(got, traj)
@@ -116,7 +116,7 @@ def test_schedule_length_equal_to_batch_size_is_never_sliced(batch, steps):
 def test_to_sglang_round_trips_bit_for_bit_with_debug_tensors_and_env(server):
     encode = msgpack.packb if server == "0.5.23" else json.dumps
     for traj in (rollout(dtype=torch.bfloat16, debug=True),
-                 rollout(return_step_indices=[1, 3], sde_steps=[2], log_prob="sq_err", noise_level=0.3)):
+                 rollout(return_step_indices=[1, 3], sde_steps=[2], log_prob_kind="sq_err", noise_level=0.3)):
         responses = to_sglang(traj, server=server, request_id="r", seed=3)
         assert len(responses) == traj.batch_size and responses[0]["seed"] == 3
         dit = responses[0]["dit_trajectory"]
@@ -337,7 +337,7 @@ def test_extra_sampling_params_resolve_as_the_server_does(request_):
 def test_resolved_settings_equal_the_transcribed_server(request_):
     settings = server_settings(request_)
     traj = rollout(mode=settings["rollout_sde_type"], noise_level=settings["rollout_noise_level"],
-                   log_prob="sq_err" if settings["rollout_log_prob_no_const"] else "gaussian",
+                   log_prob_kind="sq_err" if settings["rollout_log_prob_no_const"] else "gaussian",
                    sde_steps=settings["rollout_sde_step_indices"], return_step_indices=settings["rollout_return_step_indices"])
     got = from_sglang(sglang_responses(traj, timesteps="all" if traj.latents.shape[1] == T + 1 else "kept"),
                       request=request_)

@@ -117,7 +117,7 @@ def test_released_body_decodes_and_matches_flowrls_step_with_sglangs_noise(bodie
         v = velocity(cfg, traj, j)
         noise = traj.debug_tensors.rollout_variance_noises[:, j]
         ours = flowrl.sde_step(traj.latents[:, j], v, traj.sigmas, j, mode=traj.mode, noise_level=traj.noise_level,
-                               noise=noise, log_prob=kind, out_dtype=torch.float32)
+                               noise=noise, log_prob_kind=kind, out_dtype=torch.float32)
         engine = engine_prev_sample(traj, j)
         # the same formula in float32, written differently: a few ulps apart
         torch.testing.assert_close(ours.prev_sample, engine, rtol=4 * 2.0 ** -23, atol=4 * 2.0 ** -23)
@@ -161,7 +161,7 @@ def test_with_flowrl_in_the_engine_the_ratio_is_exactly_one(bodies, name, capsys
     for j in steps:
         lp = traj.step_log_prob(j, velocity(cfg, traj, j), backend=backend)
         assert torch.equal(torch.exp(lp - traj.log_probs[:, j]), torch.ones_like(lp)), j
-    assert traj.mode == cfg["sde_type"] and traj.log_prob == ("sq_err" if cfg["no_const"] else "gaussian")
+    assert traj.mode == cfg["sde_type"] and traj.log_prob_kind == ("sq_err" if cfg["no_const"] else "gaussian")
     if cfg.get("return_steps"):
         assert traj.latent_step_indices.tolist() == cfg["return_steps"]
     if cfg.get("sde_steps"):

@@ -48,7 +48,8 @@ def _training_step(backend):
         out = flowrl.sde_step(x, v.detach(), sigmas, 1, noise=noise, backend=backend)
         lp = flowrl.step_log_prob(x, v, out.prev_sample, sigmas, 1, backend=backend)
         kl = flowrl.step_kl(x, v, ref, sigmas, 1, backend=backend)
-        grpo = losses.grpo_loss(x, v, out.prev_sample, sigmas, 1, old_lp, adv, clip_range=(0.2, 0.28), kl_coef=0.1,
+        grpo = losses.grpo_loss(x, v, out.prev_sample, sigmas, 1, old_log_prob=old_lp, advantages=adv,
+                                clip_range=(0.2, 0.28), kl_coef=0.1,
                                 ref_model_output=ref, backend=backend, rollout_is_weights=adv.abs() + 0.5)
         loss = grpo.loss - lp.mean() + kl.mean()
         return loss, out.prev_sample, out.log_prob, out.prev_sample_mean, lp, kl, grpo.log_prob, grpo.ratio, grpo.kl
@@ -59,9 +60,10 @@ def _losses_step(backend):
     """A training step through the other losses: nft_loss, awm_loss, awm_log_prob, teacher_kl_loss."""
     def step(x, noise, ref, w, old_lp, adv, sigmas):
         v = (x.float() @ w).to(x.dtype)  # the "model"
-        nft = losses.nft_loss(x, v, ref, noise, 0.5, adv, beta=1.0, adv_clip_max=5.0, kl_coef=0.1,
+        nft = losses.nft_loss(x, v, ref, noise, 0.5, advantages=adv, beta=1.0, adv_clip_max=5.0, kl_coef=0.1,
                               ref_model_output=ref, backend=backend)
-        awm = losses.awm_loss(v, noise, x, sigmas[1:3], old_lp, adv, clip_range=(0.2, 0.28), weighting="ghuber",
+        awm = losses.awm_loss(v, noise, x, sigmas[1:3], old_log_prob=old_lp, advantages=adv, clip_range=(0.2, 0.28),
+                              weighting="ghuber",
                               backend=backend, rollout_is_weights=adv.abs() + 0.5)
         lp = losses.awm_log_prob(v, noise, x, 0.3, weighting="huber", backend=backend)
         teacher, teacher_kl = losses.teacher_kl_loss(x, v, ref, sigmas, 1, backend=backend)
@@ -79,9 +81,11 @@ def _preference_step(backend):
         groups = torch.arange(x.shape[0], device=x.device) // 2
         old = v.detach() - 0.1 * noise.to(v.dtype)  # the old (EMA) policy
         dpo = losses.dpo_loss(v, ref, noise, x, beta=50.0, backend=backend)
-        dgpo = losses.dgpo_loss(v, ref, noise, x, adv, groups, beta=10.0, group_size=2, old_model_output=old,
+        dgpo = losses.dgpo_loss(v, ref, noise, x, advantages=adv, group_index=groups, beta=10.0, group_size=2,
+                                old_model_output=old,
                                 clip_range=(0.1, 0.1), clip_kl=True, kl_coef=0.1, backend=backend)
-        ema = losses.dgpo_loss(v, None, noise, x, adv, groups, beta=10.0, old_model_output=old, ema_reference=True,
+        ema = losses.dgpo_loss(v, None, noise, x, advantages=adv, group_index=groups, beta=10.0, old_model_output=old,
+                               ema_reference=True,
                                backend=backend)
         loss = dpo.loss + dgpo.loss + ema.loss
         return (loss, *dpo, *[t for t in dgpo if t is not None], *[t for t in ema if t is not None])
@@ -267,10 +271,12 @@ def test_trust_region_losses_compile_with_eager_bits(variant):
         v = x @ w
         out = flowrl.sde_step(x, v.detach(), sigmas, 2, noise_seed=11, backend="torch")
         if variant == "grpo_guard_replay":
-            res = losses.grpo_guard_loss(x, v, out.prev_sample, sigmas, 2, old_lp, adv, clip_range=0.2, noise_seed=11,
+            res = losses.grpo_guard_loss(x, v, out.prev_sample, sigmas, 2, old_log_prob=old_lp, advantages=adv,
+                                         clip_range=0.2, noise_seed=11,
                                          backend="torch")
         else:
-            res = losses.flow_dppo_loss(x, v, out.prev_sample, sigmas, 2, old_lp, adv, kl_threshold=0.01,
+            res = losses.flow_dppo_loss(x, v, out.prev_sample, sigmas, 2, old_log_prob=old_lp, advantages=adv,
+                                        kl_threshold=0.01,
                                         old_prev_sample_mean=out.prev_sample_mean, kl_coef=0.5,
                                         ref_model_output=ref, backend="torch")
         return tuple(t for t in res if t is not None)
@@ -320,7 +326,8 @@ def _run_ops(backend, device, dtype):
     out = flowrl.sde_step(x, v, sigmas, 1, noise=noise, backend=backend)
     lp = flowrl.step_log_prob(x, v, out.prev_sample.detach(), sigmas, 1, backend=backend)
     kl = flowrl.step_kl(x, v, ref, sigmas, 1, backend=backend)
-    grpo = losses.grpo_loss(x, v, out.prev_sample.detach(), sigmas, 1, old_lp, adv, clip_range=0.2, kl_coef=0.1,
+    grpo = losses.grpo_loss(x, v, out.prev_sample.detach(), sigmas, 1, old_log_prob=old_lp, advantages=adv,
+                            clip_range=0.2, kl_coef=0.1,
                             ref_model_output=ref, backend=backend)
     others = _losses_step(backend)(x, noise, ref, w, old_lp, adv, sigmas)  # recomputes v from w
     x4, noise4, ref4, _, old_lp4, adv4, sigmas4 = _inputs(device, dtype, batch=4, seed=1)
@@ -448,7 +455,8 @@ def test_joint_stream_losses_are_traced_not_routed():
     old, adv = torch.zeros(2), torch.tensor([1.0, -1.0])
 
     def step(va, vb):
-        return losses.grpo_loss(tuple(x), (va, vb), tuple(prev), sigmas, 1, old, adv, clip_range=0.2,
+        return losses.grpo_loss(tuple(x), (va, vb), tuple(prev), sigmas, 1, old_log_prob=old, advantages=adv,
+                                clip_range=0.2,
                                 stream_weights=(0.5, 0.5), backend="torch").loss
 
     graphs = []

@@ -37,7 +37,7 @@ def _assert_same(a: RolloutTrajectory, b: RolloutTrajectory):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and x.shape == y.shape and _bits(x) == _bits(y), name
     assert (a.sde_steps is None) == (b.sde_steps is None)
-    assert (a.mode, a.noise_level, a.log_prob, a.reduction) == (b.mode, b.noise_level, b.log_prob, b.reduction)
+    assert (a.mode, a.noise_level, a.log_prob_kind, a.reduction) == (b.mode, b.noise_level, b.log_prob_kind, b.reduction)
 
 
 @pytest.mark.parametrize("latent_shape", [(), (3, 4), (2, 3, 4, 4)], ids=str)

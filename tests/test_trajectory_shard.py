@@ -33,12 +33,12 @@ class _Model(torch.nn.Module):
 
 # (name, rollout options, per-token timesteps, exact)
 CASES = [
-    ("gaussian", dict(log_prob="gaussian"), False, True),
-    ("kernel-per-token-frozen", dict(log_prob="kernel", frozen=True), True, True),
-    ("sq-err-per-token", dict(log_prob="sq_err"), True, True),
-    ("gaussian-per-token-frozen", dict(log_prob="gaussian", frozen=True), True, False),
+    ("gaussian", dict(log_prob_kind="gaussian"), False, True),
+    ("kernel-per-token-frozen", dict(log_prob_kind="kernel", frozen=True), True, True),
+    ("sq-err-per-token", dict(log_prob_kind="sq_err"), True, True),
+    ("gaussian-per-token-frozen", dict(log_prob_kind="gaussian", frozen=True), True, False),
     ("dpm-sde-order-2", dict(mode="dpm_sde", noise_level=1.0), False, True),
-    ("bf16", dict(log_prob="gaussian", dtype=torch.bfloat16), False, True),
+    ("bf16", dict(log_prob_kind="gaussian", dtype=torch.bfloat16), False, True),
 ]
 
 
@@ -98,7 +98,7 @@ def test_each_rank_recomputes_its_shard_of_a_recorded_trajectory():
 
 
 def test_shard_slices_the_per_sample_tensors_and_keeps_the_rest():
-    traj, _ = record(dict(log_prob="kernel", frozen=True), True)
+    traj, _ = record(dict(log_prob_kind="kernel", frozen=True), True)
     shard = flowrl.shard_trajectory(traj, 16, 40)
     assert isinstance(shard, ShardedRolloutTrajectory)
     whole, part = traj.step_inputs(1), shard.step_inputs(1)

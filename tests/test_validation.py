@@ -78,7 +78,9 @@ COMMON_CASES = [
     ("sample-list", {"sample": [[1.0, 2.0]]}, TypeError, "sample", r" must be a torch\.Tensor; got list$"),
     ("sample-0d", {"sample": torch.tensor(1.0)}, ValueError, "sample",
      r" must have a batch dimension \(shape \[B, \.\.\.\]\); got a 0-d tensor$"),
-    ("sample-empty-batch", {"sample": torch.zeros(0, 3)}, ValueError, "sample", r" must have a batch size of at least 1; got B = 0$"),
+    # B = 0 is valid (tests/test_empty_batch.py); a batch the other tensors do not share is not
+    ("sample-empty-batch-mismatch", {"sample": torch.zeros(0, 3, 4)}, ValueError, "model_output",
+     r" must have the shape of sample \(0, 3, 4\); got \(2, 3, 4\)$"),
     ("sample-no-elements", {"sample": torch.zeros(2, 0)}, ValueError, "sample",
      r" must have at least one element per sample; got shape \(2, 0\)$"),
     ("model_output-shape", {"model_output": torch.zeros(2, 3, 5)}, ValueError, "model_output",
@@ -150,9 +152,9 @@ COMMON_CASES = [
 ]
 
 LOG_PROB_CASES = [
-    ("log_prob-unknown", {"log_prob": "gauss"}, ValueError, "log_prob", r" must be one of 'gaussian', 'kernel', 'sq_err'; got 'gauss'$"),
+    ("log_prob_kind-unknown", {"log_prob_kind": "gauss"}, ValueError, "log_prob_kind", r" must be one of 'gaussian', 'kernel', 'sq_err'; got 'gauss'$"),
     # "kl" names step_kl's value, not a log-prob kind
-    ("log_prob-kl", {"log_prob": "kl"}, ValueError, "log_prob", r" must be one of 'gaussian', 'kernel', 'sq_err'; got 'kl'$"),
+    ("log_prob_kind-kl", {"log_prob_kind": "kl"}, ValueError, "log_prob_kind", r" must be one of 'gaussian', 'kernel', 'sq_err'; got 'kl'$"),
     ("reduction-unknown", {"reduction": "max"}, ValueError, "reduction", r" must be one of 'mean', 'sum'; got 'max'$"),
     ("reduction-none", {"reduction": None}, ValueError, "reduction", r" must be one of 'mean', 'sum'; got None$"),
 ]

@@ -119,7 +119,7 @@ def _rollout(model, scheduler, args, dtype, device):
     gens = [torch.Generator().manual_seed(args.seed * 1000 + i) for i in range(args.batch)]
     latents = torch.cat([torch.randn(1, model.dim, generator=g) for g in gens]).to(device=device, dtype=dtype)
     scheduler.set_timesteps(args.steps, device=device)
-    options = dict(noise_level=args.noise_level, log_prob=args.log_prob, generator=gens, backend=args.backend)
+    options = dict(noise_level=args.noise_level, log_prob_kind=args.log_prob_kind, generator=gens, backend=args.backend)
     if Mode.parse("mode", args.mode).rules.schedule is Schedule.SIGMAS:  # flowrl.DDIMScheduler's is ddim
         options["mode"] = args.mode
     rec = scheduler.rollout(**options)
@@ -177,7 +177,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dim", type=int, default=64, help="dimension of the Gaussian-mixture target")
     p.add_argument("--noise-level", type=float, default=None,
                    help="default 0.7, or the mode's fixed level (dpm_sde: 1.0)")
-    p.add_argument("--log-prob", default="gaussian", choices=["gaussian", "kernel", "sq_err"])
+    p.add_argument("--log-prob-kind", default="gaussian", choices=["gaussian", "kernel", "sq_err"])
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="storage dtype of latents")
     p.add_argument("--shift", type=float, default=1.0, help="the scheduler's timestep shift")
     p.add_argument("--backend", default="auto", choices=list(BACKENDS))
@@ -212,7 +212,7 @@ def _report(args) -> int:
     ratios = torch.exp(recomputed - traj.log_probs)
 
     print(f"flowrl demo: {args.batch} samples x {args.steps} steps, mode={args.mode}, noise_level={args.noise_level}, "
-          f"log_prob={args.log_prob}, storage {args.dtype}, device {device}")
+          f"log_prob_kind={args.log_prob_kind}, storage {args.dtype}, device {device}")
     print(f"target: mixture of {model.means.shape[0]} isotropic Gaussians in {model.dim} dimensions "
           f"(exact velocity field, shift={args.shift})")
     print()

@@ -217,7 +217,7 @@ class Trainer:
         for i in range(traj.num_steps):
             x, x_next = traj.latents[:, i], traj.latents[:, i + 1]
             v = self.velocity(x, traj.timesteps[i])
-            lp = flowrl.step_log_prob(x, v, x_next, traj.sigmas, i, log_prob=traj.log_prob, **opts)
+            lp = flowrl.step_log_prob(x, v, x_next, traj.sigmas, i, log_prob_kind=traj.log_prob_kind, **opts)
             ratio = torch.exp(lp - traj.log_probs[:, i])
             surrogate = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - eps, 1 + eps))
             loss = surrogate.mean()

@@ -148,7 +148,7 @@ def step_mean(sample, model_output, sigmas, idx, mode: str, eta: float, backend:
     ``sample``, from ``flowrl.sde_step`` with zero noise on the same backend as the log-prob."""
     noise = None if mode == "ode" else torch.zeros(sample.shape, dtype=torch.float32, device=sample.device)
     out = sde_step(sample, model_output, sigmas, idx, mode=mode, noise_level=eta, noise=noise,
-                   log_prob="kernel", out_dtype=torch.float32, backend=backend)
+                   log_prob_kind="kernel", out_dtype=torch.float32, backend=backend)
     return out.prev_sample_mean
 
 
@@ -159,10 +159,10 @@ def emit(sample, model_output, sigmas, idx, *, mode, eta, noise, kind, out_dtype
     ``peer_compatible``: the step is taken in float32 and the log-prob is of that float32 sample (what
     the peers record); the returned sample is then rounded to ``out_dtype``."""
     if peer_compatible:
-        out = sde_step(sample, model_output, sigmas, idx, mode=mode, noise_level=eta, noise=noise, log_prob=kind,
+        out = sde_step(sample, model_output, sigmas, idx, mode=mode, noise_level=eta, noise=noise, log_prob_kind=kind,
                        out_dtype=torch.float32, backend=backend)
         return out.prev_sample.to(out_dtype), out.log_prob, out.prev_sample_mean, out.std_dev
-    out = sde_step(sample, model_output, sigmas, idx, mode=mode, noise_level=eta, noise=noise, log_prob=kind,
+    out = sde_step(sample, model_output, sigmas, idx, mode=mode, noise_level=eta, noise=noise, log_prob_kind=kind,
                    out_dtype=out_dtype, backend=backend)
     return out.prev_sample, out.log_prob, out.prev_sample_mean, out.std_dev
 

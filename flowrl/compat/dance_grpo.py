@@ -112,7 +112,7 @@ def flux_step(
                                       backend=backend)
         return prev, x0, log_prob
     log_prob = step_log_prob(latents, model_output, prev_sample, table, idx, mode="dance", noise_level=eta,
-                             log_prob="gaussian", backend=backend)
+                             log_prob_kind="gaussian", backend=backend)
     return prev_sample, x0, log_prob
 
 

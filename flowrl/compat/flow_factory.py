@@ -260,7 +260,7 @@ def step(
             mean_parts.append((rows, C.step_mean(x, v, table, i, mode, eta, backend)))
             if compute_log_prob and mode != "ode":
                 lp_parts.append((rows, step_log_prob(x, v, pick(next_latents), table, i, mode=mode, noise_level=eta,
-                                                     log_prob=kind, backend=backend)))
+                                                     log_prob_kind=kind, backend=backend)))
     out_latents, mean = _assemble(prev_parts), _assemble(mean_parts)
     if mode == "ode" or not lp_parts:  # ODE: log-prob 0, as Flow-Factory
         log_prob = torch.zeros(batch, dtype=torch.float32, device=device)

@@ -122,7 +122,7 @@ def sde_step_with_logprob(
                                          backend=backend)
     else:
         log_prob = step_log_prob(sample, model_output, prev_sample, table, idx, mode=mode, noise_level=eta,
-                                 log_prob=kind, backend=backend)
+                                 log_prob_kind=kind, backend=backend)
         mean = C.step_mean(sample, model_output, table, idx, mode, eta, backend)
         prev = prev_sample.float()  # Flow-GRPO returns the upcast prev_sample
 
@@ -238,7 +238,7 @@ def ode_step_with_logprob(
     if prev_sample is None:
         if out_dtype is None:
             out_dtype = torch.float32 if peer_compatible else model_output.dtype
-        prev = sde_step(sample, model_output, table, idx, mode="ode", noise_level=0.0, noise=None, log_prob="kernel",
+        prev = sde_step(sample, model_output, table, idx, mode="ode", noise_level=0.0, noise=None, log_prob_kind="kernel",
                         out_dtype=out_dtype, return_prev_sample_mean=False, backend=backend).prev_sample
         scored = prev.float()
     else:
@@ -364,7 +364,7 @@ def _solver_step(model_output, latents, table, idx, x0, prev_sample, mode, eta, 
                                       out_dtype=out_dtype, peer_compatible=peer_compatible, backend=backend)
         return prev, x0, log_prob
     log_prob = step_log_prob(latents, model_output, prev_sample, table, idx, mode=mode, noise_level=eta,
-                             log_prob=kind, backend=backend)
+                             log_prob_kind=kind, backend=backend)
     return prev_sample, x0, log_prob
 
 

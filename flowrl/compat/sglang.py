@@ -108,7 +108,7 @@ class FlowRLRolloutController:
             x, v, noise = sample, model_output, local_noise
         out = sde_step(x, v, sigmas, step_index, mode="ode" if ode else SDE_TYPES[self.sde_type],
                        noise_level=float(self.noise_level), noise=noise,
-                       log_prob="sq_err" if self.log_prob_no_const else "gaussian",
+                       log_prob_kind="sq_err" if self.log_prob_no_const else "gaussian",
                        out_dtype=out_dtype, return_prev_sample_mean=True)
         prev, mean = out.prev_sample, out.prev_sample_mean
         if sp:

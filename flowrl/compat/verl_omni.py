@@ -17,8 +17,8 @@ Written against verl-project/verl-omni @ a1139bafffb5b9711f0a6b6edff8ecaa60bfff3
   prev_sample_mean, std_dev_t[, sqrt_dt])``: ``std_dev_t`` is verl-omni's (``"sde"``: the per-unit-time
   ``s``; ``"cps"``: the step's std; ``"dance_sde"``: ``noise_level * sqrt(sigma - sigma')``, the step's
   std), ``sqrt_dt`` is ``[B]``. The mode table: ``"sde"`` is flowrl's ``sde``, ``"cps"`` its ``cps``
-  (``log_prob="sq_err"``), ``"dance_sde"`` its ``dance``; ``include_logprob_normalizer=False`` is
-  ``log_prob="kernel"``. ``noise_level`` may be a float or a per-sample tensor (the rollout adapters'
+  (``log_prob_kind="sq_err"``), ``"dance_sde"`` its ``dance``; ``include_logprob_normalizer=False`` is
+  ``log_prob_kind="kernel"``. ``noise_level`` may be a float or a per-sample tensor (the rollout adapters'
   SDE windows: 0 outside the window). The log-prob is of the sample as returned (``out_dtype``,
   default float32: verl-omni stores the float32 trajectory), so the training adapter's recompute from
   the stored latents gives ratio exactly 1.
@@ -144,7 +144,7 @@ class FlowMatchSDEDiscreteScheduler(FlowMatchEulerDiscreteScheduler):
                 prev_parts.append((rows, pick(prev_sample).to(torch.float32)))
                 if return_logprobs:
                     lp_parts.append((rows, step_log_prob(x, v, pick(prev_sample), table, i, mode=mode, noise_level=eta,
-                                                         log_prob=kind, backend=backend)))
+                                                         log_prob_kind=kind, backend=backend)))
                 mean_parts.append((rows, C.step_mean(x, v, table, i, mode, eta, backend)))
         prev, mean = _assemble(prev_parts), _assemble(mean_parts)
         log_prob = _assemble(lp_parts) if return_logprobs else None
@@ -375,7 +375,7 @@ def diffusion_nft_loss(*, forward_prediction, old_prediction, ref_forward_predic
     p = p.flatten(1).mean(dim=1) if p.dim() > 1 else p
     advantages = ((2.0 * p.to(torch.float32) - 1.0) * adv_max).detach()
     out = nft_loss(xt.detach(), forward_prediction, old_prediction.detach(), x0.detach(), t[:, 0].detach().float(),
-                   advantages, beta=beta, adv_clip_max=adv_max, kl_coef=kl_coef,
+                   advantages=advantages, beta=beta, adv_clip_max=adv_max, kl_coef=kl_coef,
                    ref_model_output=ref_forward_prediction.detach(), backend=backend)
     with torch.no_grad():
         metrics = {"actor/policy_loss": float(out.policy_loss), "actor/positive_loss": float(out.positive_loss.mean()),

@@ -106,7 +106,7 @@ def _skip_value_reads(t: torch.Tensor = None) -> bool:
     # compiling first: the other two are host state that torch.compile need not trace; a meta tensor
     # (shape inference) has no values to read
     return (torch.compiler.is_compiling() or getattr(_skip, "active", False) or capturing()
-            or (t is not None and t.device.type == "meta"))
+            or (t is not None and (t.device.type == "meta" or t.numel() == 0)))  # an empty tensor: no value
 
 
 def check_choice(name: str, value, choices: Sequence[str]) -> str:
@@ -146,14 +146,13 @@ def check_batch_tensor(name: str, t, like: torch.Tensor, like_name: str = "sampl
 
 
 def check_sample(sample, name: str = "sample") -> torch.Tensor:
-    """A float tensor [B, ...] with B >= 1 and at least one element per sample (``name``: the caller's
-    name for it, e.g. an adapter's ``latents``)."""
+    """A float tensor [B, ...] with at least one element per sample (``name``: the caller's name for it,
+    e.g. an adapter's ``latents``). B = 0, an empty batch, is valid: the ops and losses then return empty
+    outputs and launch nothing (docs/guide.md, An empty batch)."""
     check_float_tensor(name, sample)
     if sample.dim() < 1:
         raise ValueError(f"{name} must have a batch dimension (shape [B, ...]); got a 0-d tensor")
-    if sample.shape[0] == 0:
-        raise ValueError(f"{name} must have a batch size of at least 1; got B = 0")
-    if sample.numel() == 0:
+    if math.prod(sample.shape[1:]) == 0:
         raise ValueError(f"{name} must have at least one element per sample; got shape {tuple(sample.shape)}")
     return sample
 
@@ -281,19 +280,20 @@ def check_step_index(step_index, num_steps: int, batch: int, device: torch.devic
         raise TypeError(f"{name} must be an int or an integer tensor of shape [B]; got {type(step_index).__name__}")
     if step_index.dtype.is_floating_point or step_index.dtype.is_complex or step_index.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor; got {step_index.dtype}")
+    values = step_index  # a 0-d index is read as given (its value is checked on an empty batch too)
     if step_index.dim() == 0:
         step_index = step_index.reshape(1).expand(batch)
     if step_index.dim() != 1 or step_index.shape[0] != batch:
         raise ValueError(f"{name} must be an int or a tensor of shape [B] = [{batch}]; got shape {tuple(step_index.shape)}")
     checked = _checked_step_indices.setdefault(num_steps, _CheckedValues())
-    if not _skip_value_reads(step_index) and step_index not in checked:
-        lo, hi = torch.stack(torch.aminmax(step_index)).tolist()  # one device-to-host copy for both bounds
+    if not _skip_value_reads(values) and values not in checked:
+        lo, hi = torch.stack(torch.aminmax(values)).tolist()  # one device-to-host copy for both bounds
         if lo < 0 or hi >= num_steps:
             raise ValueError(
                 f"{name} must be in [0, {num_steps - 1}] (the schedule has T = {num_steps} steps); "
                 f"got values in [{lo}, {hi}]"
             )
-        checked.add(step_index)
+        checked.add(values)
     return step_index.to(device=device, dtype=torch.int64)
 
 

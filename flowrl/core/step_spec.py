@@ -12,6 +12,7 @@ process group) instead of re-declaring the ops' arguments.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
@@ -228,18 +229,18 @@ def ddim_options(mode, prediction_type, clip_sample_range) -> dict:
 def elements_per_sample(sample: torch.Tensor, shard: Optional[ShardContext]) -> int:
     """The mean's denominator: the sample's element count, or the full sample's under ``shard``."""
     if shard is None:
-        return sample.numel() // sample.shape[0]
+        return math.prod(sample.shape[1:])  # not numel // B: B may be 0 (an empty batch)
     if not isinstance(shard, ShardContext):
         raise TypeError(f"shard must be a flowrl.step_spec.ShardContext or None; got {type(shard).__name__}")
     return shard.numel
 
 
-def log_prob_kind(log_prob) -> LogProbKind:
-    """``log_prob=``'s kind ("kl" is step_kl's value, not a log-prob kind)."""
-    V.check_choice("log_prob", log_prob, V.LOG_PROB_KINDS)
-    return LogProbKind.parse("log_prob", log_prob)
+def parse_log_prob_kind(log_prob_kind) -> LogProbKind:
+    """``log_prob_kind=``'s kind ("kl" is step_kl's value, not a log-prob kind)."""
+    V.check_choice("log_prob_kind", log_prob_kind, V.LOG_PROB_KINDS)
+    return LogProbKind.parse("log_prob_kind", log_prob_kind)
 
 
 __all__ = ["StepSpec", "ShardContext", "schedule_and_steps", "token_schedule", "flat_layout", "elementwise_inputs",
-           "ddim_options", "elements_per_sample", "log_prob_kind", "draw_noise",
+           "ddim_options", "elements_per_sample", "parse_log_prob_kind", "draw_noise",
            "GeneratorArg"]

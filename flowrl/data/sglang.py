@@ -65,7 +65,7 @@ from ..contract import Mode
 from .serialization import DEFAULT_MAX_BYTES, from_wire, to_wire
 from .trajectory import RolloutTrajectory
 
-# rollout_sde_type -> flowrl mode; rollout_log_prob_no_const -> flowrl log_prob kind (docs/contract.md)
+# rollout_sde_type -> flowrl mode; rollout_log_prob_no_const -> flowrl log_prob_kind (docs/contract.md)
 SDE_TYPES = {mode.rules.sglang: mode.label for mode in Mode if mode.rules.sglang is not None}
 SETTING_FIELDS = ("rollout_sde_type", "rollout_noise_level", "rollout_log_prob_no_const",
                   "rollout_sde_step_indices", "rollout_return_step_indices")
@@ -251,7 +251,7 @@ def from_sglang(response: Any, *, request: Optional[Dict[str, Any]] = None, num_
         _fail(origin["rollout_noise_level"], f"must be a number; got {noise_level!r}")
     if not isinstance(settings["rollout_log_prob_no_const"], bool):
         _fail(origin["rollout_log_prob_no_const"], f"must be a bool; got {settings['rollout_log_prob_no_const']!r}")
-    log_prob = "sq_err" if settings["rollout_log_prob_no_const"] else "gaussian"
+    log_prob_kind = "sq_err" if settings["rollout_log_prob_no_const"] else "gaussian"
     sde_steps = _index_list(settings["rollout_sde_step_indices"], origin["rollout_sde_step_indices"])
     return_steps = _index_list(settings["rollout_return_step_indices"], origin["rollout_return_step_indices"])
 
@@ -359,7 +359,7 @@ def from_sglang(response: Any, *, request: Optional[Dict[str, Any]] = None, num_
     if sde_steps is not None:
         tensors["sde_steps"] = torch.tensor(sorted(set(sde_steps)), dtype=torch.int64)
     traj = RolloutTrajectory._checked(
-        tensors, {"mode": SDE_TYPES[sde_type], "noise_level": float(noise_level), "log_prob": log_prob,
+        tensors, {"mode": SDE_TYPES[sde_type], "noise_level": float(noise_level), "log_prob": log_prob_kind,
                   "reduction": reduction}, "SGLang response", device)
     traj.denoising_env = SGLangDenoisingEnv(envs) if any(e is not None for e in envs) else None
     traj.debug_tensors = debug
@@ -385,7 +385,7 @@ def to_sglang(traj, *, server: str = SERVERS[0], wire: bool = True, **fields) ->
     all_timesteps = torch.cat([traj.timesteps.to("cpu"), traj.timesteps.new_zeros(1).to("cpu")])
     settings = {
         "rollout_sde_type": traj.mode, "rollout_noise_level": float(traj.noise_level),
-        "rollout_log_prob_no_const": traj.log_prob == "sq_err",
+        "rollout_log_prob_no_const": traj.log_prob_kind == "sq_err",
         "rollout_sde_step_indices": None if traj.sde_steps is None else traj.sde_steps.tolist(),
         "rollout_return_step_indices": None if steps.numel() == num_steps + 1 else steps.tolist(),
     }

@@ -31,8 +31,17 @@ FILE_FORMAT = "flowrl.RolloutTrajectory/3"
 _TENSOR_FIELDS = ("latents", "log_probs", "timesteps", "sigmas", "latent_step_indices")
 # /2 adds the last four (prev_x0_preds: dpm_sde's second order)
 _OPTIONAL_TENSORS = ("sde_steps", "token_sigmas", "frozen", "counts", "prev_x0_preds")
-_SETTING_FIELDS = ("mode", "noise_level", "log_prob", "reduction")
+_SETTING_FIELDS = ("mode", "noise_level", "log_prob", "reduction")  # the keys in payloads and files
+# a key's attribute where they differ: the formats keep "log_prob" for the kind (a renamed key would be a new
+# format); the attribute says what it is, beside the log_probs tensor
+_ATTRIBUTES = {"log_prob": "log_prob_kind"}
+
+
 _DDIM_FIELDS = ("prediction_type", "clip_sample_range")  # mode='ddim' settings (keys only for ddim)
+
+
+def _attr(key: str) -> str:
+    return _ATTRIBUTES.get(key, key)
 
 
 def _rules(mode) -> Optional[ModeRules]:
@@ -71,7 +80,7 @@ class RolloutTrajectory:
     latent_step_indices: int64 [K], which loop steps ``latents`` holds. Optional when K = T + 1 (every
         step's input plus the final output, as an SGLang rollout returns): it then defaults to
         ``arange(T + 1)``; a filtered K must pass it.
-    mode, noise_level, log_prob, reduction: the rollout settings, to recompute with the same ones.
+    mode, noise_level, log_prob_kind, reduction: the rollout settings, to recompute with the same ones.
     sde_steps: int64 [S] loop steps that were stochastic (the others ran as ``ode``), or None for all.
     token_sigmas: float32 [B, T, ...] or None: each step's per-token sigmas (``per_token_timesteps /
         1000`` with a trailing 1, e.g. [B, T, S, 1] for [B, S, C] tokens), when the pipeline passed
@@ -109,7 +118,7 @@ class RolloutTrajectory:
     latent_step_indices: Optional[torch.Tensor] = None  # a tensor after __init__
     mode: str = "sde"
     noise_level: float = 0.7
-    log_prob: str = "gaussian"
+    log_prob_kind: str = "gaussian"
     reduction: str = "mean"
     sde_steps: Optional[torch.Tensor] = None
     token_sigmas: Optional[torch.Tensor] = None
@@ -164,9 +173,9 @@ class RolloutTrajectory:
 
     def step_options(self) -> Dict[str, Any]:
         """The keyword options that recompute this rollout's steps (``flowrl.step_log_prob(x, v, x',
-        traj.sigmas, i, **traj.step_options())``): mode, noise_level, log_prob, reduction, and ddim's
+        traj.sigmas, i, **traj.step_options())``): mode, noise_level, log_prob_kind, reduction, and ddim's
         prediction_type / clip_sample_range. ``step_inputs(j)`` gives these and the tensors of step j."""
-        options = {name: getattr(self, name) for name in _SETTING_FIELDS}
+        options = {_attr(key): getattr(self, _attr(key)) for key in _SETTING_FIELDS}
         if _has_ddim_fields(self.mode):
             options.update({name: getattr(self, name) for name in _DDIM_FIELDS})
         return options
@@ -344,7 +353,7 @@ class RolloutTrajectory:
         wire = to_wire(self._tensors())
         for name in _OPTIONAL_TENSORS:
             wire[name] = wire.get(name)
-        wire.update({name: getattr(self, name) for name in _SETTING_FIELDS})
+        wire.update({key: getattr(self, _attr(key)) for key in _SETTING_FIELDS})
         wire["noise_level"] = float(self.noise_level)
         if _has_ddim_fields(self.mode):
             wire.update({name: getattr(self, name) for name in _DDIM_FIELDS})
@@ -414,7 +423,7 @@ class RolloutTrajectory:
         """Write a safetensors file: the tensors under their field names (a joint rollout's streams under
         ``streams.<k>.<field>``), the settings (and the format tag) as string metadata, and a checksum of
         every tensor and of the metadata (``load`` verifies them). Readable by any safetensors reader."""
-        metadata = {name: str(getattr(self, name)) for name in ("mode", "log_prob", "reduction")}
+        metadata = {key: str(getattr(self, _attr(key))) for key in ("mode", "log_prob", "reduction")}
         metadata["noise_level"] = repr(float(self.noise_level))  # repr round-trips a float exactly
         if _has_ddim_fields(self.mode):  # JSON: None and a float round-trip exactly
             metadata.update({name: json.dumps(getattr(self, name)) for name in _DDIM_FIELDS})
@@ -607,7 +616,7 @@ class RolloutTrajectory:
             fields = {k: (v.to(device) if v is not None else None) for k, v in fields.items()}
         if ddim:
             fields.update(prediction_type=ddim["prediction"].label, clip_sample_range=ddim["clip_sample_range"])
-        return cls(**fields, mode=mode, noise_level=noise_level, log_prob=settings["log_prob"],
+        return cls(**fields, mode=mode, noise_level=noise_level, log_prob_kind=settings["log_prob"],
                    reduction=settings["reduction"], streams=streams, tree=tree, stream_weights=stream_weights)
 
 

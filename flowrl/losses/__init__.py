@@ -50,8 +50,9 @@ from ..backends import _dispatch
 from ..core import _validate as V
 from ..contract import FlowLoss, KLSpace, Op, Reduction, TrustSource
 from ..core.step_spec import (
-    ShardContext, StepSpec, elements_per_sample, elementwise_inputs, log_prob_kind, schedule_and_steps,
+    ShardContext, StepSpec, elements_per_sample, elementwise_inputs, parse_log_prob_kind, schedule_and_steps,
 )
+from ..ops._custom_ops import is_empty as _empty
 from ..ops._custom_ops import traced as _traced
 from . import _custom_ops as _ops
 from . import _joint
@@ -103,7 +104,7 @@ def _reference(ref_model_output, ref_guidance_scale, sample):
 
 
 def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, *,
-                 clip_range, mode, noise_level, log_prob, reduction, kl_coef, ref_model_output,
+                 clip_range, mode, noise_level, log_prob_kind, reduction, kl_coef, ref_model_output,
                  old_prev_sample_mean, noise_seed, kl_threshold, backend, rollout_is_weights=None,
                  stream_weights=None, _stream=False, shard=None, kl_space="transition",
                  ref_guidance_scale=None, token_sigmas=None, frozen=None) -> GRPOLossOutput:
@@ -118,7 +119,7 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
                              "stream and form the loss from it")
         return _joint.grpo_family(_grpo_family, variant, sample, model_output, prev_sample, sigmas, step_index,
                                   old_log_prob, advantages, clip_range=clip_range, mode=mode, noise_level=noise_level,
-                                  log_prob=log_prob, reduction=reduction, kl_coef=kl_coef,
+                                  log_prob_kind=log_prob_kind, reduction=reduction, kl_coef=kl_coef,
                                   ref_model_output=ref_model_output, old_prev_sample_mean=old_prev_sample_mean,
                                   noise_seed=noise_seed, kl_threshold=kl_threshold, backend=backend,
                                   rollout_is_weights=rollout_is_weights, stream_weights=stream_weights,
@@ -170,7 +171,7 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
             # a shard's Philox elements are keyed by their index in the full sample (as sde_step's)
             seed = V.check_noise_seed(noise_seed, sample)._replace(elem_offset=0 if shard is None else shard.offset)
             trust = TrustSource.REPLAY
-    spec = StepSpec(Op.LOG_PROB, sigmas, idx, mode, eta, log_prob_kind(log_prob), Reduction.parse("reduction", reduction),
+    spec = StepSpec(Op.LOG_PROB, sigmas, idx, mode, eta, parse_log_prob_kind(log_prob_kind), Reduction.parse("reduction", reduction),
                     numel, shard=shard, **elementwise)
     tensors = [t for t in (sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean, ref_cond)
                if t is not None]
@@ -180,7 +181,9 @@ def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index,
             ref_scale)
     if _stream:  # one stream of a joint step: its validated arguments (flowrl/losses/_joint.py)
         return args
-    if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::grpo_family_loss
+    # while torch.compile traces (one device): the custom op flowrl::grpo_family_loss; an empty batch (B = 0,
+    # sharded or not): its wrapper's zeros, nothing launched (flowrl/losses/_custom_ops.py, _call)
+    if (_traced() and shard is None) or _empty(sample):
         return grpo_family_loss(*args)
     return grpo_from_spec(*args)
 
@@ -191,13 +194,13 @@ def grpo_loss(
     prev_sample: torch.Tensor,
     sigmas: torch.Tensor,
     step_index: Union[int, torch.Tensor],
+    *,
     old_log_prob: torch.Tensor,
     advantages: torch.Tensor,
-    *,
     clip_range: ClipRange,
     mode: str = "sde",
     noise_level: float = 0.7,
-    log_prob: str = "gaussian",
+    log_prob_kind: str = "gaussian",
     reduction: str = "mean",
     kl_coef: float = 0.0,
     ref_model_output: RefOutput = None,
@@ -244,7 +247,7 @@ def grpo_loss(
     the scored elements) and ``grpo_guard_loss`` (``frozen`` only: its std and 1/D are one step's).
     """
     return _grpo_family(_Variant.GRPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
-                        advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob,
+                        advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob_kind=log_prob_kind,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=None, noise_seed=None, kl_threshold=None, backend=backend,
                         rollout_is_weights=rollout_is_weights, stream_weights=stream_weights, shard=shard,
@@ -258,15 +261,15 @@ def grpo_guard_loss(
     prev_sample: torch.Tensor,
     sigmas: torch.Tensor,
     step_index: Union[int, torch.Tensor],
+    *,
     old_log_prob: torch.Tensor,
     advantages: torch.Tensor,
-    *,
     clip_range: ClipRange,
     old_prev_sample_mean: Optional[torch.Tensor] = None,
     noise_seed: Union[None, int, torch.Tensor] = None,
     mode: str = "sde",
     noise_level: float = 0.7,
-    log_prob: str = "gaussian",
+    log_prob_kind: str = "gaussian",
     reduction: str = "mean",
     kl_coef: float = 0.0,
     ref_model_output: RefOutput = None,
@@ -296,7 +299,7 @@ def grpo_guard_loss(
     mu_old)^2 / (2 scale^2), ratio exp((dlogp + D_s) scale), loss / mean_n D_k (docs/losses.md, Joint
     steps)."""
     return _grpo_family(_Variant.GUARD, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
-                        advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob,
+                        advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob_kind=log_prob_kind,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=None,
                         backend=backend, rollout_is_weights=rollout_is_weights, stream_weights=stream_weights,
@@ -311,15 +314,15 @@ def flow_dppo_loss(
     prev_sample: torch.Tensor,
     sigmas: torch.Tensor,
     step_index: Union[int, torch.Tensor],
+    *,
     old_log_prob: torch.Tensor,
     advantages: torch.Tensor,
-    *,
     kl_threshold: float,
     old_prev_sample_mean: Optional[torch.Tensor] = None,
     noise_seed: Union[None, int, torch.Tensor] = None,
     mode: str = "sde",
     noise_level: float = 0.7,
-    log_prob: str = "gaussian",
+    log_prob_kind: str = "gaussian",
     reduction: str = "mean",
     kl_coef: float = 0.0,
     ref_model_output: RefOutput = None,
@@ -340,7 +343,7 @@ def flow_dppo_loss(
     token's std, over the scored elements)."""
     kl_threshold = _check_scalar("kl_threshold", kl_threshold)
     return _grpo_family(_Variant.DPPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
-                        advantages, clip_range=None, mode=mode, noise_level=noise_level, log_prob=log_prob,
+                        advantages, clip_range=None, mode=mode, noise_level=noise_level, log_prob_kind=log_prob_kind,
                         reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
                         old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=kl_threshold,
                         backend=backend, rollout_is_weights=rollout_is_weights,
@@ -401,8 +404,8 @@ def nft_loss(
     old_model_output: torch.Tensor,
     clean_sample: torch.Tensor,
     sigma: Union[float, torch.Tensor],
-    advantages: torch.Tensor,
     *,
+    advantages: torch.Tensor,
     beta: float,
     adv_clip_max: float,
     kl_coef: float = 0.0,
@@ -432,12 +435,13 @@ def nft_loss(
                    ("old_model_output", old_model_output, "tuple"), ("clean_sample", clean_sample, "tuple"),
                    ("sigma", sigma, "shared"), ("ref_model_output", ref_model_output, "optional")]
         shared = dict(advantages=advantages, beta=beta, adv_clip_max=adv_clip_max, kl_coef=kl_coef, backend=backend)
-        return _joint.flow_loss(_nft_args, nft_sums, nft_from_means, stream_weights, streams, shared)
+        return _joint.flow_loss(_nft_args, nft_sums, nft_from_means, stream_weights, streams, shared,
+                                empty=_ops.nft_loss)
     _joint.single_stream(stream_weights, "noised_sample, model_output, old_model_output and clean_sample")
     args = _nft_args(noised_sample, model_output, old_model_output, clean_sample, sigma, ref_model_output,
                      advantages=advantages, beta=beta, adv_clip_max=adv_clip_max, kl_coef=kl_coef, backend=backend,
                      shard=shard)
-    if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::nft_loss
+    if (_traced() and shard is None) or _empty(noised_sample):  # compiling (one device): flowrl::nft_loss; B = 0
         return _ops.nft_loss(*args)
     return nft_from_args(*args, shard=shard)
 
@@ -500,13 +504,15 @@ def awm_log_prob(
                           stream_weights)
     _joint.single_stream(stream_weights, "model_output, noise and clean_sample")
     args = _awm_args(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend, shard)
-    if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::awm_log_prob
+    if (_traced() and shard is None) or _empty(model_output):  # compiling (one device): flowrl::awm_log_prob; B = 0
         return _ops.awm_log_prob(*args)
     return awm_log_prob_from_args(*args, shard=shard)
 
 
-def _awm_joint(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend, shard, stream_weights):
-    """``awm_log_prob`` of a joint step (tuples): the streams' sums combined, then the weighting."""
+def _awm_joint(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend, shard, stream_weights,
+               empty=_ops.awm_log_prob):
+    """``awm_log_prob`` of a joint step (tuples): the streams' sums combined, then the weighting (``empty``:
+    the output on an empty batch from stream 0's arguments, ``_joint.flow_loss``'s)."""
     if shard is not None:
         raise ValueError("shard: a joint step (tuples of streams) is not supported under sequence parallelism; "
                          "pass one stream's shards, or shard=None")
@@ -519,7 +525,7 @@ def _awm_joint(model_output, noise, clean_sample, sigma, weighting, ghuber_power
 
     streams = [("model_output", model_output, "tuple"), ("noise", noise, "tuple"),
                ("clean_sample", clean_sample, "tuple")]
-    return _joint.flow_loss(stream_args, awm_sums, awm_from_means, stream_weights, streams, {})
+    return _joint.flow_loss(stream_args, awm_sums, awm_from_means, stream_weights, streams, {}, empty=empty)
 
 
 def _awm_args(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend, shard=None, stream=""):
@@ -542,9 +548,9 @@ def awm_loss(
     noise: torch.Tensor,
     clean_sample: torch.Tensor,
     sigma: Union[float, torch.Tensor],
+    *,
     old_log_prob: torch.Tensor,
     advantages: torch.Tensor,
-    *,
     clip_range: ClipRange,
     weighting: str = "uniform",
     ghuber_power: float = 0.25,
@@ -569,13 +575,16 @@ def awm_loss(
     clip = check_clip_range(clip_range)
     if isinstance(model_output, tuple):  # a joint step: the combined log-prob, then the surrogate
         lp = _awm_joint(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend, shard,
-                        stream_weights)
+                        stream_weights, empty=lambda *first: _ops.awm_loss(*first, old_log_prob, advantages, clip,
+                                                                           rollout_is_weights))
+        if isinstance(lp, GRPOLossOutput):  # an empty batch (B = 0): the loss's empty output
+            return lp
         return policy_loss(_Variant.GRPO, lp, None, None, old_log_prob.to(lp.dtype), advantages.to(lp.dtype), clip,
                            0.0, None, None, None if rollout_is_weights is None else rollout_is_weights.to(lp.dtype))
     _joint.single_stream(stream_weights, "model_output, noise and clean_sample")
     args = (*_awm_args(model_output, noise, clean_sample, sigma, weighting, ghuber_power, backend, shard),
             old_log_prob, advantages, clip, rollout_is_weights)
-    if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::awm_loss
+    if (_traced() and shard is None) or _empty(model_output):  # compiling (one device): flowrl::awm_loss; B = 0
         return _ops.awm_loss(*args)
     return awm_from_args(*args, shard=shard)
 

@@ -16,6 +16,10 @@ The other losses get one op each, built the same way by ``_loss_op``: ``flowrl::
 ``flowrl::teacher_kl_loss`` (running ``flowrl.losses._teacher.teacher_kl``: step_kl and the batch mean in
 one op, so the mean is eager's too), ``flowrl::dpo_loss`` and ``flowrl::dgpo_loss`` (running
 ``flowrl.losses._preference``'s blocks; DGPO's group ids are read inside the op, so the trace has no sync).
+
+An empty batch (B = 0), in eager mode as under ``torch.compile``: the losses call the wrappers here after
+their checks, and the wrappers (``_call``) run no op: each op's fake implementation gives the outputs'
+shapes and dtypes, filled with zeros, the loss on model_output's graph (docs/guide.md, An empty batch).
 """
 from __future__ import annotations
 
@@ -71,9 +75,9 @@ def _grpo_op(sample: torch.Tensor, model_output: torch.Tensor, prev_sample: torc
 
 
 @_grpo_op.register_fake
-def _(sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean, spec_tensors,
-      spec_ints, noise_level, seeds, seed_ints, variant, trust, clip_low, clip_high, kl_coef, kl_threshold, backend,
-      rollout_is_weights, ref_cond, ref_scale, kl_space):
+def _grpo_fake(sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean,
+               spec_tensors, spec_ints, noise_level, seeds, seed_ints, variant, trust, clip_low, clip_high, kl_coef,
+               kl_threshold, backend, rollout_is_weights, ref_cond, ref_scale, kl_space):
     wide = backend == "torch" and any(t.dtype == torch.float64 for t in (sample, model_output, prev_sample))
     dtype = torch.float64 if wide else torch.float32
     return _fake(sample, dtype, _present(variant, ref_model_output is not None, trust))
@@ -134,16 +138,33 @@ def _backward(ctx, grads):
 _grpo_op.register_autograd(_backward, setup_context=_setup)
 
 
+def _call(op, fake, v_index: int, *args) -> List[torch.Tensor]:
+    """``op(*args)``, or on an empty batch (B = 0: ``args[v_index]``, model_output, holds no sample) no op and
+    no kernel: ``fake``'s outputs as zeros, the loss on model_output's graph (``flowrl.ops._custom_ops.
+    on_empty``). The losses send an empty batch here in eager mode too, after their checks."""
+    if C.is_empty(args[v_index]):
+        return C.on_empty(fake(*args), [args[v_index]])
+    return op(*args)
+
+
+def empty_joint(out, model_outputs):
+    """A joint step's output on an empty batch: stream 0's (``out``, a loss output or awm_log_prob's [0])
+    with its first field on the graph of every stream's model_output."""
+    if isinstance(out, torch.Tensor):
+        return C.on_empty([out], model_outputs)[0]
+    return out._replace(**{out._fields[0]: C.on_empty([out[0]], model_outputs)[0]})
+
+
 def grpo_family_loss(variant, ops, spec, sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
                      old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold, rollout_is_weights,
                      kl_space=KLSpace.TRANSITION, ref_cond=None, ref_scale=None):
     """``grpo_from_spec``'s GRPOLossOutput through ``flowrl::grpo_family_loss`` (same arguments)."""
     tensors, ints, eta, _, _ = C.pack_spec(spec)
     seeds, seed_ints = C.pack_seed(seed)
-    out = _grpo_op(sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean,
-                   tensors, ints, eta, seeds, seed_ints, int(variant), int(trust), *(clip if clip else (None, None)),
-                   float(kl_coef), kl_threshold, ops.name, rollout_is_weights, ref_cond,
-                   None if ref_scale is None else float(ref_scale), int(kl_space))
+    out = _call(_grpo_op, _grpo_fake, 1, sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
+                old_prev_sample_mean, tensors, ints, eta, seeds, seed_ints, int(variant), int(trust),
+                *(clip if clip else (None, None)), float(kl_coef), kl_threshold, ops.name, rollout_is_weights, ref_cond,
+                None if ref_scale is None else float(ref_scale), int(kl_space))
     present = _present(int(variant), ref_model_output is not None, int(trust))
     return GRPOLossOutput(*(t if p else None for t, p in zip(out, present)))
 
@@ -230,7 +251,8 @@ _nft_op = _loss_op("nft_loss", "Tensor noised_sample, Tensor model_output, Tenso
 
 def nft_loss(ops, xt, v, old, x0, ref, t, adv, beta, adv_clip_max, kl_coef) -> NFTLossOutput:
     """``nft_from_args``' NFTLossOutput through ``flowrl::nft_loss`` (same arguments)."""
-    out = _nft_op(xt, v, old, x0, ref, t, adv, float(beta), float(adv_clip_max), float(kl_coef), ops.name)
+    out = _call(_nft_op, _nft_fake, 1, xt, v, old, x0, ref, t, adv, float(beta), float(adv_clip_max), float(kl_coef),
+                ops.name)
     return NFTLossOutput(*out[:5], out[5] if ref is not None else None)
 
 
@@ -251,7 +273,7 @@ _awm_lp_op = _loss_op("awm_log_prob", f"{_AWM_SCHEMA}, str backend", _awm_lp_run
 
 def awm_log_prob(ops, v, noise, x0, t, weighting, p) -> torch.Tensor:
     """``awm_log_prob_from_args`` through ``flowrl::awm_log_prob`` (same arguments)."""
-    return _awm_lp_op(v, noise, x0, t, weighting, float(p), ops.name)[0]
+    return _call(_awm_lp_op, _awm_lp_fake, 0, v, noise, x0, t, weighting, float(p), ops.name)[0]
 
 
 # flowrl::awm_loss -> GRPOLossOutput's 14 fields (empty: None), as flowrl::grpo_family_loss's GRPO variant
@@ -273,8 +295,8 @@ _awm_op = _loss_op("awm_loss", f"{_AWM_SCHEMA}, Tensor old_log_prob, Tensor adva
 
 def awm_loss(ops, v, noise, x0, t, weighting, p, old_lp, adv, clip, is_weights) -> GRPOLossOutput:
     """``awm_from_args``' GRPOLossOutput through ``flowrl::awm_loss`` (same arguments)."""
-    out = _awm_op(v, noise, x0, t, weighting, float(p), old_lp, adv, is_weights, float(clip[0]), float(clip[1]),
-                  ops.name)
+    out = _call(_awm_op, _awm_fake, 0, v, noise, x0, t, weighting, float(p), old_lp, adv, is_weights, float(clip[0]),
+                float(clip[1]), ops.name)
     present = _present(int(Variant.GRPO), False, int(TrustSource.NONE))
     return GRPOLossOutput(*(f if k else None for f, k in zip(out, present)))
 
@@ -303,8 +325,8 @@ def teacher_kl_loss(sample, model_output, teacher, sigmas, step_index, mode, noi
     here, as eager mode resolves it)."""
     name = _dispatch.select(backend, sample, model_output, teacher).name
     tensor = step_index if isinstance(step_index, torch.Tensor) else None
-    loss, kl = _teacher_op(sample, model_output, teacher, sigmas, tensor, 0 if tensor is not None else step_index,
-                           mode, float(noise_level), reduction, name)
+    loss, kl = _call(_teacher_op, _teacher_fake, 1, sample, model_output, teacher, sigmas, tensor,
+                     0 if tensor is not None else step_index, mode, float(noise_level), reduction, name)
     return loss, kl
 
 
@@ -342,7 +364,8 @@ def _seed_args(noise_seed):
 def dpo_loss(backend, v, ref, noise, x0, beta, pair_layout, noise_seed=None) -> DPOLossOutput:
     """``dpo_from_args``' DPOLossOutput through ``flowrl::dpo_loss`` (same arguments; ``backend`` the resolved
     backend's name; ``noise_seed`` resolved, as ``dpo_from_args``')."""
-    return DPOLossOutput(*_dpo_op(v, ref, noise, x0, float(beta), pair_layout, backend, *_seed_args(noise_seed)))
+    return DPOLossOutput(*_call(_dpo_op, _dpo_fake, 0, v, ref, noise, x0, float(beta), pair_layout, backend,
+                                *_seed_args(noise_seed)))
 
 
 # flowrl::dgpo_loss -> DGPOLossOutput's 8 fields (empty: None); clip (eps_low, eps_high) or None
@@ -377,12 +400,13 @@ def dgpo_loss(backend, v, ref, noise, x0, adv, group_index, beta, group_size, ol
               ema_reference, kl_coef, noise_seed=None) -> DGPOLossOutput:
     """``dgpo_from_args``' DGPOLossOutput through ``flowrl::dgpo_loss`` (same arguments; ``backend`` the
     resolved backend's name; ``noise_seed`` resolved, as ``dgpo_from_args``')."""
-    out = _dgpo_op(v, ref, noise, x0, adv, group_index, float(beta), group_size, old,
-                   *(clip if clip is not None else (None, None)), clip_dsm, clip_kl, ema_reference, float(kl_coef),
-                   backend, *_seed_args(noise_seed))
+    out = _call(_dgpo_op, _dgpo_fake, 0, v, ref, noise, x0, adv, group_index, float(beta), group_size, old,
+                *(clip if clip is not None else (None, None)), clip_dsm, clip_kl, ema_reference, float(kl_coef),
+                backend, *_seed_args(noise_seed))
     clipped = clip is not None
     return DGPOLossOutput(*out[:5], out[5] if ref is not None else None, out[6] if clipped else None,
                           out[7] if clipped else None)
 
 
-__all__ = ["grpo_family_loss", "nft_loss", "awm_log_prob", "awm_loss", "teacher_kl_loss", "dpo_loss", "dgpo_loss"]
+__all__ = ["grpo_family_loss", "nft_loss", "awm_log_prob", "awm_loss", "teacher_kl_loss", "dpo_loss", "dgpo_loss",
+           "empty_joint"]

@@ -20,6 +20,8 @@ from ..contract import Reduction, TrustSource
 from ..ops.functional import check_stream_weights, combine_streams
 from ..backends.reference import mode_coefficients
 from ..ops.weights import scheme_weights
+from ..ops._custom_ops import is_empty
+from ._custom_ops import empty_joint, grpo_family_loss
 from ._policy import GRPOLossOutput, Variant, policy_loss
 
 
@@ -44,7 +46,7 @@ def _shared(name: str, value, n: int) -> list:
 
 
 def grpo_family(family, variant, sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, *,
-                clip_range, mode, noise_level, log_prob, reduction, kl_coef, ref_model_output, old_prev_sample_mean,
+                clip_range, mode, noise_level, log_prob_kind, reduction, kl_coef, ref_model_output, old_prev_sample_mean,
                 noise_seed, kl_threshold, backend, rollout_is_weights, stream_weights, kl_space="transition",
                 ref_guidance_scale=None) -> GRPOLossOutput:
     """The GRPO-family loss of a joint step; ``family`` is ``flowrl.losses._grpo_family`` (per stream)."""
@@ -59,13 +61,15 @@ def grpo_family(family, variant, sample, model_output, prev_sample, sigmas, step
         "noise_seed", noise_seed, n)
     weights = check_stream_weights(stream_weights, n)
     reduction = Reduction.parse("reduction", reduction)
-    lps, kls, trs, counts, steps_k = [], [], [], [], []
-    for k in range(n):
-        args = family(variant, sample[k], outputs[k], prevs[k], tables[k], steps[k], old_log_prob, advantages,
-                      clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob=log_prob, reduction="sum",
+    streams = [family(variant, sample[k], outputs[k], prevs[k], tables[k], steps[k], old_log_prob, advantages,
+                      clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob_kind=log_prob_kind, reduction="sum",
                       kl_coef=kl_coef, ref_model_output=refs[k], old_prev_sample_mean=olds[k], noise_seed=seeds[k],
                       kl_threshold=kl_threshold, backend=backend, rollout_is_weights=rollout_is_weights, _stream=True,
-                      kl_space=kl_space, ref_guidance_scale=ref_guidance_scale)
+                      kl_space=kl_space, ref_guidance_scale=ref_guidance_scale) for k in range(n)]
+    if is_empty(sample):  # B = 0 (every stream validated): stream 0's empty output, on every stream's graph
+        return empty_joint(grpo_family_loss(*streams[0]), outputs)
+    lps, kls, trs, counts, steps_k = [], [], [], [], []
+    for args in streams:
         (_, ops, spec, x, v, prev, old_lp, adv, ref, old_mean, trust, seed, clip, kl_coef, kl_threshold,
          is_weights, kl_space_k, ref_cond, ref_scale) = args
         lp, kl, tr = ops.grpo_values(spec, x, v, prev, ref, old_mean, trust, seed, kl_space=kl_space_k,
@@ -129,14 +133,16 @@ def single_stream(stream_weights, tuples: str) -> None:
                          "per stream), or stream_weights=None")
 
 
-def flow_loss(stream_args, sums_of, tail, stream_weights, streams, shared):
+def flow_loss(stream_args, sums_of, tail, stream_weights, streams, shared, empty=None):
     """A forward-process loss (nft, awm) of a joint step. ``streams``: the (name, value, kind) of
     ``stream_args``' positional arguments in order, kind "tuple" (one tensor per stream), "optional" (a
     tuple, or None for every stream) or "shared" (a tuple, or one value for every stream); ``shared``:
     its keyword arguments. Each stream is validated by ``stream_args(..., stream="[k]")``, its [K, B]
     sums and element count come from ``sums_of`` (the backend's fused pass); each row's mean is
     ``combine_streams`` of the streams' sums and counts with ``stream_weights``; ``tail(args of stream 0,
-    means)`` runs the per-sample arithmetic once on the joint means."""
+    means)`` runs the per-sample arithmetic once on the joint means. On an empty batch (B = 0) no sum is
+    computed: ``empty(*args of stream 0)`` (the loss's op wrapper, which answers B = 0 with zeros) with its
+    loss on the graph of every stream's ``model_output``."""
     n = len(streams[0][1])
     if n == 0:
         raise ValueError(f"{streams[0][0]} must hold at least one stream when given as a tuple")
@@ -150,16 +156,23 @@ def flow_loss(stream_args, sums_of, tail, stream_weights, streams, shared):
            for name, value, kind in streams):
         raise ValueError("ref_model_output: give every stream's reference output, or ref_model_output=None")
     weights = check_stream_weights(stream_weights, n)
-    first, sums, counts = None, [], []
+    stream_arguments = []
     for k in range(n):
         args = stream_args(*(column[k] for column in per_stream), stream=f"[{k}]", **shared)
-        if k and args[0] is not first[0]:
+        if k and args[0] is not stream_arguments[0][0]:
             raise ValueError("the streams of a joint step must run on one backend; got tensors for two backends")
+        stream_arguments.append(args)
+    batches = [t.shape[0] for t in per_stream[0]]  # each stream's first tensor, checked by stream_args
+    if any(b != batches[0] for b in batches):
+        raise ValueError(f"the streams of a joint step must have one batch size; got {batches}")
+    first = stream_arguments[0]
+    if empty is not None and is_empty(per_stream[0]):
+        outputs = next(column for (name, _, _), column in zip(streams, per_stream) if name == "model_output")
+        return empty_joint(empty(*first), outputs)
+    sums, counts = [], []
+    for args in stream_arguments:
         s, numel = sums_of(*args)
-        first = args if first is None else first
         sums.append(s)
         counts.append(torch.full((s.shape[1],), float(numel), dtype=torch.float32, device=s.device))
-    if any(s.shape[1] != sums[0].shape[1] for s in sums):
-        raise ValueError(f"the streams of a joint step must have one batch size; got {[s.shape[1] for s in sums]}")
     means = [combine_streams([s[j] for s in sums], counts, "mean", weights) for j in range(sums[0].shape[0])]
     return tail(first, means)

@@ -15,4 +15,5 @@ def teacher_kl(sample, model_output, teacher_model_output, sigmas, step_index, m
     kl = step_kl(sample, model_output, teacher_model_output, sigmas, step_index, mode=mode, noise_level=noise_level,
                  reduction=reduction, backend=backend, shard=shard, token_sigmas=token_sigmas, frozen=frozen,
                  stream_weights=stream_weights)
-    return kl.mean(), kl.detach()
+    # an empty batch (B = 0): kl is [0] on model_output's graph, and its sum the loss's zero (a mean is 0/0)
+    return (kl.sum() if kl.shape[0] == 0 else kl.mean()), kl.detach()

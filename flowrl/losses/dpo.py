@@ -35,6 +35,7 @@ import torch
 from ..backends.reference_losses import flow_noise
 from ..core import _validate as V
 from ..core.step_spec import ShardContext, elements_per_sample
+from ..ops._custom_ops import is_empty as _empty
 from ..ops._custom_ops import traced as _traced
 from . import _custom_ops as _ops
 from ._common import _check_no_grad, _check_per_sample, _check_scalar, _flow_backend, check_clip_range
@@ -95,8 +96,8 @@ def dpo_loss(
     V.check_sample(model_output, "model_output")
     batch = model_output.shape[0]
     elements_per_sample(model_output, shard)  # checks shard's type
-    if batch < 2 or batch % 2:
-        raise ValueError(f"model_output must hold chosen/rejected pairs: an even batch >= 2; got {batch}")
+    if batch % 2:  # 0 pairs (an empty batch) is valid
+        raise ValueError(f"model_output must hold chosen/rejected pairs: an even batch (2P samples); got {batch}")
     _noise_or_seed(noise, noise_seed, model_output)
     for name, u in (("ref_model_output", ref_model_output), ("clean_sample", clean_sample)):
         _check_same(name, u, model_output)
@@ -108,7 +109,7 @@ def dpo_loss(
         seed = dpo_noise_seed(noise_seed, batch, model_output.device, pair_layout,
                               0 if shard is None else shard.offset)
     args = (model_output, ref_model_output, noise, clean_sample, beta, pair_layout)
-    if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::dpo_loss
+    if (_traced() and shard is None) or _empty(model_output):  # compiling (one device): flowrl::dpo_loss; B = 0
         return _ops.dpo_loss(_flow_backend(backend, ref_model_output, model_output, noise, clean_sample).name, *args,
                              noise_seed=seed)
     return dpo_from_args(backend, *args, shard=shard, noise_seed=seed)
@@ -122,11 +123,11 @@ def dpo_noise(noise_seed: Union[int, torch.Tensor], like: torch.Tensor, *, pair_
     equal it to an ulp or so (docs/losses.md)."""
     V.check_sample(like, "like")
     batch = like.shape[0]
-    if batch < 2 or batch % 2:
-        raise ValueError(f"like must hold chosen/rejected pairs: an even batch >= 2; got {batch}")
+    if batch % 2:
+        raise ValueError(f"like must hold chosen/rejected pairs: an even batch (2P samples); got {batch}")
     V.check_choice("pair_layout", pair_layout, PAIR_LAYOUTS)
     seed = dpo_noise_seed(noise_seed, batch, like.device, pair_layout, 0 if shard is None else shard.offset)
-    return flow_noise(seed, batch, like.numel() // batch).reshape(like.shape)
+    return flow_noise(seed, batch, elements_per_sample(like, None)).reshape(like.shape)
 
 
 def dgpo_noise(noise_seed: Union[int, torch.Tensor], like: torch.Tensor, *,
@@ -135,7 +136,7 @@ def dgpo_noise(noise_seed: Union[int, torch.Tensor], like: torch.Tensor, *,
     model's input x_t (``dpo_noise``'s note)."""
     V.check_sample(like, "like")
     seed = dgpo_noise_seed(noise_seed, like, 0 if shard is None else shard.offset)
-    return flow_noise(seed, like.shape[0], like.numel() // like.shape[0]).reshape(like.shape)
+    return flow_noise(seed, like.shape[0], elements_per_sample(like, None)).reshape(like.shape)
 
 
 def dpo_pairs(rewards: torch.Tensor, group_ids: torch.Tensor, *, ties: str = "verl_omni"
@@ -207,9 +208,9 @@ def dgpo_loss(
     ref_model_output: Optional[torch.Tensor],
     noise: Optional[torch.Tensor],
     clean_sample: torch.Tensor,
+    *,
     advantages: torch.Tensor,
     group_index: torch.Tensor,
-    *,
     beta: float,
     group_size: Optional[int] = None,
     old_model_output: Optional[torch.Tensor] = None,
@@ -279,7 +280,7 @@ def dgpo_loss(
         seed = dgpo_noise_seed(noise_seed, model_output, 0 if shard is None else shard.offset)
     args = (model_output, ref_model_output, noise, clean_sample, advantages, group_index, beta, group_size,
             old_model_output, clip, clip_dsm, clip_kl, ema_reference, kl_coef)
-    if _traced() and shard is None:  # while torch.compile traces (one device): the custom op flowrl::dgpo_loss
+    if (_traced() and shard is None) or _empty(model_output):  # compiling (one device): flowrl::dgpo_loss; B = 0
         first, second = dgpo_references(ref_model_output, old_model_output, clip, ema_reference)
         return _ops.dgpo_loss(_flow_backend(backend, first, model_output, noise, clean_sample, second).name, *args,
                               noise_seed=seed)

@@ -17,6 +17,10 @@ ops here instead of calling the backend directly. Each op is registered once:
   for bit; the price is one more forward pass in the backward.
 - Fake (meta) implementations give each output's shape and dtype, for tracing without data.
 
+An empty batch (B = 0) runs no op, eagerly or traced: ``sde_step`` / ``step_value`` return ``on_empty`` of
+the op's fake outputs (zeros of the right shapes and dtypes on the inputs' graph; docs/guide.md, An empty
+batch).
+
 Not routed (they run as in eager mode and ``torch.compile`` traces or breaks on them): sequence
 parallelism (``shard``: its gather is a collective callable, not a schema value) and the noise draw from a
 ``torch.Generator`` (done by ``flowrl.ops.functional`` before the op; docs/compile.md).
@@ -134,6 +138,35 @@ def _none_if_absent(t: torch.Tensor) -> Optional[torch.Tensor]:
     return None if t.numel() == 0 else t
 
 
+def is_empty(sample) -> bool:
+    """True for an empty batch (B = 0): ``sample`` a validated tensor [0, ...] (or a joint step's tuple of
+    them, whose streams share one batch size). Under ``torch.compile`` a batch size of 0 is always a
+    specialised (static) size, so this is a guard, not a graph break."""
+    if isinstance(sample, (tuple, list)):
+        return len(sample) > 0 and is_empty(sample[0])
+    return isinstance(sample, torch.Tensor) and sample.dim() >= 1 and sample.shape[0] == 0
+
+
+def on_empty(fields: Sequence[torch.Tensor], graph: Sequence[Optional[torch.Tensor]],
+             differentiable: int = 1) -> List[torch.Tensor]:
+    """The outputs of an op or a loss on an empty batch (B = 0), where nothing is launched: ``fields`` (the
+    outputs of its fake implementation, which gives every shape and dtype) as zeros, the first
+    ``differentiable`` of them (the loss, or the op's differentiable values) on the graph of each tensor of
+    ``graph`` that requires grad: plus ``t.sum() * 0``, an exact zero that ``backward()`` reaches, so each
+    such input gets a zero (for [0, ...] inputs: empty) gradient and every parameter behind it a zero one
+    (DDP's reducer waits for every parameter's gradient). No NaN: nothing is averaged over zero samples."""
+    out = [f.new_zeros(f.shape) for f in fields]
+    link = None
+    for t in graph:
+        if t is not None and t.requires_grad:
+            term = t.sum() * 0
+            link = term if link is None else link + term
+    if link is not None:
+        for k in range(differentiable):
+            out[k] = out[k] + link.to(out[k].dtype)
+    return out
+
+
 # -------------------------------------------------------------------------------------- sde_step
 
 
@@ -161,8 +194,8 @@ def _compute_dtype(backend: str, *tensors) -> torch.dtype:
 
 
 @_sde_step_op.register_fake
-def _(sample, model_output, noise, prev_x0_pred, spec_tensors, spec_ints, noise_level, clip_sample_range,
-      out_dtype, backend):
+def _sde_step_fake(sample, model_output, noise, prev_x0_pred, spec_tensors, spec_ints, noise_level,
+                   clip_sample_range, out_dtype, backend):
     b = sample.shape[0]
     dtype = _compute_dtype(backend, sample, model_output, noise)
     std_dtype = dtype if backend == "torch" else torch.float32
@@ -213,12 +246,17 @@ _sde_step_op.register_autograd(_sde_step_backward, setup_context=_sde_step_setup
 
 
 def sde_step(ops, spec: StepSpec, sample, model_output, noise, prev_x0_pred=None):
-    """``ops.sde_step`` (eager), or ``flowrl::sde_step`` while ``torch.compile`` traces."""
-    if not traced(spec):
+    """``ops.sde_step`` (eager), or ``flowrl::sde_step`` while ``torch.compile`` traces; on an empty batch
+    neither: ``on_empty`` of the op's fake outputs (prev_sample, log_prob and the mean on the inputs' graph)."""
+    empty = is_empty(sample)
+    if not traced(spec) and not empty:
         return ops.sde_step(spec, sample, model_output, noise, **_second(prev_x0_pred))
     tensors, ints, eta, clip, out_dtype = pack_spec(spec)
-    prev, lp, mean, std, count = _sde_step_op(sample, model_output, noise, prev_x0_pred, tensors, ints, eta, clip,
-                                              out_dtype, ops.name)
+    args = (sample, model_output, noise, prev_x0_pred, tensors, ints, eta, clip, out_dtype, ops.name)
+    if empty:
+        prev, lp, mean, std, count = on_empty(_sde_step_fake(*args), args[:4], 3)
+    else:
+        prev, lp, mean, std, count = _sde_step_op(*args)
     return prev, lp, (mean if spec.return_mean else None), std, count
 
 
@@ -229,6 +267,14 @@ def _value_eager(backend, spec, sample, model_output, third, prev_x0_pred):
     ops = _dispatch.backend(backend)
     run = ops.step_kl if spec.op is Op.KL else ops.step_log_prob
     return list(run(spec, sample, model_output, third, **_second(prev_x0_pred)))
+
+
+def _value_fake(sample, model_output, third, prev_x0_pred, spec_tensors, spec_ints, noise_level, clip_sample_range,
+                backend):
+    """flowrl::step_log_prob's and flowrl::step_kl's outputs: (value [B], count [B])."""
+    b = sample.shape[0]
+    dtype = _compute_dtype(backend, sample, model_output, third)
+    return [sample.new_empty((b,), dtype=dtype), sample.new_empty((b,), dtype=torch.float32)]
 
 
 def _define_value_op(name: str):
@@ -244,12 +290,7 @@ def _define_value_op(name: str):
         return fresh(out, [sample, model_output, third, prev_x0_pred, *spec_tensors])
 
     op = torch.library.custom_op(f"flowrl::{name}", impl, mutates_args=())
-
-    @op.register_fake
-    def _(sample, model_output, third, prev_x0_pred, spec_tensors, spec_ints, noise_level, clip_sample_range, backend):
-        b = sample.shape[0]
-        dtype = _compute_dtype(backend, sample, model_output, third)
-        return [sample.new_empty((b,), dtype=dtype), sample.new_empty((b,), dtype=torch.float32)]
+    op.register_fake(_value_fake)
 
     def backward_impl(grad: torch.Tensor, sample: torch.Tensor, model_output: torch.Tensor, third: torch.Tensor,
                       prev_x0_pred: Optional[torch.Tensor], spec_tensors: List[Optional[torch.Tensor]],
@@ -295,15 +336,21 @@ _step_kl_op = _define_value_op("step_kl")
 
 def step_value(ops, spec: StepSpec, sample, model_output, third, prev_x0_pred=None):
     """``ops.step_log_prob`` / ``ops.step_kl`` (by ``spec.op``) in eager mode, or ``flowrl::step_log_prob`` /
-    ``flowrl::step_kl`` while ``torch.compile`` traces: (value [B], count [B])."""
-    if not traced(spec):
+    ``flowrl::step_kl`` while ``torch.compile`` traces: (value [B], count [B]); on an empty batch neither:
+    ``on_empty`` of the op's fake outputs (the value on the inputs' graph)."""
+    empty = is_empty(sample)
+    if not traced(spec) and not empty:
         run = ops.step_kl if spec.op is Op.KL else ops.step_log_prob
         return run(spec, sample, model_output, third, **_second(prev_x0_pred))
     tensors, ints, eta, clip, _ = pack_spec(spec)
+    args = (sample, model_output, third, prev_x0_pred, tensors, ints, eta, clip, ops.name)
+    if empty:
+        value, count = on_empty(_value_fake(*args), args[:4])
+        return value, count
     op = _step_kl_op if spec.op is Op.KL else _step_log_prob_op
-    value, count = op(sample, model_output, third, prev_x0_pred, tensors, ints, eta, clip, ops.name)
+    value, count = op(*args)
     return value, count
 
 
 __all__ = ["traced", "sde_step", "step_value", "pack_spec", "unpack_spec", "pack_seed", "unpack_seed", "absent", "fresh",
-           "grads_by_replay", "list_grad"]
+           "grads_by_replay", "list_grad", "is_empty", "on_empty"]

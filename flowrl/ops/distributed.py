@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -106,7 +107,7 @@ class _GatherPartials(torch.autograd.Function):
 
 
 def _per_sample_numel(sample: torch.Tensor) -> int:
-    return sample.numel() // sample.shape[0]
+    return math.prod(sample.shape[1:])  # B may be 0 (an empty batch: every rank of the group holds none)
 
 
 def shard_layout(sample: torch.Tensor, group=None, shard_numels: Optional[Sequence[int]] = None) -> ShardLayout:

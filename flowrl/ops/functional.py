@@ -20,7 +20,7 @@ from ..core import _validate as V
 from ..contract import LogProbKind, Mode, NoiseSource, Op, Reduction
 from ..core.step_spec import (
     GeneratorArg, ShardContext, StepSpec, ddim_options, draw_noise, elements_per_sample, elementwise_inputs,
-    log_prob_kind,
+    parse_log_prob_kind,
     schedule_and_steps,
 )
 
@@ -149,7 +149,7 @@ def sde_step(
     noise_level: float = 0.7,
     noise: Optional[torch.Tensor] = None,
     generator: GeneratorArg = None,
-    log_prob: str = "gaussian",
+    log_prob_kind: str = "gaussian",
     reduction: str = "mean",
     out_dtype: Optional[torch.dtype] = None,
     backend: str = "auto",
@@ -189,7 +189,7 @@ def sde_step(
     sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level,
                                                 extra.get("prediction"))
     elementwise = elementwise_inputs(sample, sigmas, token_sigmas, frozen, mode, prev_x0_pred is not None)
-    kind, reduction = log_prob_kind(log_prob), Reduction.parse("reduction", reduction)
+    kind, reduction = parse_log_prob_kind(log_prob_kind), Reduction.parse("reduction", reduction)
     prev = second_order(prev_x0_pred, mode, sample)
     out_dtype = V.check_out_dtype(out_dtype, model_output.dtype)
     seed = None
@@ -217,7 +217,8 @@ def sde_step(
     ops = _dispatch.select(backend, *given, *prev.values())
     if ops.name == "triton" and spec.out_dtype == torch.float64:
         raise TypeError("out_dtype=float64 runs on backend='torch' only")
-    if noise is None and source is NoiseSource.TENSOR:
+    # an empty batch (B = 0) draws nothing: _custom_ops.sde_step returns its empty outputs, no kernel
+    if noise is None and source is NoiseSource.TENSOR and not _custom_ops.is_empty(sample):
         noise = (draw_noise if shard is None else shard.draw_noise)(sample.shape, generator, sample.device)
     # while torch.compile traces, the custom op flowrl::sde_step (flowrl/ops/_custom_ops.py); else the backend's op
     return SDEStepOutput(*_custom_ops.sde_step(ops, spec, sample, model_output, noise, **prev))
@@ -275,7 +276,7 @@ def step_log_prob(
     *,
     mode: str = "sde",
     noise_level: float = 0.7,
-    log_prob: str = "gaussian",
+    log_prob_kind: str = "gaussian",
     reduction: str = "mean",
     backend: str = "auto",
     shard: Optional[ShardContext] = None,
@@ -304,7 +305,7 @@ def step_log_prob(
     if isinstance(sample, tuple):
         return _joint(step_log_prob, sample, dict(model_output=model_output, prev_sample=prev_sample),
                       dict(sigmas=sigmas, step_index=step_index, token_sigmas=token_sigmas, frozen=frozen,
-                           mode=mode, noise_level=noise_level, log_prob=log_prob, backend=backend, shard=shard,
+                           mode=mode, noise_level=noise_level, log_prob_kind=log_prob_kind, backend=backend, shard=shard,
                            prediction_type=prediction_type, clip_sample_range=clip_sample_range,
                            prev_x0_pred=prev_x0_pred),
                       reduction, V.check_bool("return_count", return_count), stream_weights)
@@ -314,7 +315,7 @@ def step_log_prob(
                                                 extra.get("prediction"))
     V.check_batch_tensor("prev_sample", prev_sample, sample)
     return_count = V.check_bool("return_count", return_count)
-    spec = StepSpec(Op.LOG_PROB, sigmas, idx, mode, eta, log_prob_kind(log_prob), Reduction.parse("reduction", reduction),
+    spec = StepSpec(Op.LOG_PROB, sigmas, idx, mode, eta, parse_log_prob_kind(log_prob_kind), Reduction.parse("reduction", reduction),
                     elements_per_sample(sample, shard), shard=shard, **extra,
                     **elementwise_inputs(sample, sigmas, token_sigmas, frozen, mode, prev_x0_pred is not None))
     prev = second_order(prev_x0_pred, mode, sample)

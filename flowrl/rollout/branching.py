@@ -30,7 +30,7 @@ def branch_rollout(
     *,
     mode: str = "sde",
     noise_level: float = 0.7,
-    log_prob: str = "gaussian",
+    log_prob_kind: str = "gaussian",
     reduction: str = "mean",
     sde_steps: Optional[Iterable[int]] = None,
     timesteps: Optional[torch.Tensor] = None,
@@ -95,7 +95,7 @@ def branch_rollout(
         rows = torch.tensor([leaf_row[m] for m in level], dtype=torch.int64, device=sample.device)
         v = velocity(x, j, roots)
         out = sde_step(x, v, sigmas, j, mode=mode if stochastic(j) else "ode", noise_level=noise_level,
-                       log_prob=log_prob, reduction=reduction, backend=backend, return_prev_sample_mean=False,
+                       log_prob_kind=log_prob_kind, reduction=reduction, backend=backend, return_prev_sample_mean=False,
                        noise_seed=keys[j][rows] if stochastic(j) else None)
         inputs.append(x)
         log_probs.append(out.log_prob)
@@ -111,7 +111,7 @@ def branch_rollout(
     lp = torch.stack([log_probs[j][leaf_pos[:, j]] for j in range(num_steps)], dim=1)
     return RolloutTrajectory(
         latents=latents, log_probs=lp, timesteps=timesteps, sigmas=sigmas, mode=mode, noise_level=noise_level,
-        log_prob=log_prob, reduction=reduction,
+        log_prob_kind=log_prob_kind, reduction=reduction,
         sde_steps=None if stochastic_steps is None else torch.tensor(stochastic_steps, dtype=torch.int64,
                                                                      device=sample.device),
         tree=tree,

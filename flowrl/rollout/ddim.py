@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from ..core import _validate as V
-from .recorder import RolloutRecorder
+from .recorder import RolloutRecorder, rollout_signature
 from .scheduler import FlowMatchEulerDiscreteSchedulerOutput
 from ..core.step_spec import ddim_options
 from .timestep_lookup import index_for_timestep
@@ -193,6 +193,8 @@ class DDIMScheduler(DiffusersDDIMScheduler):
         """A ``DDIMRolloutRecorder`` for this scheduler (``noise_level`` is eta, default 1.0; the other
         options are ``RolloutRecorder``'s)."""
         return DDIMRolloutRecorder(self, **options)
+
+    rollout.__signature__ = rollout_signature(DDIMRolloutRecorder, mode="ddim", noise_level=1.0)
 
 
 __all__ = ["DDIMScheduler", "DDIMRolloutRecorder", "alpha_bar_table", "check_scheduler", "ddim_step_options"]

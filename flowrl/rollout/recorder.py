@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import warnings
 from dataclasses import replace
 from numbers import Integral
@@ -264,7 +265,7 @@ class RolloutRecorder:
         *,
         mode: str = "sde",
         noise_level: float = 0.7,
-        log_prob: str = "gaussian",
+        log_prob_kind: str = "gaussian",
         reduction: str = "mean",
         sde_steps: Optional[Iterable[int]] = None,
         return_step_indices: Optional[Iterable[int]] = None,
@@ -283,7 +284,7 @@ class RolloutRecorder:
         self._check_scheduler(scheduler, mode, noise_level, sde_steps)
         V.check_choice("mode", mode, V.MODES)
         self.noise_level = V.check_noise_level(noise_level, mode)
-        V.check_choice("log_prob", log_prob, V.LOG_PROB_KINDS)
+        V.check_choice("log_prob_kind", log_prob_kind, V.LOG_PROB_KINDS)
         V.check_choice("reduction", reduction, V.REDUCTIONS)
         V.check_choice("backend", backend, BACKENDS)
         if generator is not None and not isinstance(generator, (torch.Generator, list, tuple)):
@@ -294,7 +295,7 @@ class RolloutRecorder:
                 f"pipeline keeps); got {type(frozen).__name__ if not isinstance(frozen, torch.Tensor) else frozen.dtype}"
             )
         self.scheduler = scheduler
-        self.mode, self.log_prob, self.reduction, self.backend = mode, log_prob, reduction, backend
+        self.mode, self.log_prob_kind, self.reduction, self.backend = mode, log_prob_kind, reduction, backend
         self.generator = list(generator) if isinstance(generator, (list, tuple)) else generator
         self.frozen = frozen
         self.solver_order = _solver_order(mode, solver_order)
@@ -636,7 +637,7 @@ class RolloutRecorder:
         if self.branch is not None and stochastic:
             noise_seed, generator = self._branch_noise_seed(stream, sample, i, noise), None
         out = sde_step(
-            sample, velocity, stream.sigmas, i, **options, log_prob=self.log_prob,
+            sample, velocity, stream.sigmas, i, **options, log_prob_kind=self.log_prob_kind,
             reduction="sum" if joint else self.reduction, backend=self.backend, out_dtype=out_dtype, **masks,
             generator=generator, noise=noise, prev_x0_pred=prev_x0 if stochastic else None, noise_seed=noise_seed,
         )
@@ -700,7 +701,7 @@ class RolloutRecorder:
             latent_step_indices=torch.tensor(keys, dtype=torch.int64, device=device),
             mode=self.mode,
             noise_level=self.noise_level,
-            log_prob=self.log_prob,
+            log_prob_kind=self.log_prob_kind,
             reduction=self.reduction,
             sde_steps=None if self.sde_steps is None else torch.tensor(self.sde_steps, dtype=torch.int64, device=device),
             token_sigmas=torch.stack(stream.token_sigmas, dim=1) if stream.token_sigmas else None,
@@ -750,10 +751,23 @@ class RolloutRecorder:
                        stream_weights=self.stream_weights)
 
 
+def rollout_signature(recorder_class=None, **defaults) -> inspect.Signature:
+    """The signature of a scheduler's ``rollout(**options)`` method: ``self``, then ``RolloutRecorder``'s
+    keyword options (declared once, on its constructor) with ``defaults`` replaced (DDIM's ``mode="ddim"``,
+    ``noise_level=1.0``), returning ``recorder_class``; so ``help(pipe.scheduler.rollout)`` lists them."""
+    init = inspect.signature(RolloutRecorder.__init__)
+    options = [p.replace(default=defaults.pop(p.name, p.default)) for p in list(init.parameters.values())[2:]]
+    if defaults:
+        raise TypeError(f"rollout_signature: {sorted(defaults)} are not RolloutRecorder options")
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return init.replace(parameters=[self_param, *options],
+                        return_annotation=(recorder_class or RolloutRecorder).__name__)
+
+
 # ``with rollout(pipe.scheduler, mode="sde") as rec:``: a recorder for a scheduler instance the pipeline
 # or trainer already has (diffusers' FlowMatchEulerDiscreteScheduler, flowrl's, or a subclass); the
 # constructor itself, so its options are declared once.
 rollout = RolloutRecorder
 
 
-__all__ = ["RolloutRecorder", "rollout", "check_scheduler", "register_scheduler_class"]
+__all__ = ["RolloutRecorder", "rollout", "rollout_signature", "check_scheduler", "register_scheduler_class"]

@@ -34,7 +34,7 @@ import torch
 from ..core import _validate as V
 from . import timestep_lookup
 from ..ops.functional import GeneratorArg, draw_noise
-from .recorder import RolloutRecorder, register_scheduler_class
+from .recorder import RolloutRecorder, register_scheduler_class, rollout_signature
 from .step_output import FlowMatchEulerDiscreteSchedulerOutput, check_step_timestep
 
 try:  # optional: the copy runs without diffusers
@@ -517,15 +517,18 @@ class FlowMatchEulerDiscreteScheduler(
 
     # ----------------------------------------------------------------------------- rollout
     def rollout(self, **options):
-        """A ``flowrl.recorder.RolloutRecorder`` for this scheduler: inside ``with recorder:``, every
+        """A ``flowrl.rollout.recorder.RolloutRecorder`` for this scheduler: inside ``with recorder:``, every
         ``step`` is a rollout step. ``options`` are the recorder's (``mode``, ``noise_level``,
-        ``log_prob``, ``reduction``, ``sde_steps``, ``return_step_indices``, ``generator``, ``frozen``,
+        ``log_prob_kind``, ``reduction``, ``sde_steps``, ``return_step_indices``, ``generator``, ``frozen``,
         ``backend``, ``solver_order`` for mode='dpm_sde', and the replay options ``model``, ``env_device``,
-        ``output_transform``, ``debug``; ``store="device" | "cpu"``, where the recording is kept); same as ``flowrl.recorder.rollout(scheduler, **options)``.
+        ``output_transform``, ``debug``; ``store="device" | "cpu"``, where the recording is kept); same as
+        ``flowrl.rollout.recorder.rollout(scheduler, **options)``.
         ``per_token_timesteps`` and copies of the scheduler made during the rollout (streams) are
         recorded too. With ``stochastic_sampling=True`` in the config the step is cps at noise_level 1:
         record it with ``mode="cps", noise_level=1.0``."""
         return RolloutRecorder(self, **options)
+
+    rollout.__signature__ = rollout_signature()
 
 
 # a rollout drives this copy too (the recorder does not import this module: it imports the recorder)
