@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import flowrl
-from flowrl import _dispatch, losses as L
-from flowrl import reference as R
+from flowrl.backends import _dispatch
+from flowrl import losses as L
+from flowrl.backends import reference as R
 
 sys.path.insert(0, os.path.dirname(__file__))
 import oracle  # noqa: E402
@@ -86,7 +87,7 @@ def test_grpo_log_prob_is_step_log_prob_bit_for_bit_and_first_ratio_is_one(backe
 
 def oracle_grpo(x, v, prev, sig, steps, old_lp, adv, mode, eta, clip, kl_coef=0.0, v_ref=None, old_mean=None,
                 variant="grpo", kl_threshold=None):
-    """The GRPO family in float64 from tests/oracle.py's log-prob, KL and mean (SPEC formulas)."""
+    """The GRPO family in float64 from tests/oracle.py's log-prob, KL and mean (docs/contract.md's formulas)."""
     idx = [int(i) for i in steps]
     lp = oracle.log_prob(x, v, prev, sig, idx, mode, eta)
     log_ratio = lp - old_lp.to(F64)
@@ -339,7 +340,7 @@ def test_replayed_mean_is_within_one_rounding_of_the_stored_sample(backend, dtyp
     steps, seed = STEPS.to(DEVICE), 11
     # the replayed mean, from flowrl's own pieces (torch backend)
     a, c, std = R.mode_coefficients(sig, steps, flowrl.contract.Mode.SDE, 0.7, torch.float32)
-    spec_seed = flowrl._validate.check_noise_seed(seed, x)
+    spec_seed = flowrl.core._validate.check_noise_seed(seed, x)
     eps = R.philox_normal(spec_seed, x[0].numel())
     prev = out.prev_sample.float().reshape(3, -1)
     replay = prev - std.reshape(-1, 1) * eps
@@ -532,7 +533,8 @@ def test_grpo_family_with_token_sigmas_and_frozen_is_step_log_prob_and_step_kl_b
     vv = v_new.clone().requires_grad_()
     lp_new = flowrl.step_log_prob(x, vv, out.prev_sample, sig, steps, **kw)
     assert torch.equal(res.log_prob, lp_new.detach())
-    from flowrl.losses._policy import Variant, policy_loss
+    from flowrl.core.loss_spec import Variant
+    from flowrl.losses._policy import policy_loss
     want = policy_loss(Variant.GRPO, lp_new, None, None, out.log_prob, adv, (0.2, 0.2), 0.0, None, None).loss
     (g_want,) = torch.autograd.grad(want, vv)
     assert g_loss.abs().max() > 0 and torch.equal(g_loss, g_want)

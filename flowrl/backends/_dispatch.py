@@ -26,14 +26,12 @@ class Backend:
     mean or None, std, count); ``step_log_prob(spec, sample, model_output, prev_sample)`` and
     ``step_kl(spec, sample, model_output, ref_model_output)`` -> (value [B], count [B]).
 
-    The losses' ops (flowrl.losses): ``grpo_values(spec, sample, model_output, prev_sample, ref_model_output,
-    old_mean, trust, seed, kl_space=, ref_cond=, ref_scale=)`` -> (log_prob, kl, trust_divergence) [B] (zeros
-    where absent; ``trust`` a ``contract.TrustSource``, ``kl_space`` a ``contract.KLSpace``; ``ref_cond``: the
-    reference's conditional branch, ``ref_model_output`` then its unconditional one, guided at
-    ``ref_scale``); ``flow_sums(kind, count, xt, v, other, x0, ref, t, coefs, shard=None, noise_seed=None)``
+    The losses' ops (flowrl.losses): ``grpo_values(loss, inputs)`` (a ``GRPOLossSpec`` and its
+    ``GRPOInputs``, flowrl/core/loss_spec.py) -> (log_prob, kl, trust_divergence) [B] (zeros where absent);
+    ``flow_sums(kind, count, xt, v, other, x0, ref, t, coefs, shard=None, noise_seed=None)``
     -> the forward-process loss ``kind``'s (``contract.FlowLoss``) per-sample sums [count, B] (``noise_seed``:
     DPO / DGPO's eps drawn from Philox in place of ``other``). Under sequence
-    parallelism (``spec.shard``, or flow_sums' ``shard``, a ``ShardContext``) both gather the chunk
+    parallelism (``loss.step.shard``, or flow_sums' ``shard``, a ``ShardContext``) both gather the chunk
     partials across the ranks, as the step ops do: the [B] values are the full samples'."""
 
     name: str

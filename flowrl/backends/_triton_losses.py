@@ -1,11 +1,11 @@
 """The Triton backend's half of flowrl.losses: launchers and autograd Functions (kernels in
-flowrl/kernels/loss.py), reached through the backend table (``flowrl._dispatch``).
+flowrl/kernels/loss.py), reached through the backend table (``flowrl.backends._dispatch``).
 
-The element passes use the step kernels' launch design (``flowrl._triton_ops.launch_config``: the
+The element passes use the step kernels' launch design (``flowrl.backends._triton_ops.launch_config``: the
 same chunks per program and warps, every choice the same bits), the log-prob and KL partials are
-finalized by the step ops' own finalize kernel (``flowrl._triton_ops._finalize``: the log-prob is
+finalized by the step ops' own finalize kernel (``flowrl.backends._triton_ops._finalize``: the log-prob is
 ``step_log_prob``'s bit for bit), and the forward-process sums are combined by the contract's
-halving tree (``flowrl.reference.combine_partials``). Only ``model_output`` gets a gradient; each
+halving tree (``flowrl.backends.reference.combine_partials``). Only ``model_output`` gets a gradient; each
 backward is one element pass that writes it directly.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from flowrl.backends._triton_ops import (
     division_magic, element_config, launch_config,
 )
 from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, KLSpace, LogProbKind, Reduction
+from flowrl.core.loss_spec import GRPOInputs, GRPOLossSpec
 from flowrl.kernels.loss import flow_backward_kernel, flow_partials_kernel, grpo_backward_kernel, grpo_partials_kernel
 
 from . import reference
@@ -62,13 +63,16 @@ def _elementwise_args(ks, backward=False):
 
 def _velocity_kl(spec, kl_p):
     """The velocity KL [B] from its chunk partials: the contract's halving tree over them (as
-    flowrl.reference_losses.velocity_kl), over the element count for ``reduction="mean"``."""
+    flowrl.backends.reference_losses.velocity_kl), over the element count for ``reduction="mean"``."""
     total = reference.combine_partials(kl_p)
     return total / spec.numel if spec.reduction is Reduction.MEAN else total
 
 
-def _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed, kl_space=KLSpace.TRANSITION, ref_cond=None,
-                  ref_scale=None):
+def _grpo_forward(loss: GRPOLossSpec, ks, inputs: GRPOInputs):
+    """The forward element pass and the finalize: (log_prob, kl, trust_divergence) [B] (contiguous inputs)."""
+    spec, trust, seed, kl_space = loss.step, int(loss.trust), loss.seed, loss.kl_space
+    x, v, prev, ref = inputs.sample, inputs.model_output, inputs.prev_sample, inputs.ref_model_output
+    old_mean = inputs.old_prev_sample_mean
     b, n = _rows_shape(x)
     n_chunks = triton.cdiv(n, CHUNK_SIZE)
     (seeds, stride, offset), philox, aligned = _grpo_launch_args(spec, ks, trust, seed, x)
@@ -85,7 +89,7 @@ def _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed, kl_space=KLS
         ks.last_index,
         MODE=int(spec.mode), HAS_REF=ref is not None, TRUST=int(trust), CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE,
         GROUP=group, PHILOX_ALIGNED=aligned, num_warps=num_warps, **_LAUNCH,
-        **_kl_args(ref, ref_cond, ref_scale, kl_space, v), **_elementwise_args(ks),
+        **_kl_args(ref, inputs.ref_cond, loss.ref_scale, kl_space, v), **_elementwise_args(ks),
     )
     if spec.shard is not None:  # sequence parallelism: the full samples' partials, one gather for the three
         present = [lp_p] + ([kl_p] if ref is not None else []) + ([tr_p] if trust else [])
@@ -109,20 +113,22 @@ class _GRPOValues(torch.autograd.Function):
     backward: one element pass writing d / d model_output from the three incoming grads."""
 
     @staticmethod
-    def forward(ctx, v, x, prev, ref, old_mean, spec, ks, trust, seed, kl_space, ref_cond, ref_scale):
-        ctx.save_for_backward(x, v, prev, ref, old_mean, ref_cond)
-        ctx.spec, ctx.ks, ctx.trust, ctx.seed = spec, ks, trust, seed
-        ctx.kl_space, ctx.ref_scale = kl_space, ref_scale
-        return _grpo_forward(spec, ks, x, v, prev, ref, old_mean, trust, seed, kl_space, ref_cond, ref_scale)
+    def forward(ctx, v, loss, inputs, ks):
+        inputs = inputs._replace(model_output=v)
+        ctx.save_for_backward(inputs.sample, v, inputs.prev_sample, inputs.ref_model_output,
+                              inputs.old_prev_sample_mean, inputs.ref_cond)
+        ctx.loss, ctx.ks = loss, ks
+        return _grpo_forward(loss, ks, inputs)
 
     @staticmethod
     def backward(ctx, g_lp, g_kl, g_tr):
         x, v, prev, ref, old_mean, ref_cond = ctx.saved_tensors
-        spec, ks, trust = ctx.spec, ctx.ks, ctx.trust
+        loss, ks = ctx.loss, ctx.ks
+        spec, trust = loss.step, int(loss.trust)
         b, n = _rows_shape(x)
         zeros = torch.zeros(b, dtype=torch.float32, device=x.device)
         g_lp, g_kl, g_tr = (zeros if g is None else g.to(torch.float32).contiguous() for g in (g_lp, g_kl, g_tr))
-        (seeds, stride, offset), philox, aligned = _grpo_launch_args(spec, ks, trust, ctx.seed, x)
+        (seeds, stride, offset), philox, aligned = _grpo_launch_args(spec, ks, trust, loss.seed, x)
         if spec.elementwise:  # step_backward_kernel's configuration (no spills with per-element coefficients)
             group, num_warps = element_config(spec, n, storage=x.dtype, run=ks.switches.get("RUN"))
         else:
@@ -137,24 +143,22 @@ class _GRPOValues(torch.autograd.Function):
             float(spec.numel), *ks.args, ks.last_index, MODE=int(spec.mode), KIND=int(spec.kind), MEAN=spec.reduction is Reduction.MEAN, HAS_REF=ref is not None,
             TRUST=int(trust), BLOCK=block, PHILOX_ALIGNED=aligned,
             num_warps=num_warps, **_LAUNCH,
-            **_kl_args(ref, ref_cond, ctx.ref_scale, ctx.kl_space, v), **_elementwise_args(ks, backward=True),
+            **_kl_args(ref, ref_cond, loss.ref_scale, loss.kl_space, v), **_elementwise_args(ks, backward=True),
         )
-        return grad_v, None, None, None, None, None, None, None, None, None, None, None
+        return grad_v, None, None, None
 
 
-def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed, kl_space=KLSpace.TRANSITION, ref_cond=None,
-                ref_scale=None):
-    """(log_prob, kl, trust_divergence) [B] float32; kl / trust_divergence are zeros when absent.
-    ``kl_space``: KLSpace; ``ref_cond``: the reference's conditional branch (``ref`` its unconditional
-    one), guided in the kernel at ``ref_scale``."""
-    ks = _KernelScalars(spec, x.shape, storage=x.dtype)
-    x, v, prev = x.contiguous(), v.contiguous(), prev.contiguous()
-    ref = ref.contiguous() if ref is not None else None
-    old_mean = old_mean.contiguous() if old_mean is not None else None
-    ref_cond = ref_cond.contiguous() if ref_cond is not None else None
-    if torch.is_grad_enabled() and v.requires_grad:
-        return _GRPOValues.apply(v, x, prev, ref, old_mean, spec, ks, int(trust), seed, kl_space, ref_cond, ref_scale)
-    return _grpo_forward(spec, ks, x, v, prev, ref, old_mean, int(trust), seed, kl_space, ref_cond, ref_scale)
+def grpo_values(loss: GRPOLossSpec, inputs: GRPOInputs):
+    """(log_prob, kl, trust_divergence) [B] float32 of a GRPO-family loss; kl / trust_divergence are zeros
+    when absent. ``inputs.ref_cond``: the reference's conditional branch (``ref_model_output`` its
+    unconditional one), guided in the kernel at ``loss.ref_scale``."""
+    sample_shaped = ("sample", "model_output", "prev_sample", "ref_model_output", "old_prev_sample_mean", "ref_cond")
+    inputs = inputs._replace(**{name: getattr(inputs, name).contiguous() for name in sample_shaped
+                                if getattr(inputs, name) is not None})
+    ks = _KernelScalars(loss.step, inputs.sample.shape, storage=inputs.sample.dtype)
+    if torch.is_grad_enabled() and inputs.model_output.requires_grad:
+        return _GRPOValues.apply(inputs.model_output, loss, inputs, ks)
+    return _grpo_forward(loss, ks, inputs)
 
 
 # ------------------------------------------------------------------------- forward-process losses
@@ -242,7 +246,7 @@ def flow_sums(kind, count, xt, v, other, x0, ref, t, coefs, shard=None, noise_se
     ``shard``: the sequence-parallel context (partials gathered in forward; the backward needs none:
     d sum / d element does not depend on the other ranks' elements). ``noise_seed`` (DPO / DGPO, with
     ``other`` None): (seeds int64 [R], stream_stride, elem_offset, noise_div, noise_mod), eps of sample b
-    drawn in the kernels from Philox row (b // noise_div) % noise_mod (flowrl.reference.philox_normal's
+    drawn in the kernels from Philox row (b // noise_div) % noise_mod (flowrl.backends.reference.philox_normal's
     stream of that row's seed, its stream the row times stream_stride)."""
     xt = xt.contiguous() if xt is not None else None
     v, x0 = v.contiguous(), x0.contiguous()

@@ -1,6 +1,6 @@
 """The torch backend's half of ``flowrl.losses``: the per-sample values the losses reduce, in plain
-torch with ``flowrl.reference``'s ops and math (the oracle the loss kernels, flowrl._triton_losses,
-are tested against). Reached through the backend table (``flowrl._dispatch``), like the step ops;
+torch with ``flowrl.backends.reference``'s ops and math (the oracle the loss kernels, flowrl.backends._triton_losses,
+are tested against). Reached through the backend table (``flowrl.backends._dispatch``), like the step ops;
 the per-sample [B] arithmetic after these reductions is flowrl.losses', shared by both backends.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from . import reference
 from ..contract import FlowLoss, KLSpace, LogProbKind, Op, Reduction, TrustSource
 from ..core._validate import NoiseSeed
+from ..core.loss_spec import GRPOInputs, GRPOLossSpec
 from ..core.step_spec import StepSpec
 
 
@@ -32,15 +33,17 @@ def velocity_kl(spec, x, v, ref):
     return total / spec.numel if spec.reduction is Reduction.MEAN else total
 
 
-def grpo_values(spec, x, v, prev, ref, old_mean, trust, seed, kl_space=KLSpace.TRANSITION, ref_cond=None,
-                ref_scale=None):
-    """The torch backend's (log_prob, kl, trust_divergence) [B]: flowrl.reference's ops and math.
-    ``ref_cond`` given: ``ref`` is the reference's unconditional branch, combined with ``ref_cond`` at
-    guidance scale ``ref_scale`` (``guided_reference``); ``kl_space``: KLSpace."""
+def grpo_values(loss: GRPOLossSpec, inputs: GRPOInputs):
+    """The torch backend's (log_prob, kl, trust_divergence) [B] of a GRPO-family loss: flowrl.backends.reference's
+    ops and math. ``inputs.ref_cond`` given: ``ref_model_output`` is the reference's unconditional branch,
+    combined with it at guidance scale ``loss.ref_scale`` (``guided_reference``)."""
+    spec, trust, seed, kl_space = loss.step, loss.trust, loss.seed, loss.kl_space
+    x, v, prev = inputs.sample, inputs.model_output, inputs.prev_sample
+    ref, ref_cond, old_mean = inputs.ref_model_output, inputs.ref_cond, inputs.old_prev_sample_mean
     lp, _ = reference.step_log_prob(spec, x, v, prev)
     zeros = torch.zeros_like(lp)
     if ref is not None and ref_cond is not None:
-        ref = guided_reference(x, v, ref, ref_cond, ref_scale).reshape(x.shape)
+        ref = guided_reference(x, v, ref, ref_cond, loss.ref_scale).reshape(x.shape)
     if ref is None:
         kl = zeros
     elif kl_space is KLSpace.VELOCITY:

@@ -52,10 +52,11 @@ import torch
 
 from ..core import _validate as V
 from ..losses import nft_loss
-from ..losses._policy import Variant, policy_loss
+from ..core.loss_spec import Variant
+from ..losses._policy import policy_loss
 from ..ops.functional import step_log_prob
 from ..rollout.scheduler import FlowMatchEulerDiscreteScheduler
-from . import _common as C
+from . import _common as compat_common
 from .flow_factory import _assemble, _groups
 
 SDE_TYPES = {"sde": "sde", "cps": "cps", "dance_sde": "dance"}
@@ -74,7 +75,7 @@ def _noise_levels(noise_level, batch: int, cps: bool):
         values, scalar = [noise_level], True
     if len(values) not in (1, batch):
         raise ValueError(f"noise_level must hold 1 or B = {batch} values; got {len(values)}")
-    etas = [C.check_noise_level("noise_level", v, at_most_one=cps) for v in values]
+    etas = [compat_common.check_noise_level("noise_level", v, at_most_one=cps) for v in values]
     return (etas * batch if len(etas) == 1 else etas), scalar
 
 
@@ -103,11 +104,11 @@ class FlowMatchSDEDiscreteScheduler(FlowMatchEulerDiscreteScheduler):
         ``prev_sample`` (training; differentiable in ``model_output``). ``timestep=None`` uses the
         scheduler's ``step_index`` (the sequential loop). Extra keyword-only: ``out_dtype`` (the sampled
         ``prev_sample``'s dtype, default float32, which is what is scored), ``backend``."""
-        sigmas, timesteps = C.scheduler_tables(self, "self")
-        C.check_tensor("sample", sample)
-        C.check_tensor("model_output", model_output, sample, "sample")
+        sigmas, timesteps = compat_common.scheduler_tables(self, "self")
+        compat_common.check_tensor("sample", sample)
+        compat_common.check_tensor("model_output", model_output, sample, "sample")
         if prev_sample is not None:
-            C.check_tensor("prev_sample", prev_sample, sample, "sample")
+            compat_common.check_tensor("prev_sample", prev_sample, sample, "sample")
         if per_token_timesteps is not None:
             raise ValueError("per_token_timesteps is not supported (verl-omni does not support it either)")
         if not isinstance(sde_type, str) or sde_type not in SDE_TYPES:
@@ -115,27 +116,27 @@ class FlowMatchSDEDiscreteScheduler(FlowMatchEulerDiscreteScheduler):
         V.check_bool("return_logprobs", return_logprobs)
         V.check_bool("return_sqrt_dt", return_sqrt_dt)
         V.check_bool("include_logprob_normalizer", include_logprob_normalizer)
-        out_dtype = C.check_out_dtype(out_dtype) or torch.float32
+        out_dtype = compat_common.check_out_dtype(out_dtype) or torch.float32
         mode = SDE_TYPES[sde_type]
         kind = "sq_err" if mode == "cps" else ("gaussian" if include_logprob_normalizer else "kernel")
         batch, device = sample.shape[0], sample.device
-        table = C.on_device(sigmas, device)
+        table = compat_common.on_device(sigmas, device)
         if timestep is None:
             if self.step_index is None:
                 raise ValueError("timestep is None and the scheduler has no step_index: pass timestep, or call step()")
             idx = torch.full((batch,), int(self.step_index), dtype=torch.int64, device=device)
             given = 0
         else:
-            idx, given = C.resolve_timesteps("timestep", timestep, timesteps, batch, device)
+            idx, given = compat_common.resolve_timesteps("timestep", timestep, timesteps, batch, device)
         etas, scalar_eta = _noise_levels(noise_level, batch, mode == "cps")
 
-        noise = C.draw(sample, generator) if prev_sample is None else None
+        noise = compat_common.draw(sample, generator) if prev_sample is None else None
         prev_parts, lp_parts, mean_parts = [], [], []
         for eta, rows in _groups(etas):
             pick = (lambda t: t) if rows is None else (lambda t, r=torch.tensor(rows, device=device): t[r])
             x, v, i = pick(sample), pick(model_output), pick(idx)
             if prev_sample is None:
-                o = C.emit(x, v, table, i, mode=mode, eta=eta, noise=pick(noise), kind=kind, out_dtype=out_dtype,
+                o = compat_common.emit(x, v, table, i, mode=mode, eta=eta, noise=pick(noise), kind=kind, out_dtype=out_dtype,
                            peer_compatible=False, backend=backend)
                 prev_parts.append((rows, o[0]))
                 lp_parts.append((rows, o[1]))
@@ -145,7 +146,7 @@ class FlowMatchSDEDiscreteScheduler(FlowMatchEulerDiscreteScheduler):
                 if return_logprobs:
                     lp_parts.append((rows, step_log_prob(x, v, pick(prev_sample), table, i, mode=mode, noise_level=eta,
                                                          log_prob_kind=kind, backend=backend)))
-                mean_parts.append((rows, C.step_mean(x, v, table, i, mode, eta, backend)))
+                mean_parts.append((rows, compat_common.step_mean(x, v, table, i, mode, eta, backend)))
         prev, mean = _assemble(prev_parts), _assemble(mean_parts)
         log_prob = _assemble(lp_parts) if return_logprobs else None
 
@@ -153,15 +154,15 @@ class FlowMatchSDEDiscreteScheduler(FlowMatchEulerDiscreteScheduler):
         sigma, sigma_next = f32[idx], f32[idx + 1]
         eta_t = torch.tensor(etas, dtype=torch.float32, device=device)
         if mode == "sde":
-            std = eta_t * C.sde_per_unit_time_std(table, idx, 1.0)
+            std = eta_t * compat_common.sde_per_unit_time_std(table, idx, 1.0)
         elif mode == "cps":
-            std = torch.cat([C.cps_std(sigma_next[k:k + 1], e) for k, e in enumerate(etas)])
+            std = torch.cat([compat_common.cps_std(sigma_next[k:k + 1], e) for k, e in enumerate(etas)])
         else:
             std = eta_t * torch.sqrt(sigma - sigma_next)
         if given == 0 and scalar_eta:  # verl-omni's sequential loop: 0-d sigma, 0-d std_dev_t
             std_dev_t = std[0].reshape(())
         else:
-            std_dev_t = C.column(std, sample.dim())
+            std_dev_t = compat_common.column(std, sample.dim())
         if return_sqrt_dt:
             return prev, log_prob, mean, std_dev_t, torch.sqrt(sigma - sigma_next)
         return prev, log_prob, mean, std_dev_t

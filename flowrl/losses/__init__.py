@@ -11,9 +11,9 @@
 - ``nft_loss`` (DiffusionNFT) and ``awm_loss`` / ``awm_log_prob`` (Advantage Weighted Matching):
   forward-process losses that use no SDE log-prob.
 
-Each reaches its per-sample values through the backend table (``flowrl._dispatch``), like the step
-ops: the torch backend's (flowrl.reference_losses, with flowrl.reference's math: the oracle) or the
-Triton backend's (flowrl._triton_losses, kernels/loss.py: one element pass forward, one backward that
+Each reaches its per-sample values through the backend table (``flowrl.backends._dispatch``), like the step
+ops: the torch backend's (flowrl.backends.reference_losses, with flowrl.backends.reference's math: the oracle) or the
+Triton backend's (flowrl.backends._triton_losses, kernels/loss.py: one element pass forward, one backward that
 writes d loss / d model_output). Per-sample values are
 reduced in the contract's fixed chunked halving-tree order: deterministic and batch-invariant; only
 the final batch mean depends on the batch. The per-sample [B] arithmetic after the reductions
@@ -40,28 +40,25 @@ Sharded calls run eagerly (not through the custom ops) under torch.compile, as t
 """
 from __future__ import annotations
 
-import math
 from numbers import Real
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..backends import _dispatch
 from ..core import _validate as V
-from ..contract import FlowLoss, KLSpace, Op, Reduction, TrustSource
-from ..core.step_spec import (
-    ShardContext, StepSpec, elements_per_sample, elementwise_inputs, parse_log_prob_kind, schedule_and_steps,
-)
+from ..contract import FlowLoss, KLSpace, TrustSource
+from ..core.loss_spec import Variant as _Variant
+from ..core.step_spec import ShardContext, elements_per_sample
 from ..ops._custom_ops import is_empty as _empty
 from ..ops._custom_ops import traced as _traced
 from . import _custom_ops as _ops
 from . import _joint
 from ._common import _check_no_grad, _check_per_sample, _check_scalar, _flow_backend, check_clip_range
 from ._custom_ops import grpo_family_loss
+from ._grpo import GRPOCall, validate
 from ._flow import (AWM_EPS, NFTLossOutput, awm_from_args, awm_from_means, awm_log_prob_from_args, awm_sums,
                     nft_from_args, nft_from_means, nft_sums)
 from ._policy import GRPOLossOutput, grpo_from_spec, policy_loss
-from ._policy import Variant as _Variant
 from ._teacher import teacher_kl as _teacher_kl
 
 ClipRange = Union[float, Tuple[float, float]]
@@ -70,122 +67,20 @@ ClipRange = Union[float, Tuple[float, float]]
 RefOutput = Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 
-# ------------------------------------------------------------------------------------ validation
-
-
-def _step_sample_tensor(name, t, sample):
-    if t is not None:
-        V.check_batch_tensor(name, t, sample)
-    return t
-
-
 # --------------------------------------------------------------------- the GRPO family's loss block
 
 
-def _reference(ref_model_output, ref_guidance_scale, sample):
-    """The reference's output: (ref, None, None) for one tensor (or None), (uncond, cond, w) for the two
-    branches ``ref_model_output=(uncond, cond)`` with ``ref_guidance_scale=w``; each checked."""
-    if isinstance(ref_model_output, (tuple, list)):
-        if len(ref_model_output) != 2:
-            raise ValueError("ref_model_output must be a tensor or a pair (uncond, cond) of the reference's two "
-                             f"branches; got a {type(ref_model_output).__name__} of {len(ref_model_output)}")
-        uncond, cond = ref_model_output
-        _step_sample_tensor("ref_model_output[0] (uncond)", uncond, sample)
-        _step_sample_tensor("ref_model_output[1] (cond)", cond, sample)
-        _check_no_grad(**{"ref_model_output[0] (uncond)": uncond, "ref_model_output[1] (cond)": cond})
-        if ref_guidance_scale is None:
-            raise ValueError("ref_model_output is a pair (uncond, cond) but ref_guidance_scale is None: pass the "
-                             "guidance scale w of the reference's uncond + w (cond - uncond)")
-        return uncond, cond, _check_scalar("ref_guidance_scale", ref_guidance_scale, minimum=-math.inf)
-    if ref_guidance_scale is not None:
-        raise ValueError("ref_guidance_scale is given but ref_model_output is not a pair (uncond, cond): pass the "
-                         "reference's two branches, or its guided output alone without ref_guidance_scale")
-    return _step_sample_tensor("ref_model_output", ref_model_output, sample), None, None
-
-
-def _grpo_family(variant, sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, *,
-                 clip_range, mode, noise_level, log_prob_kind, reduction, kl_coef, ref_model_output,
-                 old_prev_sample_mean, noise_seed, kl_threshold, backend, rollout_is_weights=None,
-                 stream_weights=None, _stream=False, shard=None, kl_space="transition",
-                 ref_guidance_scale=None, token_sigmas=None, frozen=None) -> GRPOLossOutput:
-    if isinstance(sample, tuple):  # a joint step: the streams' values combined (flowrl/losses/_joint.py)
-        if shard is not None:
-            raise ValueError("shard: a joint step (tuples of streams) is not supported under sequence parallelism; "
-                             "pass one stream's shards, or shard=None")
-        if token_sigmas is not None or frozen is not None:
-            given = "token_sigmas" if token_sigmas is not None else "frozen"
-            raise ValueError(f"{given}: a joint step (tuples of streams) takes no per-token sigmas or frozen mask in "
-                             "the losses; pass one stream, or compute step_log_prob(..., token_sigmas=, frozen=) per "
-                             "stream and form the loss from it")
-        return _joint.grpo_family(_grpo_family, variant, sample, model_output, prev_sample, sigmas, step_index,
-                                  old_log_prob, advantages, clip_range=clip_range, mode=mode, noise_level=noise_level,
-                                  log_prob_kind=log_prob_kind, reduction=reduction, kl_coef=kl_coef,
-                                  ref_model_output=ref_model_output, old_prev_sample_mean=old_prev_sample_mean,
-                                  noise_seed=noise_seed, kl_threshold=kl_threshold, backend=backend,
-                                  rollout_is_weights=rollout_is_weights, stream_weights=stream_weights,
-                                  kl_space=kl_space, ref_guidance_scale=ref_guidance_scale)
-    if stream_weights is not None:
-        raise ValueError("stream_weights weights the streams of a joint step: pass sample, model_output and "
-                         "prev_sample as tuples (one tensor per stream), or stream_weights=None")
-    sigmas, idx, mode, eta = schedule_and_steps(sample, model_output, sigmas, step_index, mode, noise_level)
-    if not mode.rules.losses:  # ddim: its mean is not a * x + c * v (x0's clip; an alpha-bar table), which the loss kernels fuse
-        raise ValueError(f"mode={mode.label!r} is not supported by flowrl.losses; compute step_log_prob(mode={mode.label!r}, ...) and "
-                         "form the loss from it")
-    V.check_batch_tensor("prev_sample", prev_sample, sample)
-    kl_space = KLSpace.parse("kl_space", kl_space)
-    # per-token sigmas and the frozen mask: step_log_prob's checks and spec fields (one formula, one place)
-    elementwise = elementwise_inputs(sample, sigmas, token_sigmas, frozen, mode)
-    if token_sigmas is not None and variant is _Variant.GUARD:
-        raise ValueError("token_sigmas is not supported by grpo_guard_loss: its ratio exp((dlogp + D_s) * std) and "
-                         "loss weight 1/D are one step's std and D (flowrl.weights.scheme_weights), and per-token "
-                         "sigmas give each token its own; use flow_dppo_loss or grpo_loss (frozen= alone is "
-                         "supported: the sample's own step)")
-    if (token_sigmas is not None or frozen is not None) and kl_space is KLSpace.VELOCITY:
-        given = "token_sigmas" if token_sigmas is not None else "frozen"
-        raise ValueError(f"{given} is not supported with kl_space='velocity' (its (v - v_ref)^2 is a mean over "
-                         "every element, with no scored count); use kl_space='transition', whose KL is "
-                         "step_kl(..., token_sigmas=, frozen=)")
-    ref_model_output, ref_cond, ref_scale = _reference(ref_model_output, ref_guidance_scale, sample)
-    batch = sample.shape[0]
-    numel = elements_per_sample(sample, shard)  # the full sample's under sequence parallelism (checks shard)
-    old_log_prob = _check_per_sample("old_log_prob", old_log_prob, batch, sample.device)
-    advantages = _check_per_sample("advantages", advantages, batch, sample.device)
-    if rollout_is_weights is not None:
-        rollout_is_weights = _check_per_sample("rollout_is_weights", rollout_is_weights, batch, sample.device)
-    clip = check_clip_range(clip_range) if variant is not _Variant.DPPO else None
-    kl_coef = _check_scalar("kl_coef", kl_coef)
-    if kl_coef != 0 and ref_model_output is None:
-        raise ValueError("kl_coef is nonzero but ref_model_output is None: pass the reference policy's model_output")
-    _check_no_grad(sample=sample, prev_sample=prev_sample, ref_model_output=ref_model_output,
-                   old_prev_sample_mean=old_prev_sample_mean, old_log_prob=old_log_prob, advantages=advantages,
-                   rollout_is_weights=rollout_is_weights)
-    trust, seed = TrustSource.NONE, None
-    if variant is not _Variant.GRPO:
-        if (old_prev_sample_mean is None) == (noise_seed is None):
-            raise ValueError("pass exactly one of old_prev_sample_mean (the rollout's mean mu_old) and noise_seed "
-                             "(the rollout's noise_seed, to replay mu_old = prev_sample - std * eps)")
-        if old_prev_sample_mean is not None:
-            V.check_batch_tensor("old_prev_sample_mean", old_prev_sample_mean, sample)
-            trust = TrustSource.GIVEN
-        else:
-            # a shard's Philox elements are keyed by their index in the full sample (as sde_step's)
-            seed = V.check_noise_seed(noise_seed, sample)._replace(elem_offset=0 if shard is None else shard.offset)
-            trust = TrustSource.REPLAY
-    spec = StepSpec(Op.LOG_PROB, sigmas, idx, mode, eta, parse_log_prob_kind(log_prob_kind), Reduction.parse("reduction", reduction),
-                    numel, shard=shard, **elementwise)
-    tensors = [t for t in (sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean, ref_cond)
-               if t is not None]
-    ops = _dispatch.select(backend, *tensors)
-    args = (variant, ops, spec, sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
-            old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold, rollout_is_weights, kl_space, ref_cond,
-            ref_scale)
-    if _stream:  # one stream of a joint step: its validated arguments (flowrl/losses/_joint.py)
-        return args
-    # while torch.compile traces (one device): the custom op flowrl::grpo_family_loss; an empty batch (B = 0,
-    # sharded or not): its wrapper's zeros, nothing launched (flowrl/losses/_custom_ops.py, _call)
-    if (_traced() and shard is None) or _empty(sample):
-        return grpo_family_loss(*args)
-    return grpo_from_spec(*args)
+def _grpo_family(variant: _Variant, call: GRPOCall) -> GRPOLossOutput:
+    """The GRPO family's loss: a joint step's streams combined (flowrl/losses/_joint.py), or one step's spec
+    and inputs (``validate``) through the backend, eager or (while torch.compile traces, one device) the
+    custom op flowrl::grpo_family_loss; an empty batch (B = 0, sharded or not): its wrapper's zeros, nothing
+    launched (flowrl/losses/_custom_ops.py, _call)."""
+    if isinstance(call.sample, tuple):
+        return _joint.grpo_family(variant, call)
+    spec, inputs = validate(variant, call)
+    if (_traced() and call.shard is None) or _empty(call.sample):
+        return grpo_family_loss(spec, inputs)
+    return grpo_from_spec(spec, inputs)
 
 
 def grpo_loss(
@@ -246,13 +141,12 @@ def grpo_loss(
     Per-token sigmas and frozen masks). Also ``flow_dppo_loss`` (D_s per element, each token's std, over
     the scored elements) and ``grpo_guard_loss`` (``frozen`` only: its std and 1/D are one step's).
     """
-    return _grpo_family(_Variant.GRPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
-                        advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob_kind=log_prob_kind,
-                        reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
-                        old_prev_sample_mean=None, noise_seed=None, kl_threshold=None, backend=backend,
-                        rollout_is_weights=rollout_is_weights, stream_weights=stream_weights, shard=shard,
-                        kl_space=kl_space, ref_guidance_scale=ref_guidance_scale, token_sigmas=token_sigmas,
-                        frozen=frozen)
+    return _grpo_family(_Variant.GRPO, GRPOCall(
+        sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, clip_range=clip_range,
+        mode=mode, noise_level=noise_level, log_prob_kind=log_prob_kind, reduction=reduction, kl_coef=kl_coef,
+        kl_space=kl_space, ref_model_output=ref_model_output, ref_guidance_scale=ref_guidance_scale,
+        rollout_is_weights=rollout_is_weights, token_sigmas=token_sigmas, frozen=frozen, backend=backend,
+        shard=shard, stream_weights=stream_weights))
 
 
 def grpo_guard_loss(
@@ -298,14 +192,13 @@ def grpo_guard_loss(
     scale = sqrt(mean_n D_k) sqrt(mean_n std_k^2 / D_k), D_s = mean over every element of (mu -
     mu_old)^2 / (2 scale^2), ratio exp((dlogp + D_s) scale), loss / mean_n D_k (docs/losses.md, Joint
     steps)."""
-    return _grpo_family(_Variant.GUARD, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
-                        advantages, clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob_kind=log_prob_kind,
-                        reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
-                        old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=None,
-                        backend=backend, rollout_is_weights=rollout_is_weights, stream_weights=stream_weights,
-                        shard=shard,
-                        kl_space=kl_space, ref_guidance_scale=ref_guidance_scale, token_sigmas=token_sigmas,
-                        frozen=frozen)
+    return _grpo_family(_Variant.GUARD, GRPOCall(
+        sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, clip_range=clip_range,
+        old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, mode=mode, noise_level=noise_level,
+        log_prob_kind=log_prob_kind, reduction=reduction, kl_coef=kl_coef,
+        kl_space=kl_space, ref_model_output=ref_model_output, ref_guidance_scale=ref_guidance_scale,
+        rollout_is_weights=rollout_is_weights, token_sigmas=token_sigmas, frozen=frozen, backend=backend,
+        shard=shard, stream_weights=stream_weights))
 
 
 def flow_dppo_loss(
@@ -342,14 +235,13 @@ def flow_dppo_loss(
     ``ref_guidance_scale``, ``token_sigmas``, ``frozen``: as ``grpo_loss``'s (D_s then per element with each
     token's std, over the scored elements)."""
     kl_threshold = _check_scalar("kl_threshold", kl_threshold)
-    return _grpo_family(_Variant.DPPO, sample, model_output, prev_sample, sigmas, step_index, old_log_prob,
-                        advantages, clip_range=None, mode=mode, noise_level=noise_level, log_prob_kind=log_prob_kind,
-                        reduction=reduction, kl_coef=kl_coef, ref_model_output=ref_model_output,
-                        old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, kl_threshold=kl_threshold,
-                        backend=backend, rollout_is_weights=rollout_is_weights,
-                        stream_weights=stream_weights, shard=shard,
-                        kl_space=kl_space, ref_guidance_scale=ref_guidance_scale, token_sigmas=token_sigmas,
-                        frozen=frozen)
+    return _grpo_family(_Variant.DPPO, GRPOCall(
+        sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, kl_threshold=kl_threshold,
+        old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, mode=mode, noise_level=noise_level,
+        log_prob_kind=log_prob_kind, reduction=reduction, kl_coef=kl_coef,
+        kl_space=kl_space, ref_model_output=ref_model_output, ref_guidance_scale=ref_guidance_scale,
+        rollout_is_weights=rollout_is_weights, token_sigmas=token_sigmas, frozen=frozen, backend=backend,
+        shard=shard, stream_weights=stream_weights))
 
 
 def teacher_kl_loss(

@@ -23,6 +23,7 @@ shapes and dtypes, filled with zeros, the loss on model_output's graph (docs/gui
 """
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 import torch
@@ -30,9 +31,10 @@ import torch
 from ..backends import _dispatch
 from ..contract import KLSpace, TrustSource
 from ..core._validate import no_value_checks
+from ..core.loss_spec import GRPOInputs, GRPOLossSpec, Variant
 from ..ops import _custom_ops as C
 from ._flow import NFTLossOutput, awm_from_args, awm_log_prob_from_args, nft_from_args
-from ._policy import GRPOLossOutput, Variant, grpo_from_spec
+from ._policy import GRPOLossOutput, grpo_from_spec
 from ._preference import DGPOLossOutput, DPOLossOutput, dgpo_from_args, dgpo_references, dpo_from_args
 from ._teacher import teacher_kl
 
@@ -46,41 +48,62 @@ def _present(variant: int, has_ref: bool, trust: int) -> List[bool]:
             True, True, True, True]
 
 
-def _run(sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean,
-         spec_tensors, spec_ints, noise_level, seeds, seed_ints, variant, trust, clip_low, clip_high, kl_coef,
-         kl_threshold, backend, rollout_is_weights, ref_cond=None, ref_scale=None, kl_space=0):
-    spec = C.unpack_spec(spec_tensors, spec_ints, noise_level, None, None)
-    return grpo_from_spec(Variant(variant), _dispatch.backend(backend), spec, sample, model_output, prev_sample,
-                          old_log_prob, advantages, ref_model_output, old_prev_sample_mean, TrustSource(trust),
-                          C.unpack_seed(seeds, seed_ints), None if clip_low is None else (clip_low, clip_high), kl_coef,
-                          kl_threshold, rollout_is_weights, KLSpace(kl_space), ref_cond, ref_scale)
+# GRPOInputs' tensors but model_output (the op's first, differentiable argument), then the rollout's seeds
+_TENSORS = tuple(name for name in GRPOInputs._fields if name != "model_output")
+_STEP_INTS = 10  # pack_spec's
+
+
+def _float(x: Optional[float]) -> float:
+    return math.nan if x is None else float(x)  # None travels as NaN: no option it stands for can be NaN
+
+
+def _optional(x: float) -> Optional[float]:
+    return None if math.isnan(x) else x
+
+
+def pack_loss(spec: GRPOLossSpec, inputs: GRPOInputs):
+    """The loss as schema values: (model_output, tensors [GRPOInputs' others, seeds], the step's tensors,
+    ints [the step's, seed stride and offset, variant, trust, kl_space], floats [noise_level, clip_low,
+    clip_high, kl_coef, kl_threshold, ref_scale], the backend's name)."""
+    step_tensors, step_ints, eta, _, _ = C.pack_spec(spec.step)
+    seeds, seed_ints = C.pack_seed(spec.seed)
+    clip = spec.clip if spec.clip is not None else (None, None)
+    ints = [*step_ints, *seed_ints, int(spec.variant), int(spec.trust), int(spec.kl_space)]
+    floats = [float(eta), *map(_float, (*clip, spec.kl_coef, spec.kl_threshold, spec.ref_scale))]
+    tensors = [getattr(inputs, name) for name in _TENSORS] + [seeds]
+    return inputs.model_output, tensors, step_tensors, ints, floats, spec.backend
+
+
+def unpack_loss(model_output, tensors, step_tensors, ints, floats, backend):
+    """``pack_loss``'s values back: (GRPOLossSpec, GRPOInputs)."""
+    step = C.unpack_spec(step_tensors, ints[:_STEP_INTS], floats[0], None, None)
+    seed = C.unpack_seed(tensors[-1], ints[_STEP_INTS:_STEP_INTS + 2])
+    variant, trust, kl_space = ints[_STEP_INTS + 2:_STEP_INTS + 5]
+    clip_low, clip_high, kl_coef, kl_threshold, ref_scale = map(_optional, floats[1:])
+    spec = GRPOLossSpec(Variant(variant), step, trust=TrustSource(trust), seed=seed,
+                        clip=None if clip_low is None else (clip_low, clip_high), kl_coef=kl_coef,
+                        kl_space=KLSpace(kl_space), kl_threshold=kl_threshold, ref_scale=ref_scale, backend=backend)
+    return spec, GRPOInputs(model_output=model_output, **dict(zip(_TENSORS, tensors[:-1])))
 
 
 @torch.library.custom_op("flowrl::grpo_family_loss", mutates_args=())
-def _grpo_op(sample: torch.Tensor, model_output: torch.Tensor, prev_sample: torch.Tensor, old_log_prob: torch.Tensor,
-             advantages: torch.Tensor, ref_model_output: Optional[torch.Tensor],
-             old_prev_sample_mean: Optional[torch.Tensor], spec_tensors: List[Optional[torch.Tensor]],
-             spec_ints: List[int], noise_level: float, seeds: Optional[torch.Tensor], seed_ints: List[int], variant: int,
-             trust: int, clip_low: Optional[float], clip_high: Optional[float], kl_coef: float,
-             kl_threshold: Optional[float], backend: str,
-             rollout_is_weights: Optional[torch.Tensor], ref_cond: Optional[torch.Tensor],
-             ref_scale: Optional[float], kl_space: int) -> List[torch.Tensor]:
+def _grpo_op(model_output: torch.Tensor, tensors: List[Optional[torch.Tensor]],
+             step_tensors: List[Optional[torch.Tensor]], ints: List[int], floats: List[float],
+             backend: str) -> List[torch.Tensor]:
     with torch.no_grad():
-        out = _run(sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean,
-                   spec_tensors, spec_ints, noise_level, seeds, seed_ints, variant, trust, clip_low, clip_high, kl_coef,
-                   kl_threshold, backend, rollout_is_weights, ref_cond, ref_scale, kl_space)
+        out = grpo_from_spec(*unpack_loss(model_output, tensors, step_tensors, ints, floats, backend))
     fields = [C.absent(out.log_prob) if t is None else t for t in out]
-    return C.fresh(fields, [sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
-                            old_prev_sample_mean, seeds, rollout_is_weights, ref_cond, *spec_tensors])
+    return C.fresh(fields, [model_output, *tensors, *step_tensors])
 
 
 @_grpo_op.register_fake
-def _grpo_fake(sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean,
-               spec_tensors, spec_ints, noise_level, seeds, seed_ints, variant, trust, clip_low, clip_high, kl_coef,
-               kl_threshold, backend, rollout_is_weights, ref_cond, ref_scale, kl_space):
-    wide = backend == "torch" and any(t.dtype == torch.float64 for t in (sample, model_output, prev_sample))
+def _grpo_fake(model_output, tensors, step_tensors, ints, floats, backend):
+    spec, inputs = unpack_loss(model_output, tensors, step_tensors, ints, floats, backend)
+    wide = backend == "torch" and any(t.dtype == torch.float64
+                                      for t in (inputs.sample, model_output, inputs.prev_sample))
     dtype = torch.float64 if wide else torch.float32
-    return _fake(sample, dtype, _present(variant, ref_model_output is not None, trust))
+    return _fake(inputs.sample, dtype, _present(int(spec.variant), inputs.ref_model_output is not None,
+                                                int(spec.trust)))
 
 
 def _fake(sample, dtype, present):
@@ -94,45 +117,37 @@ def _fake(sample, dtype, present):
 
 
 @torch.library.custom_op("flowrl::grpo_family_loss_backward", mutates_args=())
-def _grpo_backward_op(grad_loss: torch.Tensor, sample: torch.Tensor, model_output: torch.Tensor,
-                      prev_sample: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                      ref_model_output: Optional[torch.Tensor], old_prev_sample_mean: Optional[torch.Tensor],
-                      spec_tensors: List[Optional[torch.Tensor]], spec_ints: List[int], noise_level: float,
-                      seeds: Optional[torch.Tensor], seed_ints: List[int], variant: int, trust: int,
-                      clip_low: Optional[float], clip_high: Optional[float],
-                      kl_coef: float, kl_threshold: Optional[float], backend: str,
-                      rollout_is_weights: Optional[torch.Tensor], ref_cond: Optional[torch.Tensor],
-                      ref_scale: Optional[float], kl_space: int) -> torch.Tensor:
+def _grpo_backward_op(grad_loss: torch.Tensor, model_output: torch.Tensor, tensors: List[Optional[torch.Tensor]],
+                      step_tensors: List[Optional[torch.Tensor]], ints: List[int], floats: List[float],
+                      backend: str) -> torch.Tensor:
     def forward(v):
-        return (_run(sample, v, prev_sample, old_log_prob, advantages, ref_model_output, old_prev_sample_mean,
-                     spec_tensors, spec_ints, noise_level, seeds, seed_ints, variant, trust, clip_low, clip_high,
-                     kl_coef, kl_threshold, backend, rollout_is_weights, ref_cond, ref_scale, kl_space).loss,)
+        return (grpo_from_spec(*unpack_loss(v, tensors, step_tensors, ints, floats, backend)).loss,)
 
     return C.grads_by_replay(forward, [model_output], [True], [grad_loss])[0]
 
 
 @_grpo_backward_op.register_fake
-def _(grad_loss, sample, model_output, *rest):
+def _(grad_loss, model_output, *rest):
     return torch.empty_like(model_output)
 
 
 def _setup(ctx, inputs, output):
-    # saved: the 7 tensors, seeds, rollout_is_weights, ref_cond, then the spec's tensors
-    ctx.save_for_backward(*inputs[:7], inputs[10], inputs[19], inputs[20], *inputs[7])
-    ctx.scalars = (inputs[8], inputs[9], inputs[11], *inputs[12:19])
-    ctx.kl_scalars = (inputs[21], inputs[22])  # ref_scale, kl_space
+    model_output, tensors, step_tensors, ints, floats, backend = inputs
+    ctx.save_for_backward(model_output, *tensors, *step_tensors)
+    ctx.counts = (len(tensors), len(step_tensors))
+    ctx.scalars = (ints, floats, backend)
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _backward(ctx, grads):
-    saved = ctx.saved_tensors
-    none = (None,) * 7 + (C.list_grad(saved[10:]),) + (None,) * 15
-    if grads[0] is None or not ctx.needs_input_grad[1]:
+    model_output, *saved = ctx.saved_tensors
+    n = ctx.counts[0]
+    tensors, step_tensors = saved[:n], saved[n:]
+    none = (None, C.list_grad(tensors), C.list_grad(step_tensors), None, None, None)
+    if grads[0] is None or not ctx.needs_input_grad[0]:
         return none
-    spec_ints, noise_level, seed_ints, *rest = ctx.scalars
-    grad_v = _grpo_backward_op(grads[0], *saved[:7], list(saved[10:]), spec_ints, noise_level, saved[7], seed_ints,
-                               *rest, saved[8], saved[9], *ctx.kl_scalars)
-    return (none[0], grad_v) + none[2:]
+    grad_v = _grpo_backward_op(grads[0], model_output, list(tensors), list(step_tensors), *ctx.scalars)
+    return (grad_v,) + none[1:]
 
 
 _grpo_op.register_autograd(_backward, setup_context=_setup)
@@ -155,17 +170,10 @@ def empty_joint(out, model_outputs):
     return out._replace(**{out._fields[0]: C.on_empty([out[0]], model_outputs)[0]})
 
 
-def grpo_family_loss(variant, ops, spec, sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
-                     old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold, rollout_is_weights,
-                     kl_space=KLSpace.TRANSITION, ref_cond=None, ref_scale=None):
-    """``grpo_from_spec``'s GRPOLossOutput through ``flowrl::grpo_family_loss`` (same arguments)."""
-    tensors, ints, eta, _, _ = C.pack_spec(spec)
-    seeds, seed_ints = C.pack_seed(seed)
-    out = _call(_grpo_op, _grpo_fake, 1, sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
-                old_prev_sample_mean, tensors, ints, eta, seeds, seed_ints, int(variant), int(trust),
-                *(clip if clip else (None, None)), float(kl_coef), kl_threshold, ops.name, rollout_is_weights, ref_cond,
-                None if ref_scale is None else float(ref_scale), int(kl_space))
-    present = _present(int(variant), ref_model_output is not None, int(trust))
+def grpo_family_loss(spec: GRPOLossSpec, inputs: GRPOInputs) -> GRPOLossOutput:
+    """``grpo_from_spec(spec, inputs)``'s GRPOLossOutput through ``flowrl::grpo_family_loss``."""
+    out = _call(_grpo_op, _grpo_fake, 0, *pack_loss(spec, inputs))
+    present = _present(int(spec.variant), inputs.ref_model_output is not None, int(spec.trust))
     return GRPOLossOutput(*(t if p else None for t, p in zip(out, present)))
 
 

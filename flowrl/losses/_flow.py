@@ -11,7 +11,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..contract import FlowLoss
-from ._policy import GRPOLossOutput, Variant, policy_loss
+from ..core.loss_spec import Variant
+from ._policy import GRPOLossOutput, policy_loss
 
 AWM_EPS = 1e-10  # AWM's huber / ghuber offset
 

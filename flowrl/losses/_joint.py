@@ -1,8 +1,8 @@
 """Joint steps in the GRPO family's losses (several streams stepped together: LTX-2's video and audio;
 docs/losses.md, Joint steps), a thin layer over the per-stream computation.
 
-Each stream is validated as one step by ``flowrl.losses._grpo_family(..., _stream=True)`` with
-``reduction="sum"``, and its per-sample values come from the backend table (``Backend.grpo_values``:
+Each stream is validated as one step by ``flowrl.losses._grpo.validate`` (its ``GRPOCall`` with
+``reduction="sum"``), and its per-sample values come from the backend table (``Backend.grpo_values``:
 one fused pass per stream, forward and backward). The streams' log-probs and KLs are combined by
 ``flowrl.combine_streams`` with the streams' counts and ``stream_weights``, the formula
 ``step_log_prob`` / ``step_kl`` on tuples and the recorder use, so the joint log-prob equals
@@ -14,15 +14,21 @@ joint values.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import List
+
 import torch
 
+from ..backends import _dispatch
 from ..contract import Reduction, TrustSource
+from ..core.loss_spec import GRPOInputs, GRPOLossSpec, Variant
 from ..ops.functional import check_stream_weights, combine_streams
 from ..backends.reference import mode_coefficients
 from ..ops.weights import scheme_weights
 from ..ops._custom_ops import is_empty
 from ._custom_ops import empty_joint, grpo_family_loss
-from ._policy import GRPOLossOutput, Variant, policy_loss
+from ._grpo import GRPOCall, validate
+from ._policy import GRPOLossOutput, policy_loss
 
 
 def _streams(name: str, value, n: int, optional: bool) -> list:
@@ -45,59 +51,72 @@ def _shared(name: str, value, n: int) -> list:
     return [value] * n
 
 
-def grpo_family(family, variant, sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, *,
-                clip_range, mode, noise_level, log_prob_kind, reduction, kl_coef, ref_model_output, old_prev_sample_mean,
-                noise_seed, kl_threshold, backend, rollout_is_weights, stream_weights, kl_space="transition",
-                ref_guidance_scale=None) -> GRPOLossOutput:
-    """The GRPO-family loss of a joint step; ``family`` is ``flowrl.losses._grpo_family`` (per stream)."""
-    n = len(sample)
+def _stream_calls(call: GRPOCall) -> List[GRPOCall]:
+    """A joint call's streams, each one step's call (``reduction="sum"``: the streams' sums are combined)."""
+    if call.shard is not None:
+        raise ValueError("shard: a joint step (tuples of streams) is not supported under sequence parallelism; "
+                         "pass one stream's shards, or shard=None")
+    if call.token_sigmas is not None or call.frozen is not None:
+        given = "token_sigmas" if call.token_sigmas is not None else "frozen"
+        raise ValueError(f"{given}: a joint step (tuples of streams) takes no per-token sigmas or frozen mask in "
+                         "the losses; pass one stream, or compute step_log_prob(..., token_sigmas=, frozen=) per "
+                         "stream and form the loss from it")
+    n = len(call.sample)
     if n == 0:
         raise ValueError("sample must hold at least one stream when given as a tuple")
-    outputs = _streams("model_output", model_output, n, False)
-    prevs = _streams("prev_sample", prev_sample, n, False)
-    refs = _streams("ref_model_output", ref_model_output, n, True)
-    olds = _streams("old_prev_sample_mean", old_prev_sample_mean, n, True)
-    tables, steps, seeds = _shared("sigmas", sigmas, n), _shared("step_index", step_index, n), _shared(
-        "noise_seed", noise_seed, n)
-    weights = check_stream_weights(stream_weights, n)
-    reduction = Reduction.parse("reduction", reduction)
-    streams = [family(variant, sample[k], outputs[k], prevs[k], tables[k], steps[k], old_log_prob, advantages,
-                      clip_range=clip_range, mode=mode, noise_level=noise_level, log_prob_kind=log_prob_kind, reduction="sum",
-                      kl_coef=kl_coef, ref_model_output=refs[k], old_prev_sample_mean=olds[k], noise_seed=seeds[k],
-                      kl_threshold=kl_threshold, backend=backend, rollout_is_weights=rollout_is_weights, _stream=True,
-                      kl_space=kl_space, ref_guidance_scale=ref_guidance_scale) for k in range(n)]
-    if is_empty(sample):  # B = 0 (every stream validated): stream 0's empty output, on every stream's graph
-        return empty_joint(grpo_family_loss(*streams[0]), outputs)
-    lps, kls, trs, counts, steps_k = [], [], [], [], []
-    for args in streams:
-        (_, ops, spec, x, v, prev, old_lp, adv, ref, old_mean, trust, seed, clip, kl_coef, kl_threshold,
-         is_weights, kl_space_k, ref_cond, ref_scale) = args
-        lp, kl, tr = ops.grpo_values(spec, x, v, prev, ref, old_mean, trust, seed, kl_space=kl_space_k,
-                                     ref_cond=ref_cond, ref_scale=ref_scale)
-        # the count step_log_prob returns for a step with nothing frozen: every element, or none where the
-        # step is deterministic (std 0)
-        std = scheme_weights("grpo_guard", spec.sigmas, spec.step_index, spec.mode, spec.noise_level, lp.dtype)[0]
-        count = torch.where(std > 0, float(spec.numel), 0.0).to(torch.float32)
-        lps.append(lp)
-        kls.append(kl)
-        trs.append(tr * count.to(tr.dtype))
-        counts.append(count)
-        if variant is Variant.GUARD:  # the stream's std and D, its element count (not zeroed where std is 0)
-            _, _, std_k = mode_coefficients(spec.sigmas, spec.step_index, spec.mode, spec.noise_level, lp.dtype)
-            table = spec.sigmas.to(lp.dtype)
-            steps_k.append((std_k, table[spec.step_index] - table[spec.step_index + 1], float(spec.numel), tr))
+    per_stream = dict(
+        sample=list(call.sample), model_output=_streams("model_output", call.model_output, n, False),
+        prev_sample=_streams("prev_sample", call.prev_sample, n, False),
+        ref_model_output=_streams("ref_model_output", call.ref_model_output, n, True),
+        old_prev_sample_mean=_streams("old_prev_sample_mean", call.old_prev_sample_mean, n, True),
+        sigmas=_shared("sigmas", call.sigmas, n), step_index=_shared("step_index", call.step_index, n),
+        noise_seed=_shared("noise_seed", call.noise_seed, n))
+    return [replace(call, reduction="sum", stream_weights=None, **{name: values[k] for name, values in per_stream.items()})
+            for k in range(n)]
+
+
+def _stream_values(spec: GRPOLossSpec, inputs: GRPOInputs):
+    """One stream's (log_prob, kl, D_s, count, GRPO-Guard's (std, D, n, D_s) or None) [B]."""
+    lp, kl, tr = _dispatch.backend(spec.backend).grpo_values(spec, inputs)
+    step = spec.step
+    # the count step_log_prob returns for a step with nothing frozen: every element, or none where the
+    # step is deterministic (std 0)
+    std = scheme_weights("grpo_guard", step.sigmas, step.step_index, step.mode, step.noise_level, lp.dtype)[0]
+    count = torch.where(std > 0, float(step.numel), 0.0).to(torch.float32)
+    guard = None
+    if spec.variant is Variant.GUARD:  # the stream's std and D, its element count (not zeroed where std is 0)
+        _, _, std_k = mode_coefficients(step.sigmas, step.step_index, step.mode, step.noise_level, lp.dtype)
+        table = step.sigmas.to(lp.dtype)
+        guard = (std_k, table[step.step_index] - table[step.step_index + 1], float(step.numel), tr)
+    return lp, kl, tr, count, guard
+
+
+def grpo_family(variant: Variant, call: GRPOCall) -> GRPOLossOutput:
+    """The GRPO-family loss of a joint step (``call``'s sample-shaped arguments tuples of streams): each
+    stream validated as one step, the streams' values combined, then the per-sample arithmetic once."""
+    calls = _stream_calls(call)
+    weights = check_stream_weights(call.stream_weights, len(calls))
+    reduction = Reduction.parse("reduction", call.reduction)
+    streams = [validate(variant, c) for c in calls]
+    if is_empty(call.sample):  # B = 0 (every stream validated): stream 0's empty output, on every stream's graph
+        return empty_joint(grpo_family_loss(*streams[0]), [c.model_output for c in calls])
+    values = [_stream_values(spec, inputs) for spec, inputs in streams]
+    lps, kls, trs, counts, guards = (list(column) for column in zip(*values))
+    spec, inputs = streams[0]  # the loss's options and [B] tensors, the same in every stream
     lp = combine_streams(lps, counts, reduction, weights)
-    kl = combine_streams(kls, counts, reduction, weights) if refs[0] is not None else None
+    kl = combine_streams(kls, counts, reduction, weights) if inputs.ref_model_output is not None else None
     guard_weights = None
     if variant is Variant.GUARD:
-        tr, guard_weights = joint_guard(steps_k)
-    elif trust is not TrustSource.NONE:
-        tr = combine_streams(trs, counts, "mean", weights)
+        tr, guard_weights = joint_guard(guards)
+    elif spec.trust is not TrustSource.NONE:
+        tr = combine_streams([t * c.to(t.dtype) for t, c in zip(trs, counts)], counts, "mean", weights)
     else:
         tr = None
     dtype = lp.dtype
-    return policy_loss(variant, lp, kl, tr, old_lp.to(dtype), adv.to(dtype), clip, kl_coef, guard_weights,
-                       kl_threshold, None if is_weights is None else is_weights.to(dtype))
+    weights_is = inputs.rollout_is_weights
+    return policy_loss(variant, lp, kl, tr, inputs.old_log_prob.to(dtype), inputs.advantages.to(dtype), spec.clip,
+                       spec.kl_coef, guard_weights, spec.kl_threshold,
+                       None if weights_is is None else weights_is.to(dtype))
 
 
 def joint_guard(streams):

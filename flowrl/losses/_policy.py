@@ -1,24 +1,19 @@
-"""The GRPO family's loss block after validation (``flowrl.losses._grpo_family`` validates and builds the
-spec): the backend's per-sample values (``Backend.grpo_values``) and the per-sample [B] arithmetic after
+"""The GRPO family's loss block after validation (``flowrl.losses._grpo.validate`` builds the spec and
+the inputs): the backend's per-sample values (``Backend.grpo_values``) and the per-sample [B] arithmetic after
 the reductions (ratio, clip, masks, weights), written once for both backends. Eager mode calls
 ``grpo_from_spec``; under ``torch.compile`` the custom op ``flowrl::grpo_family_loss``
 (flowrl/losses/_custom_ops.py) runs the same function.
 """
 from __future__ import annotations
 
-import enum
 from typing import NamedTuple, Optional
 
 import torch
 
-from ..contract import KLSpace, TrustSource
+from ..backends import _dispatch
+from ..contract import TrustSource
+from ..core.loss_spec import GRPOInputs, GRPOLossSpec, Variant
 from ..ops.weights import scheme_weights
-
-
-class Variant(enum.IntEnum):
-    GRPO = 0
-    GUARD = 1
-    DPPO = 2
 
 
 class GRPOLossOutput(NamedTuple):
@@ -60,7 +55,7 @@ class GRPOLossOutput(NamedTuple):
 def policy_loss(variant, lp, kl, tr, old_lp, adv, clip, kl_coef, guard_weights, kl_threshold,
                 is_weights=None) -> GRPOLossOutput:
     """The per-sample [B] arithmetic after the reductions, shared by both backends. ``guard_weights``:
-    GRPO-Guard's (log_ratio, loss) weights, (std, 1/D) from flowrl.weights.scheme_weights.
+    GRPO-Guard's (log_ratio, loss) weights, (std, 1/D) from flowrl.ops.weights.scheme_weights.
     ``is_weights``: rollout-correction weights [B] multiplying the per-sample policy loss before the
     batch mean (verl-omni's ``rollout_is_weights``; flowrl.consistency), not the KL term."""
     log_ratio = lp - old_lp
@@ -97,19 +92,17 @@ def policy_loss(variant, lp, kl, tr, old_lp, adv, clip, kl_coef, guard_weights, 
             0.5 * (log_ratio.detach() ** 2).mean(), r.mean(), r.min(), r.max())
 
 
-def grpo_from_spec(variant, ops, spec, sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output,
-                   old_prev_sample_mean, trust, seed, clip, kl_coef, kl_threshold, rollout_is_weights,
-                   kl_space=KLSpace.TRANSITION, ref_cond=None, ref_scale=None) -> GRPOLossOutput:
-    """The GRPO family's loss from its validated arguments (``flowrl.losses._grpo_family``), on backend ``ops``.
-    ``ref_cond`` given: ``ref_model_output`` is the reference's unconditional branch, guided by ``ref_cond``
-    at scale ``ref_scale`` inside the backend's pass; ``kl_space``: where the KL is measured."""
-    lp, kl, tr = ops.grpo_values(spec, sample, model_output, prev_sample, ref_model_output, old_prev_sample_mean,
-                                 trust, seed, kl_space=kl_space, ref_cond=ref_cond, ref_scale=ref_scale)
+def grpo_from_spec(spec: GRPOLossSpec, inputs: GRPOInputs) -> GRPOLossOutput:
+    """The GRPO family's loss from its validated spec and inputs (``flowrl.losses._grpo.validate``), on the
+    spec's backend: the backend's per-sample values, then ``policy_loss``."""
+    lp, kl, tr = _dispatch.backend(spec.backend).grpo_values(spec, inputs)
     dtype = lp.dtype
-    # GRPO-Guard's weights: std on the corrected log-ratio, 1/D on the loss (flowrl.weights)
-    guard_weights = (scheme_weights("grpo_guard", spec.sigmas, spec.step_index, spec.mode, spec.noise_level, dtype)
-                     if variant is Variant.GUARD else None)
-    return policy_loss(variant, lp, kl if ref_model_output is not None else None,
-                       tr if trust is not TrustSource.NONE else None, old_log_prob.to(dtype), advantages.to(dtype),
-                       clip, kl_coef, guard_weights, kl_threshold,
-                       None if rollout_is_weights is None else rollout_is_weights.to(dtype))
+    # GRPO-Guard's weights: std on the corrected log-ratio, 1/D on the loss (flowrl.ops.weights)
+    step = spec.step
+    guard_weights = (scheme_weights("grpo_guard", step.sigmas, step.step_index, step.mode, step.noise_level, dtype)
+                     if spec.variant is Variant.GUARD else None)
+    weights = inputs.rollout_is_weights
+    return policy_loss(spec.variant, lp, kl if inputs.ref_model_output is not None else None,
+                       tr if spec.trust is not TrustSource.NONE else None, inputs.old_log_prob.to(dtype),
+                       inputs.advantages.to(dtype), spec.clip, spec.kl_coef, guard_weights, spec.kl_threshold,
+                       None if weights is None else weights.to(dtype))
