@@ -4,7 +4,7 @@
 - the pre-pass's division multipliers (the host's, stored in its header) give ``n // d`` for every
   numerator below 2**31 the kernels can meet (checked at the edges: multiples of d and their
   neighbours, the largest numerators);
-- its records are ``flowrl.reference.token_coefficients``' bits (a, c, std; held tokens (1, 0, 0)),
+- its records are ``flowrl.backends.reference.token_coefficients``' bits (a, c, std; held tokens (1, 0, 0)),
   with the sample's weight ``var_sample_d / var_token_d`` and -1 for a held token;
 - one lookup per run of RUN elements gives the bits of one lookup per element (RUN forced to 1) for
   every op and every output: samples, log-probs, means, counts, KL, gradients, the GRPO loss terms.
@@ -68,7 +68,7 @@ def test_pre_pass_records_are_the_reference_token_coefficients(mode, eta):
     ts[0, 0, 0, :2] = 0.0  # held tokens
     spec = _spec(x, ts, None, torch.tensor([0, 3, 6]), mode, eta)
     ks = _triton_ops._KernelScalars(spec, x.shape, storage=x.dtype)
-    table, inner, groups, stride = ks.elementwise_args[:4]
+    table, inner, groups, stride = (ks.elementwise[k] for k in ("tok_ptr", "tok_inner", "tok_groups", "tok_stride"))
     assert (inner, groups, stride) == (1, 24, 24)
     records = table[8:].reshape(3, groups, 4)
     a, c, std = (flat_layout(t.expand(1, *t.shape[1:]), x.shape)[0] for t in reference.token_coefficients(spec, torch.float32))

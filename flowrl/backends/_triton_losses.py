@@ -17,7 +17,7 @@ import triton
 
 from flowrl.backends._triton_ops import (
     LAUNCH_TABLE, WIDE_CONFIG, _KernelScalars, _finalize, _launch, _LAUNCH, _rows_shape, check_philox_range,
-    division_magic, element_config, launch_config,
+    division_magic, element_config, launch_config, optional_input,
 )
 from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, KLSpace, LogProbKind, Reduction
 from flowrl.core.loss_spec import GRPOInputs, GRPOLossSpec
@@ -40,6 +40,12 @@ def _grpo_launch_args(spec, ks, trust, seed, x):
     return (seeds, stream_stride, elem_offset), philox, aligned
 
 
+def _blocks_magic(n_blocks: int) -> dict:
+    """The loss kernels' sample index from their program id: n // n_blocks by ``division_magic``."""
+    magic, shift = division_magic(n_blocks)
+    return dict(blocks_magic=magic, blocks_shift=shift)
+
+
 def _kl_args(ref, ref_cond, ref_scale, kl_space, like):
     """The KL switches' launch arguments: the reference's conditional branch (``like`` when not guided),
     its guidance scale, KL_SPACE, REF_GUIDED (kernels/loss.py)."""
@@ -51,11 +57,7 @@ def _kl_args(ref, ref_cond, ref_scale, kl_space, like):
 def _elementwise_args(ks, backward=False):
     """The element kernels' per-token table, frozen mask and switches (PER_TOKEN, HAS_FROZEN, WEIGHTED),
     step_log_prob's (``_KernelScalars``); the backward also reads the scored count."""
-    tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner, frozen_groups, frozen_stride = \
-        ks.elementwise_args
-    out = dict(tok_ptr=tok_ptr, tok_inner=tok_inner, tok_groups=tok_groups, tok_stride=tok_stride,
-               frozen_ptr=frozen_ptr, frozen_inner=frozen_inner, frozen_groups=frozen_groups,
-               frozen_stride=frozen_stride, **ks.switches)
+    out = dict(**ks.elementwise, **ks.switches)
     if backward:
         out["count_ptr"] = ks.count if ks.count is not None else ks.sigmas
     return out
@@ -84,11 +86,12 @@ def _grpo_forward(loss: GRPOLossSpec, ks, inputs: GRPOInputs):
     tr_p = torch.empty_like(lp_p) if trust else lp_p
     _launch(
         grpo_partials_kernel, (b * n_blocks,),
-        x, v, prev, ref if ref is not None else v, old_mean if old_mean is not None else v, lp_p, kl_p, tr_p,
-        ks.sigmas, ks.step_index, seeds, stride, offset, n, n_chunks, n_blocks, *division_magic(n_blocks), *ks.args,
-        ks.last_index,
-        MODE=int(spec.mode), HAS_REF=ref is not None, TRUST=int(trust), CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE,
-        GROUP=group, PHILOX_ALIGNED=aligned, num_warps=num_warps, **_LAUNCH,
+        x_ptr=x, v_ptr=v, prev_ptr=prev, **optional_input("ref_ptr", ref, v, switch="HAS_REF"),
+        old_mean_ptr=old_mean if old_mean is not None else v, lp_partials_ptr=lp_p, kl_partials_ptr=kl_p,
+        tr_partials_ptr=tr_p, sigmas_ptr=ks.sigmas, step_ptr=ks.step_index, seeds_ptr=seeds, stream_stride=stride,
+        elem_offset=offset, n_per_sample=n, n_chunks=n_chunks, n_blocks=n_blocks, **_blocks_magic(n_blocks),
+        **ks.scalars, last_index=ks.last_index, MODE=int(spec.mode), TRUST=int(trust), CHUNK=CHUNK_SIZE,
+        LOG2_CHUNK=LOG2_CHUNK_SIZE, GROUP=group, PHILOX_ALIGNED=aligned, num_warps=num_warps, **_LAUNCH,
         **_kl_args(ref, inputs.ref_cond, loss.ref_scale, kl_space, v), **_elementwise_args(ks),
     )
     if spec.shard is not None:  # sequence parallelism: the full samples' partials, one gather for the three
@@ -138,11 +141,13 @@ class _GRPOValues(torch.autograd.Function):
         grad_v = torch.empty_like(v)
         _launch(
             grpo_backward_kernel, (b * n_blocks,),
-            x, v, prev, ref if ref is not None else v, old_mean if old_mean is not None else v, g_lp, g_kl, g_tr,
-            grad_v, ks.sigmas, ks.step_index, seeds, stride, offset, n, n_blocks, *division_magic(n_blocks),
-            float(spec.numel), *ks.args, ks.last_index, MODE=int(spec.mode), KIND=int(spec.kind), MEAN=spec.reduction is Reduction.MEAN, HAS_REF=ref is not None,
-            TRUST=int(trust), BLOCK=block, PHILOX_ALIGNED=aligned,
-            num_warps=num_warps, **_LAUNCH,
+            x_ptr=x, v_ptr=v, prev_ptr=prev, **optional_input("ref_ptr", ref, v, switch="HAS_REF"),
+            old_mean_ptr=old_mean if old_mean is not None else v, grad_lp_ptr=g_lp, grad_kl_ptr=g_kl,
+            grad_tr_ptr=g_tr, grad_v_ptr=grad_v, sigmas_ptr=ks.sigmas, step_ptr=ks.step_index, seeds_ptr=seeds,
+            stream_stride=stride, elem_offset=offset, n_per_sample=n, n_blocks=n_blocks, **_blocks_magic(n_blocks),
+            numel_f=float(spec.numel), **ks.scalars, last_index=ks.last_index, MODE=int(spec.mode),
+            KIND=int(spec.kind), MEAN=spec.reduction is Reduction.MEAN, TRUST=int(trust), BLOCK=block,
+            PHILOX_ALIGNED=aligned, num_warps=num_warps, **_LAUNCH,
             **_kl_args(ref, ref_cond, loss.ref_scale, loss.kl_space, v), **_elementwise_args(ks, backward=True),
         )
         return grad_v, None, None, None

@@ -1,7 +1,7 @@
 """The Triton backend: launchers and autograd Functions around the kernels of ``flowrl.kernels``.
 
-Its three ops take a validated ``flowrl.step_spec.StepSpec`` and the tensors, like the torch
-backend's (``flowrl._dispatch`` holds the table). Inputs are made contiguous first (a no-op for the
+Its three ops take a validated ``flowrl.core.step_spec.StepSpec`` and the tensors, like the torch
+backend's (``flowrl.backends._dispatch`` holds the table). Inputs are made contiguous first (a no-op for the
 usual contiguous latents; a non-contiguous view is copied once). Nothing here reads a device value
 on the host (no ``.item()``, no sync), so the ops are CUDA-graph capturable.
 
@@ -259,6 +259,23 @@ def token_run(inners, storage=None) -> int:
     return run
 
 
+def optional_input(name: str, t: Optional[torch.Tensor], placeholder: torch.Tensor,
+                   switch: Optional[str] = None) -> dict:
+    """A kernel's optional tensor argument by name: ``t``, or ``placeholder`` when absent (never read:
+    ``switch``, the kernel's presence switch, follows from ``t`` and compiles the read away)."""
+    out = {name: placeholder if t is None else t}
+    if switch is not None:
+        out[switch] = t is not None
+    return out
+
+
+def _elementwise_layout(table, tok_layout, frozen, frozen_layout) -> dict:
+    """The element kernels' per-token table and frozen mask arguments by name: each (inner, groups,
+    stride) layout (``flat_layout``; (1, 1, 0) for none)."""
+    return dict(tok_ptr=table, **dict(zip(("tok_inner", "tok_groups", "tok_stride"), tok_layout)),
+                frozen_ptr=frozen, **dict(zip(("frozen_inner", "frozen_groups", "frozen_stride"), frozen_layout)))
+
+
 class _KernelScalars:
     """The spec's per-call scalars in the form the kernels take them, and an elementwise step's
     compact tables with their index math (``flat_layout``): the pre-pass's table (kernels/token.py:
@@ -271,17 +288,19 @@ class _KernelScalars:
         self.sigmas = spec.sigmas.to(torch.float32).contiguous()
         self.step_index = spec.step_index.contiguous()
         # cps' sin(eta * pi / 2): the reference's float32 value, computed once on the host
-        self.args = (SIGMA_ONE_TOL, spec.noise_level, reference.sin_half_pi(spec.noise_level, torch.float32))
+        self.scalars = dict(sigma_one_tol=SIGMA_ONE_TOL, eta=spec.noise_level,
+                            sin_half_pi_eta=reference.sin_half_pi(spec.noise_level, torch.float32))
         # flash_sde reads sigmas[T] (sigma_min); dpm_sde's second order reads the previous data prediction
         self.last_index = spec.sigmas.numel() - 1
-        dummy = self.sigmas
-        self.elementwise_args = (dummy, 1, 1, 0, dummy, 1, 1, 0)
+        # the element kernels' per-token table and frozen mask (placeholders, never read, unless the
+        # switches below are on)
+        self.elementwise = _elementwise_layout(self.sigmas, (1, 1, 0), self.sigmas, (1, 1, 0))
         self.switches = dict(PER_TOKEN=spec.per_token, HAS_FROZEN=spec.frozen is not None,
                              WEIGHTED=spec.per_token and spec.kind is not LogProbKind.SQ_ERR)
         if spec.elementwise:
-            self.elementwise_args = self._pre_pass(spec, sample_shape)
-            inners = (self.elementwise_args[1],) if spec.per_token else ()
-            inners += (self.elementwise_args[5],) if spec.frozen is not None else ()
+            self.elementwise = self._pre_pass(spec, sample_shape)
+            inners = (self.elementwise["tok_inner"],) if spec.per_token else ()
+            inners += (self.elementwise["frozen_inner"],) if spec.frozen is not None else ()
             self.switches["RUN"] = token_run(inners, storage)
         self.count, self.log_term = (reference.scored_statistics(spec, sample_shape, torch.float32)
                                      if spec.elementwise else (None, None))
@@ -291,8 +310,8 @@ class _KernelScalars:
         self.prev_x0 = None if prev_x0_pred is None else prev_x0_pred.contiguous()
 
     def _pre_pass(self, spec, sample_shape):
-        """The element kernels' (tok_ptr, tok_inner, tok_groups, tok_stride, frozen_ptr, frozen_inner,
-        frozen_groups, frozen_stride), launching the pre-pass (one program without per-token sigmas:
+        """The element kernels' per-token table and frozen mask arguments (``_elementwise_layout``),
+        launching the pre-pass (one program without per-token sigmas:
         the header only)."""
         n = 1
         for d in sample_shape[1:]:
@@ -317,15 +336,18 @@ class _KernelScalars:
         n_blocks = triton.cdiv(groups, TOKEN_TABLE_BLOCK)
         words = TOKEN_TABLE_HEADER + (TOKEN_RECORD * b * groups if spec.per_token else 0)
         table = torch.empty(words, dtype=torch.float32, device=device)
+        magic = {f"{name}_{part}": w
+                 for name, d in (("tok_inner", inner), ("tok_groups", groups), ("frozen_inner", frozen_layout[0]),
+                                 ("frozen_groups", frozen_layout[1]))
+                 for part, w in zip("ml", division_magic(d))}
         _launch(
             token_table_kernel, (b * n_blocks if spec.per_token else 1,),
-            pairs, table, self.sigmas, self.step_index, groups, pairs_stride, n_blocks, *self.args, self.last_index,
-            *(w for d in (inner, groups, *frozen_layout[:2]) for w in division_magic(d)), MODE=int(spec.mode),
-            PER_TOKEN=spec.per_token,
-            BLOCK=TOKEN_TABLE_BLOCK, **_LAUNCH,
+            pairs_ptr=pairs, table_ptr=table, sigmas_ptr=self.sigmas, step_ptr=self.step_index, n_tokens=groups,
+            pairs_stride=pairs_stride, n_blocks=n_blocks, **self.scalars, last_index=self.last_index, **magic,
+            MODE=int(spec.mode), PER_TOKEN=spec.per_token, BLOCK=TOKEN_TABLE_BLOCK, **_LAUNCH,
         )
         # the records are per sample (the weight reads the sample's step): row stride G
-        return (table, inner, groups, groups, frozen, *frozen_layout)
+        return _elementwise_layout(table, (inner, groups, groups), frozen, frozen_layout)
 
 
 # Elements per sample the kernels take: their in-sample offsets and masks run in 32 bits (the row's
@@ -372,8 +394,7 @@ def _rows_shape(t: torch.Tensor):
 def _second_order(ks: _KernelScalars, x) -> dict:
     """The element kernels' dpm_sde arguments: the previous data prediction (x as a placeholder when
     there is none: HAS_PREV then compiles its read away) and the table's last index."""
-    return dict(prev_x0_ptr=x if ks.prev_x0 is None else ks.prev_x0, last_index=ks.last_index,
-                HAS_PREV=ks.prev_x0 is not None)
+    return dict(**optional_input("prev_x0_ptr", ks.prev_x0, x, switch="HAS_PREV"), last_index=ks.last_index)
 
 
 def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=None) -> torch.Tensor:
@@ -396,11 +417,12 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
     partials = torch.empty((b, n_chunks), dtype=torch.float32, device=x.device)
     _launch(
         step_partials_kernel, (b * n_blocks,),
-        x, v, x if third is None else third, prev_out if prev_out is not None else partials,
-        mean_out if write_mean else partials, partials, ks.sigmas, ks.step_index,
-        seeds, stream_stride, elem_offset, n, n_chunks, n_blocks, *ks.args, *ks.elementwise_args,
-        MODE=int(spec.mode), OP=int(spec.op), WRITE_MEAN=write_mean, CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE,
-        GROUP=group, **ks.switches,
+        x_ptr=x, v_ptr=v, third_ptr=x if third is None else third, **optional_input("prev_out_ptr", prev_out, partials),
+        **optional_input("mean_out_ptr", mean_out, partials, switch="WRITE_MEAN"), partials_ptr=partials,
+        sigmas_ptr=ks.sigmas, step_ptr=ks.step_index, seeds_ptr=seeds, stream_stride=stream_stride,
+        elem_offset=elem_offset, n_per_sample=n, n_chunks=n_chunks, n_blocks=n_blocks, **ks.scalars, **ks.elementwise,
+        MODE=int(spec.mode), OP=int(spec.op), CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE, GROUP=group,
+        **ks.switches,
         **step_switches(group, num_warps, n, spec.elementwise, (x, v, third, ks.prev_x0, prev_out),
                         spec.mode if philox else None, x.element_size()),
         # CHUNK_SIZE is a multiple of 4: every block starts on a Philox quad when the offset does
@@ -426,17 +448,17 @@ def _finalize(spec, ks: _KernelScalars, partials: torch.Tensor):
     b = partials.shape[0]
     value = torch.empty(b, dtype=torch.float32, device=partials.device)
     std = torch.empty(b, dtype=torch.float32, device=partials.device)
-    given = ks.count is not None
-    count = ks.count.contiguous() if given else torch.empty(b, dtype=torch.float32, device=partials.device)
-    has_log = ks.log_term is not None
-    log_term = ks.log_term.to(torch.float32).contiguous() if has_log else value
+    # the scored count: given (elementwise steps), else written by the kernel
+    count = (ks.count.contiguous() if ks.count is not None
+             else torch.empty(b, dtype=torch.float32, device=partials.device))
+    log_term = ks.log_term.to(torch.float32).contiguous() if ks.log_term is not None else None
     _launch(
         finalize_kernel, (b,),
-        partials, ks.sigmas, ks.step_index, value, std, count, log_term, p, float(spec.numel), *ks.args,
-        MODE=int(spec.mode), KIND=int(spec.kind), MEAN=spec.reduction is Reduction.MEAN, WIDTH=width,
-        LOG2_WIDTH=width.bit_length() - 1, COUNT_GIVEN=given, HAS_LOG=has_log, num_warps=finalize_warps(width),
-        **ks.ddim, last_index=ks.last_index,
-        **_LAUNCH,
+        partials_ptr=partials, sigmas_ptr=ks.sigmas, step_ptr=ks.step_index, value_ptr=value, std_ptr=std,
+        count_ptr=count, COUNT_GIVEN=ks.count is not None, **optional_input("log_ptr", log_term, value, switch="HAS_LOG"),
+        n_partials=p, numel_f=float(spec.numel), **ks.scalars, MODE=int(spec.mode), KIND=int(spec.kind),
+        MEAN=spec.reduction is Reduction.MEAN, WIDTH=width, LOG2_WIDTH=width.bit_length() - 1,
+        num_warps=finalize_warps(width), **ks.ddim, last_index=ks.last_index, **_LAUNCH,
     )
     return value, std, count
 
@@ -467,14 +489,15 @@ def _backward(spec, ks: _KernelScalars, x, v, third, grad, count, need, kind: Op
         n_blocks = triton.cdiv(n, block)
         _launch(
             step_backward_kernel, (b * n_blocks,),
-            x, v, third, grad.to(torch.float32).contiguous(),
-            grad_x if kernel_needs[0] else dummy, grad_v if need_v else dummy,
-            grad_third if need_third else dummy, ks.sigmas, ks.step_index, count, n, n_blocks, *ks.args,
-            *ks.elementwise_args,
-            MODE=int(spec.mode), KIND=int(kind), MEAN=spec.reduction is Reduction.MEAN, IS_KL=is_kl,
-            NEED_X=kernel_needs[0], NEED_V=need_v, NEED_THIRD=need_third, BLOCK=block, **ks.switches,
-            num_warps=num_warps, **ks.ddim, **_second_order(ks, x), grad_prev_ptr=grad_prev if need_prev else dummy,
-            NEED_PREV=need_prev, **step_switches(
+            x_ptr=x, v_ptr=v, third_ptr=third, grad_ptr=grad.to(torch.float32).contiguous(),
+            **optional_input("grad_x_ptr", grad_x, dummy, switch="NEED_X"),
+            **optional_input("grad_v_ptr", grad_v, dummy, switch="NEED_V"),
+            **optional_input("grad_third_ptr", grad_third, dummy, switch="NEED_THIRD"),
+            **optional_input("grad_prev_ptr", grad_prev, dummy, switch="NEED_PREV"),
+            sigmas_ptr=ks.sigmas, step_ptr=ks.step_index, count_ptr=count, n_per_sample=n, n_blocks=n_blocks,
+            **ks.scalars, **ks.elementwise, MODE=int(spec.mode), KIND=int(kind), MEAN=spec.reduction is Reduction.MEAN,
+            IS_KL=is_kl, BLOCK=block, **ks.switches, num_warps=num_warps, **ks.ddim, **_second_order(ks, x),
+            **step_switches(
                 group, num_warps, n, spec.elementwise, (x, v, third, ks.prev_x0, grad_x, grad_v, grad_third, grad_prev),
                 latent_bytes=x.element_size()),
             **_LAUNCH,
