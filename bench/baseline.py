@@ -12,7 +12,7 @@ Two deliberate departures, neither changing the op count:
 - ``sigma_max`` (Flow-GRPO's ``self.sigmas[1].item()``) is passed in, so the baseline needs no host
   sync and ``torch.compile`` sees one graph;
 - the KL divides by the transition's exact variance ``(std_dev_t * sqrt(-dt)) ** 2`` for ``sde`` where
-  Flow-GRPO divides by ``std_dev_t ** 2``, so it can be checked against flowrl's exact KL (SPEC, KL).
+  Flow-GRPO divides by ``std_dev_t ** 2``, so it can be checked against flowrl's exact KL (docs/contract.md, KL to a reference policy).
 
 ``mode="ddim"`` follows DDPO's ``ddim_step_with_logprob`` (kvablack/ddpo-pytorch,
 ``ddpo_pytorch/diffusers_patch/ddim_with_logprob.py``) the same way (epsilon-prediction, no clip, per-sample

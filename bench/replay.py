@@ -4,11 +4,11 @@
     .venv/bin/python bench/replay.py --per-sample    # a batch-invariant model: the same transformer, one
                                                      # sample per forward, in the rollout and the replay
 
-One rollout of ``flowrl.example``'s ``Trainer`` (a real diffusers SD3Transformer2DModel with tiny random
+One rollout of ``flowrl.apps.example``'s ``Trainer`` (a real diffusers SD3Transformer2DModel with tiny random
 weights), then the recompute of every (sample, step) log-prob with gradients (forward, the GRPO
 surrogate at the first update, backward into the trained output layers), timed per iteration:
 
-- ``step``: step by step, T forwards of batch B (what ``flowrl/example.py``'s ``update`` does);
+- ``step``: step by step, T forwards of batch B (what ``flowrl/apps/example.py``'s ``update`` does);
 - ``N=...``: ``traj.replay_plan(N)``: ceil(T B / N) forwards of at most N (sample, step) pairs, each row
   with its own timestep, conditioning and step index.
 
@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flowrl  # noqa: E402
-from flowrl import example  # noqa: E402
+from flowrl.apps import example  # noqa: E402
 
 
 def build(args):
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = measure(args)
-    print(f"batched replay, tiny SD3 transformer (flowrl.example), {args.prompts}x{args.k} samples, {args.steps} steps, "
+    print(f"batched replay, tiny SD3 transformer (flowrl.apps.example), {args.prompts}x{args.k} samples, {args.steps} steps, "
           f"latents 4x{args.size}x{args.size}, {'one sample per forward (batch-invariant)' if args.per_sample else 'batched forwards'}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'plan':>8} {'forwards':>9} {'wall s':>8} {'speedup':>8} {'cpu s':>8} {'cpu speedup':>12} {'max|ratio-1|':>13}")

@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baseline  # noqa: E402  (bench/baseline.py, next to this file)
 
 import flowrl  # noqa: E402
-from flowrl import _dispatch  # noqa: E402
+from flowrl.backends import _dispatch  # noqa: E402
 from flowrl.backends import reference  # noqa: E402
 from flowrl.contract import CHUNK_SIZE  # noqa: E402
 from flowrl.core import _validate as V  # noqa: E402
@@ -853,7 +853,7 @@ def loss_min_bytes(op: str, numel: int, batch: int, itemsize: int) -> int:
 
 
 def loss_kernel_bytes(op: str, numel: int, batch: int, itemsize: int) -> int:
-    """Bytes flowrl's loss kernels move (kernels/loss.py, flowrl/_triton_losses.py): the forward
+    """Bytes flowrl's loss kernels move (kernels/loss.py, flowrl/backends/_triton_losses.py): the forward
     element pass reads the LOSS_INPUTS tensors (Ns each) and writes LOSS_SUMS float32 partial sets
     (4BP each), read back by the finalize (8BP each with the write); the backward re-reads the inputs
     and writes grad_v (Ns), reading the per-sample grads (4B per sum). Per-sample [B] scalars besides

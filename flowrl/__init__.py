@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import importlib
 
-from . import _moved
-
-_moved.install()  # the old module paths (flowrl.scheduler, flowrl.trajectory, ...) stay importable
-
 from .core._validate import checks, no_value_checks
 from .contract import CHUNK_SIZE
 from .ops.functional import LogProbWithCount, SDEStepOutput, combine_streams, draw_noise, sde_step, step_kl, step_log_prob
@@ -45,8 +41,6 @@ def __getattr__(name):
         module_name, attr = _LAZY[name]
         module = importlib.import_module(module_name)
         return module if attr is None else getattr(module, attr)
-    if f"flowrl.{name}" in _moved.MOVED:  # an old module path: flowrl.sglang, flowrl.functional, ...
-        return importlib.import_module(_moved.MOVED[f"flowrl.{name}"])
     raise AttributeError(f"module 'flowrl' has no attribute {name!r}")
 
 

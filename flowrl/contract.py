@@ -74,7 +74,7 @@ class Variants(_Named):
 @dataclass(frozen=True)
 class ModeRules:
     """What a mode allows, read by every place that decides it (docs/contributing.md): the argument
-    checks (``flowrl._validate``, ``flowrl.step_spec``, ``flowrl.functional``), the losses, the step
+    checks (``flowrl.core._validate``, ``flowrl.core.step_spec``, ``flowrl.ops.functional``), the losses, the step
     weights, the rollout recorder, the SGLang converter, the demo's CLI and kernels/aot.py.
 
     noise_level: the inclusive range [lo, hi] of ``noise_level`` (hi may be inf; lo == hi: fixed).
@@ -224,7 +224,7 @@ STD_FLOOR = 2.0**-40
 # 3: the same polynomials by Horner with fused multiply-adds (one rounding each);
 # 4: u scaled to stay below 1 (no clamp), a half-circle angle from 23 bits (sin / cos of pi t / 2 by
 #    longer polynomials) and one sign for both outputs: 4-5 GPU instructions fewer per pair
-#    (docs/kernels.md). The same bits on every backend.
+#    (docs/kernels_log.md, fourth round). The same bits on every backend.
 NOISE_STREAM_VERSION = 4
 
 # Box-Muller (stream 4) in float32 multiplies, adds and fmas (no platform log / sin / cos, which differ

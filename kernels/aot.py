@@ -287,7 +287,7 @@ def loss_specializations(storage: str = "bf16") -> Iterator[Specialization]:
                          guided=True)
         yield _grpo_loss(storage, Mode.SDE, True, 2, *(REPLAY_BACKWARD_CONFIG if backward else largest),
                          backward=backward, guided=True)
-        # per-token sigmas and a frozen mask (flowrl._triton_ops.element_config: ELEMENTWISE_CONFIG, or
+        # per-token sigmas and a frozen mask (flowrl.backends._triton_ops.element_config: ELEMENTWISE_CONFIG, or
         # WIDE_CONFIG for float32 latents and one lookup per element): the heaviest switches (the KL,
         # mu_old replayed) with both, and a given mu_old with a frozen mask alone (GRPO-Guard's)
         config = wide if storage == "fp32" else ew
@@ -480,7 +480,7 @@ def _specializations(storage, quick) -> Iterator[Specialization]:
                         even=even)
     # elementwise steps (per-token schedules, frozen masks): the heaviest rollout (Philox, the mean,
     # per-token coefficients and a mask), the recompute with both and with a mask alone, its backward,
-    # at the launchers' configurations (flowrl._triton_ops.element_config: float32 latents' forward
+    # at the launchers' configurations (flowrl.backends._triton_ops.element_config: float32 latents' forward
     # and one lookup per element, RUN 1, at WIDE_CONFIG), and Philox from an unaligned offset
     both, slow = ("token", "frozen"), ("token", "frozen", "run1")
     from flowrl.backends._triton_ops import ELEMENTWISE_CONFIG as ew

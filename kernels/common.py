@@ -1,6 +1,6 @@
 """Triton helpers shared by every flowrl kernel: the modes' coefficients, the mean, and the fixed
 halving-tree reduction. Each piece of math is written here once, so the rollout kernel and the
-log-prob recompute kernel run the same instructions (SPEC, Rounding / Reduction order).
+log-prob recompute kernel run the same instructions (docs/contract.md, Rounding / Reduction order).
 
 Conventions kept by every kernel: loads are upcast to float32 right away (Triton's interpreter
 mishandles bf16 arithmetic, and the contract computes in float32), division and square root are the
@@ -50,8 +50,8 @@ STD_FLOOR = tl.constexpr(_STD_FLOOR)
 @triton.jit
 def coefficients_of(sigma, sigma_next, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE: tl.constexpr,
                     last_index):
-    """``(a, c, std)`` with ``mu = a * x + c * v`` (SPEC, Modes) for steps sigma -> sigma_next (scalars
-    or blocks), as flowrl.reference.coefficients_of computes them. ``sigmas_ptr`` is the float32
+    """``(a, c, std)`` with ``mu = a * x + c * v`` (docs/contract.md, Modes) for steps sigma -> sigma_next (scalars
+    or blocks), as flowrl.backends.reference.coefficients_of computes them. ``sigmas_ptr`` is the float32
     table (sde's sigma == 1 rule reads its second value; flash_sde's sigma_min is its last,
     ``sigmas[last_index]``); ``sin_half_pi_eta`` is ``sin(eta * pi / 2)`` computed once on the host in
     float32 (only cps reads it; it depends on the scalar ``eta`` alone). dpm_sde's are its first order
@@ -109,7 +109,7 @@ def magic_quotient(n, m, l):
 @triton.jit
 def compact_index(e, magic_ptr, groups):
     """``(e // inner) % groups``, the column of in-sample element ``e`` (uint32, e < 2**31) in a compact
-    per-token table (flowrl.step_spec.flat_layout), by multiply-highs instead of divisions: ``magic_ptr``
+    per-token table (flowrl.core.step_spec.flat_layout), by multiply-highs instead of divisions: ``magic_ptr``
     holds the pre-pass's ``(m, l)`` of ``inner`` then of ``groups`` (kernels/token.py; the host's
     _triton_ops.division_magic) as uint32 bit patterns in float32 words, uniform loads for every element."""
     m_inner = tl.load(magic_ptr).to(tl.uint32, bitcast=True)
@@ -146,7 +146,7 @@ def token_coefficients(tok_ptr, index, mask, sigmas_ptr, sigma_one_tol, eta, sin
                        last_index):
     """Per-element ``(a, c, std, held)`` of per-token steps: the token's (sigma, sigma') pair read from
     the compact [Bt, G, 2] table at ``index``, ``coefficients_of`` on it, and a held token (D = 0)
-    given (1, 0, 0) (flowrl.reference.token_coefficients)."""
+    given (1, 0, 0) (flowrl.backends.reference.token_coefficients)."""
     sigma = tl.load(tok_ptr + 2 * index, mask=mask, other=0.0)
     sigma_next = tl.load(tok_ptr + 2 * index + 1, mask=mask, other=0.0)
     a, c, std = coefficients_of(sigma, sigma_next, sigmas_ptr, sigma_one_tol, eta, sin_half_pi_eta, MODE,
@@ -169,7 +169,7 @@ def dpm_sde_first_order(sigma, sigma_next):
 @triton.jit
 def dpm_sde_coefficients(sigmas_ptr, step, SECOND_ORDER: tl.constexpr):
     """SDE-DPM-Solver++'s ``(a, c, p, std)`` with ``mu = a * x + c * v + p * x0_prev``, as
-    flowrl.reference.dpm_sde_coefficients computes them: q = e^{-h} = (alpha sigma') / (sigma alpha')
+    flowrl.backends.reference.dpm_sde_coefficients computes them: q = e^{-h} = (alpha sigma') / (sigma alpha')
     without logs (0 exactly at sigma = 1 and at sigma' = 0), B = alpha' (1 - q^2), std = sigma'
     sqrt(1 - q^2); SECOND_ORDER adds B2 = B h / (2 h_prev) (0 at step 0, sigma' = 0, sigma_prev = 1)."""
     sigma = tl.load(sigmas_ptr + step)
@@ -207,7 +207,7 @@ def step_mean(a, c, x, v):
 @triton.jit
 def policy_difference(c, v, v_ref):
     """mu(v) - mu(v_ref) = c v - c v_ref: the a * x terms of the two means cancel exactly, so the KL
-    neither reads x nor carries its rounding (flowrl.reference.step_kl computes the same)."""
+    neither reads x nor carries its rounding (flowrl.backends.reference.step_kl computes the same)."""
     return c * v - c * v_ref
 
 
@@ -223,7 +223,7 @@ def density_std(std):
 @triton.jit
 def value_from_total(total, std, count, log_term, KIND: tl.constexpr, MEAN: tl.constexpr, HAS_LOG: tl.constexpr):
     """A sample's log-prob (KIND gaussian/kernel/sq_err) or KL (KIND_KL) from its total of (weighted)
-    squared residuals over its ``count`` scored elements, as flowrl.reference.value_from_total
+    squared residuals over its ``count`` scored elements, as flowrl.backends.reference.value_from_total
     computes it (``log_term``: the per-token schedules' sum of log(std_token / std), read when HAS_LOG).
     No scored element: 0."""
     none_scored = count == 0.0
@@ -255,7 +255,7 @@ def value_from_total(total, std, count, log_term, KIND: tl.constexpr, MEAN: tl.c
 @triton.jit
 def ordinary_count(std, numel_f):
     """The scored count of a step without per-token sigmas or a mask: every element, or none on a
-    deterministic step (std 0); flowrl.reference.ordinary_count."""
+    deterministic step (std 0); flowrl.backends.reference.ordinary_count."""
     return tl.where(std > 0.0, numel_f, 0.0)
 
 
@@ -282,7 +282,7 @@ def total_grad(grad, std, count, KIND: tl.constexpr, MEAN: tl.constexpr):
 def halving_tree_rows(t, ROWS: tl.constexpr, WIDTH: tl.constexpr, LOG2_WIDTH: tl.constexpr):
     """The sums [ROWS] of the rows of a 1-D float32 block of ROWS * WIDTH values (row-major, WIDTH =
     2**LOG2_WIDTH), each by the fixed halving tree ``t[:h] + t[h:]`` repeated
-    (flowrl.reference._pairwise_sum). Each level sums an axis of length 2, i.e. one IEEE add per
+    (flowrl.backends.reference._pairwise_sum). Each level sums an axis of length 2, i.e. one IEEE add per
     output, so the bits do not depend on the compiler's register layout, the kernel it is inlined
     in, how many rows a program holds, or the launch settings."""
     t = tl.reshape(t, (ROWS, WIDTH))
@@ -299,7 +299,7 @@ LOG2_LEAF = tl.constexpr(_contract.LOG2_LEAF_SIZE)
 @triton.jit
 def chunk_tree_rows(t, ROWS: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr):
     """The partials [ROWS] of a 1-D float32 block of ROWS chunks of CHUNK values (row-major), each in
-    the contract's chunk order (flowrl.reference._chunk_partials): every leaf of LEAF consecutive
+    the contract's chunk order (flowrl.backends.reference._chunk_partials): every leaf of LEAF consecutive
     values by the halving tree, then the chunk's CHUNK / LEAF leaf sums by the same tree. Each level
     sums an axis of length 2 (one IEEE add per output), so the bits do not depend on the layout or
     the launch; a thread's 16-byte load of bfloat16 is one leaf, so the leaves add up in registers
@@ -420,10 +420,10 @@ def words_to_f32(words, DTYPE: tl.constexpr):
 # ------------------------------------------------------------------------------------ Philox noise
 # In-kernel noise (``sde_step(noise_seed=...)``), stream version ``NOISE_STREAM_VERSION`` 4 (docs/
 # contract.md, Noise): Philox4x32-10 (Salmon et al., SC'11; Random123), the same integer stream as
-# ``flowrl.reference.philox4x32_10`` bit for bit, then Box-Muller in float32 multiplies, adds and
+# ``flowrl.backends.reference.philox4x32_10`` bit for bit, then Box-Muller in float32 multiplies, adds and
 # fused multiply-adds (tl.fma: one rounding, one FFMA where a multiply and an add take two; the
 # reference rounds its fmas once too), the reference's operations in its order, so the normals are the
-# reference's bits. Layout, shared with the reference (``flowrl.reference.philox_normal``): element e
+# reference's bits. Layout, shared with the reference (``flowrl.backends.reference.philox_normal``): element e
 # of a flattened sample is lane e % 4 of the call with counter (q low 32 bits, q high 32 bits, stream,
 # 0), q = e // 4; lanes 0, 1 are the Box-Muller pair of the words (x0, x1), lanes 2, 3 that of (x2,
 # x3); even lanes take the cosine, odd lanes the sine. So eps[e] depends only on (key, stream, e),
@@ -543,7 +543,7 @@ def sqrt_rn_nonneg(x):
 
 @triton.jit
 def box_muller_radius(x_radius):
-    """sqrt(-2 ln u) in float32 for u in (0, 1) of a uint32 word, as flowrl.reference.box_muller_radius
+    """sqrt(-2 ln u) in float32 for u in (0, 1) of a uint32 word, as flowrl.backends.reference.box_muller_radius
     computes it: u = fma(x, U_SCALE, 2**-33) in [2**-33, 1 - 2**-24], u = 2**e (1 + f) with 1 + f in
     [sqrt(1/2), sqrt(2)) split from u's bits (e * 2**23 by a mask, no shift), -2 ln u = fma(f, P(f),
     e NEG_2_LN2) (flowrl.contract's polynomial, Horner by fmas; at least 1.19e-7 since u < 1), then the
@@ -565,7 +565,7 @@ def box_muller_radius(x_radius):
 @triton.jit
 def box_muller(x_radius, x_angle):
     """Two standard normals (r cos(theta), r sin(theta)) in float32 from two uint32 words, as
-    flowrl.reference.box_muller computes them: r = ``box_muller_radius(x_radius)``, negated when bit 31
+    flowrl.backends.reference.box_muller computes them: r = ``box_muller_radius(x_radius)``, negated when bit 31
     of x_angle is set (theta + pi: an xor into the sign bit); t = m - 3 in [-1, 1) for the float m in
     [2, 4) whose mantissa is x_angle's low 23 bits; phi = pi t / 2 with sine t S(t^2) and cosine 1 +
     t^2 C(t^2) (flowrl.contract's polynomials, Horner by fmas). theta takes 2**24 equally spaced values
@@ -650,7 +650,7 @@ def philox_normal_block(k0, k1, stream, first, BLOCK: tl.constexpr, ALIGNED: tl.
 
 
 # -------------------------------------------------------------------------------------------- ddim
-# ddim's math (docs/contract.md, ddim), as flowrl.reference.ddim_coefficients / ddim_mean write it:
+# ddim's math (docs/contract.md, ddim), as flowrl.backends.reference.ddim_coefficients / ddim_mean write it:
 # diffusers' DDIMScheduler.step operations in its order, so float32 results are diffusers' bits.
 
 
@@ -775,7 +775,7 @@ def ddim_kl_x0(x, v, sqrt_a, sqrt_b, inv_sqrt_a, PRED: tl.constexpr):
 @triton.jit
 def ddim_clipped_difference(x, v, v_ref, sqrt_a, sqrt_b, sqrt_a_prev, inv_sqrt_a, e, clip_range, PRED: tl.constexpr):
     """mu(v) - mu(v_ref) of ddim's clipped mean (docs/contract.md, ddim): fma(sqrt(a'), clip(x0_hat) -
-    clip(x0_hat_ref), e (v - v_ref)), the eps terms' difference taken in v (flowrl.reference's
+    clip(x0_hat_ref), e (v - v_ref)), the eps terms' difference taken in v (flowrl.backends.reference's
     ddim_clipped_difference computes the same): no division per element, where diffusers' two means
     took one each."""
     c0 = ddim_clip(ddim_kl_x0(x, v, sqrt_a, sqrt_b, inv_sqrt_a, PRED), clip_range)

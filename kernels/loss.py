@@ -1,4 +1,4 @@
-"""Fused training-loss kernels (launchers and autograd Functions live in flowrl/_triton_losses.py).
+"""Fused training-loss kernels (launchers and autograd Functions live in flowrl/backends/_triton_losses.py).
 
 Two element passes, each with its backward, on the step kernels' 1-D grid (one program per sample
 and group of CHUNK-element chunks, kernels/step.py's ``_block_offsets``) and their fixed-tree
@@ -91,7 +91,7 @@ def _old_mean(old_mean_ptr, prev, std, eps, offs, mask, TRUST: tl.constexpr):
 def _guided_reference(v_ref, ref_cond_ptr, offs, mask, ref_scale):
     """The reference's guided output from its branches (``v_ref`` the loaded unconditional one, the
     conditional one at ``ref_cond_ptr``): uncond + w (cond - uncond) in float32, in that order
-    (flowrl.reference_losses.guided_reference; the peers' CFG line)."""
+    (flowrl.backends.reference_losses.guided_reference; the peers' CFG line)."""
     cond = tl.load(ref_cond_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return v_ref + ref_scale * (cond - v_ref)
 

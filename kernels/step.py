@@ -26,7 +26,7 @@ kernels/common.py.
 
 Finalize: one program per sample combines its partials (zero-padded to a power of two) by the
 halving tree, and turns the total into the log-prob / KL (common.value_from_total; the torch backend's
-flowrl.reference.value_from_total).
+flowrl.backends.reference.value_from_total).
 
 Backward: same grid as forward; from the per-sample incoming grad it writes the input grads
 directly (autograd of the reference, reproduced operation for operation).
@@ -34,13 +34,13 @@ directly (autograd of the reference, reproduced operation for operation).
 Elementwise steps (docs/contract.md, Per-token schedules; Frozen elements and counts): PER_TOKEN reads
 each element's (a, c, std, weight) from the pre-pass's per-(sample, token) records (kernels/token.py:
 common.token_coefficients on the compact [Bt, G, 2] (sigma, sigma') table, computed once per token)
-by index math on the element's in-sample offset (common.compact_index; flowrl.step_spec.flat_layout
+by index math on the element's in-sample offset (common.compact_index; flowrl.core.step_spec.flat_layout
 builds the compact tables), once per run of RUN elements that share a token; when WEIGHTED (every kind
 but sq_err) the squared residual is weighted by var_sample / var_token, so the partials stay sums of
 squares divided by the sample's variance in finalize (bit for bit the per-sample step's when every
 token is at its sample's sigma). HAS_FROZEN reads a compact uint8 mask the same way. Frozen and held elements (and
 elements of std 0) add 0 to the partials; frozen and held ones emit x' = x. The scored-element count
-and the per-token log term are computed on the host (flowrl.reference.scored_statistics) and read
+and the per-token log term are computed on the host (flowrl.backends.reference.scored_statistics) and read
 by finalize (COUNT_GIVEN, HAS_LOG) and backward.
 
 No atomics anywhere: every sum is a fixed tree of IEEE adds (see common.chunk_tree_rows, halving_tree_rows).
@@ -326,7 +326,7 @@ def finalize_kernel(
     last_index,
 ):
     """value[b] from the [B, n_partials] chunk partials; the combine order is the halving tree over
-    the partials zero-padded to WIDTH (a power of two), i.e. flowrl.reference.combine_partials. The
+    the partials zero-padded to WIDTH (a power of two), i.e. flowrl.backends.reference.combine_partials. The
     scored count is read from count_ptr (COUNT_GIVEN: an elementwise step's) or written there
     (numel_f, or 0 for a deterministic step: reference.ordinary_count)."""
     row = tl.program_id(0).to(tl.int64)

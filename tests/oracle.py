@@ -1,7 +1,7 @@
-"""An independent float64 implementation of the math contract (/work/shared/SPEC.md), for tests only.
+"""An independent float64 implementation of the math contract (docs/contract.md), for tests only.
 
-Written from SPEC's formulas, not from ``flowrl.reference``: each mode's mean is the SPEC row as
-written (``cps`` through ``x0_hat`` / ``x1_hat``, with ``sqrt(sigma'^2 - std^2)`` taken as
+Written from the contract's formulas, not from ``flowrl.backends.reference``: each mode's mean is the
+contract's row as written (``cps`` through ``x0_hat`` / ``x1_hat``, with ``sqrt(sigma'^2 - std^2)`` taken as
 ``sigma' * cos(eta * pi / 2)``, the same number without a cancellation), each log-prob kind is its
 per-element row, and reductions are plain float64 sums. Step scalars are Python floats read from the
 float32 schedule table; the elementwise work is in float64 torch ops only so that autograd can
@@ -15,7 +15,7 @@ from typing import List, Sequence, Union
 
 import torch
 
-# SPEC: sigma counts as 1 under an fp32 isclose with rtol 1e-5
+# contract (Modes): sigma counts as 1 under an fp32 isclose with rtol 1e-5
 SIGMA_ONE_RTOL = 1e-5
 # contract: the log-prob and KL divide by max(std, 2**-40) (std == 0 is the deterministic rule)
 STD_FLOOR = 2.0**-40
@@ -65,7 +65,8 @@ def _row_mean(x: torch.Tensor, v: torch.Tensor, st: Step, mode: str, eta: float)
     if mode in ("sde", "dance"):
         s2 = st.s * st.s
         return x * (1 - s2 * d / (2 * sigma)) - v * (1 + s2 * (1 - sigma) / (2 * sigma)) * d
-    # cps
+    if mode != "cps":
+        raise ValueError(f"no float64 mean for mode {mode!r}: add its row (docs/contract.md, Modes)")
     x0_hat = x - sigma * v
     x1_hat = x + (1 - sigma) * v
     return (1 - sigma_next) * x0_hat + sigma_next * math.cos(eta * math.pi / 2) * x1_hat

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import flowrl
+import flowrl.data.serialization
+import flowrl.rollout.recorder
 from flowrl.data.tree import (BranchSpec, BranchTree, depth_advantages, fork_advantages, node_key, node_rewards,
                               splitmix64)
 from flowrl.data.trajectory import RolloutTrajectory
@@ -187,7 +189,7 @@ def test_sd3_pipeline_branching_rollout_replays_to_ratio_one():
     for name in ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds"):
         kwargs[name] = kwargs[name].repeat_interleave(leaves, 0)
     kwargs["latents"] = torch.randn(2, 4, 2, 2, generator=torch.Generator().manual_seed(1)).repeat_interleave(leaves, 0)
-    with flowrl.recorder.rollout(pipe.scheduler, branch=spec, model=pipe.transformer) as rec:
+    with flowrl.rollout.recorder.rollout(pipe.scheduler, branch=spec, model=pipe.transformer) as rec:
         pipe(**kwargs)
     traj = rec.trajectory()
     assert traj.batch_size == 8 and traj.tree.num_rows == 8
@@ -226,7 +228,7 @@ def test_malformed_trees_are_refused():
     def payload(**tree):
         wire = json.loads(json.dumps(good))
         tensors = {**traj.tree.to_tensors(), **tree}
-        wire["tree"] = flowrl.serialization.to_wire(tensors)
+        wire["tree"] = flowrl.data.serialization.to_wire(tensors)
         return wire
 
     cases = [

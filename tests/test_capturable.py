@@ -70,9 +70,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flowrl
-from flowrl import _validate
-from flowrl.recorder import rollout
-from flowrl.scheduler import FlowMatchEulerDiscreteScheduler as Sched
+import flowrl.backends.reference
+from flowrl.core import _validate
+from flowrl.rollout.recorder import rollout
+from flowrl.rollout.scheduler import FlowMatchEulerDiscreteScheduler as Sched
 
 aten = torch.ops.aten
 T, B, SHAPE = 4, 2, (2, 4, 8)
@@ -211,7 +212,7 @@ class Watch(TorchDispatchMode):
 @pytest.fixture
 def kernel_launches_unwatched(monkeypatch):
     """Triton's interpreter reads kernel arguments on the host; on a GPU a launch reads nothing."""
-    from flowrl import _triton_ops
+    from flowrl.backends import _triton_ops
 
     launch = _triton_ops._launch
 
@@ -223,7 +224,7 @@ def kernel_launches_unwatched(monkeypatch):
 
 
 def _triton_runs_here() -> bool:
-    from flowrl._dispatch import interpreter_enabled, triton_available
+    from flowrl.backends._dispatch import interpreter_enabled, triton_available
 
     return triton_available() and (torch.cuda.is_available() or interpreter_enabled())
 
@@ -339,7 +340,7 @@ def test_ops_read_only_the_first_calls_checks(step_kind, noise_kind, backend, re
         request.getfixturevalue("kernel_launches_unwatched")
     x, v, v_ref, noises, steps = _op_loop_inputs(step_kind)
     gens = [torch.Generator().manual_seed(s) for s in range(B)]
-    flowrl.reference.sin_half_pi(0.7, torch.float32)  # host constant of the noise level, cached
+    flowrl.backends.reference.sin_half_pi(0.7, torch.float32)  # host constant of the noise level, cached
     sigmas = schedule()  # a new schedule: its values are read by the first call
     watches = []
     for i in range(T):
@@ -430,7 +431,7 @@ def _loop_data(device="cpu", dtype=torch.bfloat16):
 def test_rollout_loop_reads_on_its_first_step_only(kind, begin, backend, request):
     if backend == "triton":
         request.getfixturevalue("kernel_launches_unwatched")
-    flowrl.reference.sin_half_pi(0.7, torch.float32)
+    flowrl.backends.reference.sin_half_pi(0.7, torch.float32)
     x, velocities = _loop_data()
     options = dict(mode="sde", noise_level=0.7, backend=backend)
 

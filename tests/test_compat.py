@@ -28,8 +28,8 @@ from flowrl.compat.dance_grpo import flux_step
 from flowrl.compat.flow_factory import FlowMatchEulerDiscreteSDEScheduler, FlowMatchEulerDiscreteSDESchedulerOutput
 from flowrl.compat.flow_factory import step as ff_step
 from flowrl.compat.flow_grpo import sde_step_with_logprob
-from flowrl.recorder import rollout
-from flowrl.trajectory import RolloutTrajectory
+from flowrl.rollout.recorder import rollout
+from flowrl.data.trajectory import RolloutTrajectory
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import FlowMatchEulerDiscreteScheduler as DiffusersScheduler  # noqa: E402
@@ -766,7 +766,7 @@ def test_first_update_ratio_flow_grpo_vs_flowrl():
 
 
 def test_first_update_ratio_flowrl_recorder_and_wire():
-    """The scheduler path (flowrl.recorder.rollout on diffusers' own scheduler, bf16 throughout) and an
+    """The scheduler path (flowrl.rollout.recorder.rollout on diffusers' own scheduler, bf16 throughout) and an
     SGLang-style JSON round trip of the trajectory: the recompute gives ratio exactly 1."""
     sched, x0, velocities = _rollout_inputs()
     with rollout(sched, mode="sde", noise_level=0.7, generator=torch.Generator().manual_seed(7)) as rec:

@@ -125,7 +125,7 @@ def test_every_kernel_specialization_compiles_with_triton_3_6():
 
 
 def test_the_specializations_cover_every_switch_the_launchers_use():
-    from flowrl import _triton_ops
+    from flowrl.backends import _triton_ops
     from flowrl.contract import LogProbKind, Mode, NoiseSource, Op
     from flowrl.kernels import aot
 

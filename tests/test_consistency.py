@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import flowrl
-from flowrl import _dispatch, consistency as C, losses as L
+from flowrl.backends import _dispatch
+from flowrl import consistency, losses as L
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,12 +146,12 @@ def test_importance_weights_equal_verls(level, verl_level, threshold, verl_spec,
     for rollout, recomputed in log_prob_pairs():
         mask = torch.ones_like(rollout)
         want = verl_is_weights(recomputed - rollout, mask, verl_level, verl_spec, normalize)
-        got = C.importance_weights(rollout, recomputed, level=level, threshold=threshold, batch_normalize=normalize)
+        got = consistency.importance_weights(rollout, recomputed, level=level, threshold=threshold, batch_normalize=normalize)
         assert got.dtype == torch.float32 and got.shape == rollout.shape
         assert torch.equal(got, want)
     # a single step ([B]) is one column
     r, c = next(log_prob_pairs())
-    assert torch.equal(C.importance_weights(r[:, 2], c[:, 2]), C.importance_weights(r[:, 2:3], c[:, 2:3]))
+    assert torch.equal(consistency.importance_weights(r[:, 2], c[:, 2]), consistency.importance_weights(r[:, 2:3], c[:, 2:3]))
 
 
 @pytest.mark.parametrize("criterion, threshold, verl_spec", [
@@ -165,7 +166,7 @@ def test_rejection_mask_equals_verls(criterion, threshold, verl_spec):
     for rollout, recomputed in log_prob_pairs():
         mask = torch.ones_like(rollout)
         want = verl_rs_mask(recomputed - rollout, mask, criterion, verl_spec)
-        got = C.rejection_mask(rollout, recomputed, criterion=criterion, threshold=threshold)
+        got = consistency.rejection_mask(rollout, recomputed, criterion=criterion, threshold=threshold)
         assert got.dtype == torch.float32 and torch.equal(got, want)
         kept_any, rejected_any = kept_any or bool(got.any()), rejected_any or not bool(got.all())
     assert kept_any and rejected_any  # the thresholds bite
@@ -177,45 +178,45 @@ def test_correction_weights_fold_is_and_rs_as_verl_omni():
     for rollout, recomputed in log_prob_pairs():
         mask = torch.ones_like(rollout)
         lr = recomputed - rollout
-        seq_mis = C.correction_weights(rollout, recomputed, rollout_is="sequence", rollout_is_threshold=2.0,
+        seq_mis = consistency.correction_weights(rollout, recomputed, rollout_is="sequence", rollout_is_threshold=2.0,
                                        rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0")
         want = verl_is_weights(lr, mask, "sequence", 2.0) * verl_rs_mask(lr, mask, "seq_sum_k1", "0.5_2.0")
         assert torch.equal(seq_mis, want)
-        assert torch.equal(C.correction_weights(rollout, recomputed, rollout_is="token"),
+        assert torch.equal(consistency.correction_weights(rollout, recomputed, rollout_is="token"),
                            verl_is_weights(lr, mask, "token", 2.0))
-        assert torch.equal(C.correction_weights(rollout, recomputed, rollout_rs="token_k2", rollout_rs_threshold=1e-3),
+        assert torch.equal(consistency.correction_weights(rollout, recomputed, rollout_rs="token_k2", rollout_rs_threshold=1e-3),
                            verl_rs_mask(lr, mask, "token_k2", 1e-3))
     # a trajectory weight is the same in every column
-    w = C.importance_weights(rollout, recomputed, level="trajectory")
+    w = consistency.importance_weights(rollout, recomputed, level="trajectory")
     assert torch.equal(w, w[:, :1].expand_as(w))
 
 
 def test_arguments_are_checked_naming_them():
     r, c = next(log_prob_pairs())
     cases = [
-        (TypeError, "rollout_log_probs must be a float tensor", lambda: C.mismatch(r.tolist(), c)),
-        (TypeError, "recomputed_log_probs must be a float tensor", lambda: C.mismatch(r, c.long())),
-        (ValueError, "must have the same shape", lambda: C.mismatch(r, c[:, :3])),
-        (TypeError, "same dtype", lambda: C.mismatch(r, c.double())),
+        (TypeError, "rollout_log_probs must be a float tensor", lambda: consistency.mismatch(r.tolist(), c)),
+        (TypeError, "recomputed_log_probs must be a float tensor", lambda: consistency.mismatch(r, c.long())),
+        (ValueError, "must have the same shape", lambda: consistency.mismatch(r, c[:, :3])),
+        (TypeError, "same dtype", lambda: consistency.mismatch(r, c.double())),
         (ValueError, r"recomputed_log_probs is nan at index \(1, 2\)",
-         lambda: C.mismatch(r, c.index_put((torch.tensor([1]), torch.tensor([2])), torch.tensor([float("nan")])))),
-        (ValueError, "steps must name one loop step per column", lambda: C.mismatch(r, c, steps=[0, 1])),
-        (ValueError, "clip_range", lambda: C.mismatch(r, c, clip_range=-0.1)),
-        (ValueError, "level must be one of", lambda: C.importance_weights(r, c, level="tok")),
-        (ValueError, "threshold must be > 0", lambda: C.importance_weights(r, c, threshold=0.0)),
-        (ValueError, "threshold: lower 3.0 must be <= upper 2.0", lambda: C.importance_weights(r, c, threshold=(3.0, 2.0))),
-        (ValueError, "threshold must be a number", lambda: C.importance_weights(r, c, threshold="a_b")),
-        (TypeError, "batch_normalize must be a bool", lambda: C.importance_weights(r, c, batch_normalize=1)),
-        (ValueError, "criterion: 'seq_max_k1' is not one of", lambda: C.rejection_mask(r, c, criterion="seq_max_k1",
+         lambda: consistency.mismatch(r, c.index_put((torch.tensor([1]), torch.tensor([2])), torch.tensor([float("nan")])))),
+        (ValueError, "steps must name one loop step per column", lambda: consistency.mismatch(r, c, steps=[0, 1])),
+        (ValueError, "clip_range", lambda: consistency.mismatch(r, c, clip_range=-0.1)),
+        (ValueError, "level must be one of", lambda: consistency.importance_weights(r, c, level="tok")),
+        (ValueError, "threshold must be > 0", lambda: consistency.importance_weights(r, c, threshold=0.0)),
+        (ValueError, "threshold: lower 3.0 must be <= upper 2.0", lambda: consistency.importance_weights(r, c, threshold=(3.0, 2.0))),
+        (ValueError, "threshold must be a number", lambda: consistency.importance_weights(r, c, threshold="a_b")),
+        (TypeError, "batch_normalize must be a bool", lambda: consistency.importance_weights(r, c, batch_normalize=1)),
+        (ValueError, "criterion: 'seq_max_k1' is not one of", lambda: consistency.rejection_mask(r, c, criterion="seq_max_k1",
                                                                                        threshold=2.0)),
         (ValueError, "threshold for token_k2 must be a single upper bound",
-         lambda: C.rejection_mask(r, c, criterion="token_k2", threshold="0.1_2")),
+         lambda: consistency.rejection_mask(r, c, criterion="token_k2", threshold="0.1_2")),
         (ValueError, "one for all 2 criteria or one each",
-         lambda: C.rejection_mask(r, c, criterion="token_k2,token_k3", threshold="1,2,3")),
-        (ValueError, "pass rollout_is", lambda: C.correction_weights(r, c)),
-        (ValueError, "rollout_rs_threshold must be given", lambda: C.correction_weights(r, c, rollout_rs="token_k1")),
-        (TypeError, "measured must be", lambda: C.guard_clip_range(0.2, {"x": 1})),
-        (ValueError, "floor must be one of", lambda: C.guard_clip_range(0.2, C.mismatch(r, c), floor="p50")),
+         lambda: consistency.rejection_mask(r, c, criterion="token_k2,token_k3", threshold="1,2,3")),
+        (ValueError, "pass rollout_is", lambda: consistency.correction_weights(r, c)),
+        (ValueError, "rollout_rs_threshold must be given", lambda: consistency.correction_weights(r, c, rollout_rs="token_k1")),
+        (TypeError, "measured must be", lambda: consistency.guard_clip_range(0.2, {"x": 1})),
+        (ValueError, "floor must be one of", lambda: consistency.guard_clip_range(0.2, consistency.mismatch(r, c), floor="p50")),
     ]
     for exc, pattern, call in cases:
         with pytest.raises(exc, match=pattern):
@@ -227,7 +228,7 @@ def test_arguments_are_checked_naming_them():
 
 def test_mismatch_statistics_per_step_and_overall():
     rollout, recomputed = list(log_prob_pairs())[1]
-    m = C.mismatch(rollout, recomputed, clip_range=(1e-3, 2e-3), steps=[1, 3, 5, 7, 9, 11], warn=False)
+    m = consistency.mismatch(rollout, recomputed, clip_range=(1e-3, 2e-3), steps=[1, 3, 5, 7, 9, 11], warn=False)
     d = (recomputed.double() - rollout.double())
     for stats, cols in [(m.overall, d)] + [(m.per_step[j], d[:, j]) for j in range(d.shape[1])]:
         a, r = cols.abs().flatten(), torch.expm1(cols).abs().flatten()
@@ -242,7 +243,7 @@ def test_mismatch_statistics_per_step_and_overall():
     assert all(type(v) is float for v in logged.values())
     assert logged["rollout_corr/ratio_dev_max"] == m.overall.ratio_dev_max
     assert logged["rollout_corr/step_5/clip_fraction"] == m.per_step[2].clip_fraction
-    assert "rollout_corr/clip_fraction" not in C.mismatch(rollout, recomputed).to_dict()
+    assert "rollout_corr/clip_fraction" not in consistency.mismatch(rollout, recomputed).to_dict()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -256,37 +257,37 @@ def test_clip_fraction_is_the_first_updates_clip_fraction_of_grpo_loss(backend):
     for clip in (1e-4, (2e-4, 5e-4), 0.2):
         out = L.grpo_loss(x, v, prev, sig, 3, old_log_prob=engine, advantages=torch.ones_like(lp), clip_range=clip,
                           backend=backend)
-        m = C.mismatch(engine, out.log_prob, clip_range=clip, warn=False)
+        m = consistency.mismatch(engine, out.log_prob, clip_range=clip, warn=False)
         assert m.overall.clip_fraction == float(out.clip_fraction)
-    assert m.overall.clip_fraction == 0.0 and float(C.mismatch(engine, lp, clip_range=1e-4, warn=False)
+    assert m.overall.clip_fraction == 0.0 and float(consistency.mismatch(engine, lp, clip_range=1e-4, warn=False)
                                                    .overall.clip_fraction) > 0.3
 
 
 def test_guard_warns_once_naming_the_clip_range_and_the_floor():
     rollout, recomputed = list(log_prob_pairs())[0]  # engine noise ~3e-5
-    C._reset_warning()
+    consistency._reset_warning()
     try:
-        floor = C.mismatch(rollout, recomputed, warn=False).overall.ratio_dev_mean
+        floor = consistency.mismatch(rollout, recomputed, warn=False).overall.ratio_dev_mean
         assert 1e-5 < floor < 1e-4
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert C.guard_clip_range(1e-4, C.mismatch(rollout, recomputed, clip_range=1e-4))  # above: silent
-        with pytest.warns(C.ClipBelowMismatchWarning) as caught:
-            C.mismatch(rollout, recomputed, clip_range=(1e-5, 1e-3))
+            assert consistency.guard_clip_range(1e-4, consistency.mismatch(rollout, recomputed, clip_range=1e-4))  # above: silent
+        with pytest.warns(consistency.ClipBelowMismatchWarning) as caught:
+            consistency.mismatch(rollout, recomputed, clip_range=(1e-5, 1e-3))
         text = str(caught[0].message)
         assert re.search(r"clip range \(eps_low=1e-05, eps_high=0\.001: the smaller, 1e-05", text)
         assert f"mismatch floor (|ratio - 1| mean = {floor:.3g}" in text
         assert re.search(r"\d+\.\d% of them would clip at this range", text)
         with warnings.catch_warnings():  # once per process
             warnings.simplefilter("error")
-            assert not C.guard_clip_range(1e-6, C.mismatch(rollout, recomputed, warn=False))
-            C.mismatch(rollout, recomputed, clip_range=1e-6)
+            assert not consistency.guard_clip_range(1e-6, consistency.mismatch(rollout, recomputed, warn=False))
+            consistency.mismatch(rollout, recomputed, clip_range=1e-6)
         # the floor statistic is selectable: a clip range between the mean and the max passes at "mean" only
-        m = C.mismatch(rollout, recomputed, warn=False)
+        m = consistency.mismatch(rollout, recomputed, warn=False)
         between = (m.overall.ratio_dev_mean + m.overall.ratio_dev_max) / 2
-        assert C.guard_clip_range(between, m) and not C.guard_clip_range(between, m, floor="max")
+        assert consistency.guard_clip_range(between, m) and not consistency.guard_clip_range(between, m, floor="max")
     finally:
-        C._reset_warning()
+        consistency._reset_warning()
 
 
 # ------------------------------------------------------------------------- rollout_is_weights= in losses
@@ -363,7 +364,7 @@ def test_grpo_loss_with_weights_equals_verl_omnis_flow_grpo_loss():
     old = flowrl.step_log_prob(x, v, prev, sig, 3, backend="torch")
     rollout = old + torch.tensor([-3e-4, 2e-4, -5e-1, 1e-5], device=DEVICE)
     adv = torch.tensor([1.0, -0.5, 2.0, -1.5], device=DEVICE)
-    w = C.correction_weights(rollout[:, None], old[:, None], rollout_is="token", rollout_is_threshold=1.2)[:, 0]
+    w = consistency.correction_weights(rollout[:, None], old[:, None], rollout_is="token", rollout_is_threshold=1.2)[:, 0]
     v_new = v + 0.01
     out = L.grpo_loss(x, v_new, prev, sig, 3, old_log_prob=old, advantages=adv, clip_range=0.02, backend="torch",
                       rollout_is_weights=w)
@@ -393,12 +394,12 @@ def test_docs_consistency_snippet_runs():
     text = (ROOT / "docs" / "consistency.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     assert blocks, "docs/consistency.md has a python snippet"
-    C._reset_warning()
+    consistency._reset_warning()
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", C.ClipBelowMismatchWarning)
+            warnings.simplefilter("ignore", consistency.ClipBelowMismatchWarning)
             scope = {}
             exec(compile(blocks[0], "docs/consistency.md", "exec"), scope)
     finally:
-        C._reset_warning()
+        consistency._reset_warning()
     assert VERL_COMMIT in text and VERL_OMNI_COMMIT in text

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flowrl
-from flowrl import _dispatch
+from flowrl.backends import _dispatch
 
 F64 = torch.float64
 PREDICTIONS = ("epsilon", "sample", "v_prediction")
@@ -37,7 +37,7 @@ def alpha_bar_table(num_steps=6, final=1.0, device="cpu", zero_snr=False):
 
 def oracle_mean_std(x, v, table, idx, eta, prediction, clip):
     """float64 mu and std per the issue: std = eta sqrt((1 - a') / (1 - a) (1 - a / a')), mu = sqrt(a')
-    clip(x0) + sqrt(1 - a' - std^2) eps, written from the formulas (not from flowrl.reference)."""
+    clip(x0) + sqrt(1 - a' - std^2) eps, written from the formulas (not from flowrl.backends.reference)."""
     x, v = x.to(F64), v.to(F64)
     mus, stds = [], []
     for b in range(x.shape[0]):
@@ -370,7 +370,7 @@ def test_triton_mean_is_diffusers_float32_operations_bit_for_bit(device, predict
     correction) is diffusers' float32 operations in their order (reference.ddim_mean) bit for bit, given
     the same coefficients: correctly rounded square roots, the kernels' sqrt_rn (torch's CPU float32
     sqrt is not always correctly rounded: the one difference docs/contract.md states)."""
-    from flowrl import reference as R
+    from flowrl.backends import reference as R
     from flowrl.backends import _triton_ops
 
     tiles = []
@@ -389,5 +389,5 @@ def test_triton_mean_is_diffusers_float32_operations_bit_for_bit(device, predict
     monkeypatch.setattr(torch, "sqrt", real_sqrt)
     sqrt_a, sqrt_b, sqrt_a_prev, k, _ = (c[:, None] for c in coefficients)
     mu = R.ddim_mean(x.cpu().float(), v.cpu().float(), sqrt_a, sqrt_b, sqrt_a_prev, k,
-                     R.C.Prediction[prediction.upper()], clip)
+                     flowrl.contract.Prediction[prediction.upper()], clip)
     assert torch.equal(out.prev_sample_mean.cpu().view(torch.int32), mu.view(torch.int32))

@@ -1,4 +1,4 @@
-"""flowrl.DDIMScheduler (flowrl/ddim.py): the drop-in subclass of diffusers' DDIMScheduler.
+"""flowrl.DDIMScheduler (flowrl/rollout/ddim.py): the drop-in subclass of diffusers' DDIMScheduler.
 
 - bit-identical to diffusers' DDIMScheduler.step inside a rollout, for every config option it reads
   (prediction_type, clip_sample + clip_sample_range, set_alpha_to_one, steps_offset, timestep_spacing,
@@ -17,7 +17,8 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import flowrl  # noqa: E402
-from flowrl.ddim import DDIMScheduler, alpha_bar_table  # noqa: E402
+import flowrl.backends.reference  # noqa: E402
+from flowrl.rollout.ddim import DDIMScheduler, alpha_bar_table  # noqa: E402
 
 SD_BETAS = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
 # every option the rollout reads, each away from its default at least once
@@ -129,8 +130,8 @@ def test_the_clamped_radicand_gives_an_exact_zero_eps_term(backend):
     float32 operations) k is 0: x' = sqrt(a') x0_hat + std eps exactly as in exact math, with no NaN.
     The backend's square root: torch's for the torch backend (its CPU float32 sqrt is not always
     correctly rounded: about 1 in 5 off by an ulp on an AMD EPYC with torch 2.13), the correctly
-    rounded one for the kernels' sqrt_rn (flowrl.reference.sqrt_rn; docs/contract.md, ddim)."""
-    root = torch.sqrt if backend == "torch" else flowrl.reference.sqrt_rn
+    rounded one for the kernels' sqrt_rn (flowrl.backends.reference.sqrt_rn; docs/contract.md, ddim)."""
+    root = torch.sqrt if backend == "torch" else flowrl.backends.reference.sqrt_rn
     a_prev = torch.linspace(0.001, 0.5, 2001)
     std = root((1 - a_prev) * (1 - 0.0 / a_prev))
     negative = a_prev[(1 - a_prev) - std * std < 0][:4]
@@ -194,7 +195,7 @@ def test_refusals():
     with pytest.raises(ValueError, match="thresholding=True"):
         DDIMScheduler(thresholding=True).rollout()
     with pytest.raises(TypeError, match="must be a DDIMScheduler"):
-        flowrl.ddim.DDIMRolloutRecorder(diffusers.PNDMScheduler())
+        flowrl.rollout.ddim.DDIMRolloutRecorder(diffusers.PNDMScheduler())
     sched = DDIMScheduler()
     sched.set_timesteps(4)
     x = torch.randn(1, 4)

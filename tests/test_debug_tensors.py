@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flowrl
-from flowrl.debug import DebugTensors
+from flowrl.data.debug import DebugTensors
 
 B, T, SHAPE = 2, 4, (4, 6)
 
@@ -58,7 +58,7 @@ def test_compare_finds_the_first_diverging_step_and_ode_steps_draw_no_noise():
 
 
 def test_debug_file_is_checked(tmp_path):
-    from flowrl.serialization import save_safetensors
+    from flowrl.data.serialization import save_safetensors
 
     path = tmp_path / "other.safetensors"
     save_safetensors(path, {"x": torch.zeros(2)}, {"format": "something"})

@@ -9,10 +9,16 @@ import sys
 
 import pytest
 
+from mode_coverage import every_mode_but
+
 pytestmark = pytest.mark.slow  # each case runs the demo in a subprocess (./run test -m 'not slow' skips it)
 
 STEPS, BATCH = 2, 2
 SMALL = ["--steps", str(STEPS), "--batch", str(BATCH), "--dim", "1", "--device", "cpu"]
+
+MODES_ELSEWHERE = {}  # every mode runs the demo (a new Mode joins MODES)
+MODES = every_mode_but(MODES_ELSEWHERE)
+EXTRA_FLAGS = {"cps": ["--log-prob-kind", "sq_err"]}  # one mode also runs a log-prob kind that is not the default
 
 RATIOS = re.compile(r"importance ratios exp\(logp_new - logp_old\): min (\S+), max (\S+)$", re.M)
 IDENTICAL = re.compile(
@@ -29,9 +35,8 @@ def demo(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "flags", [["--mode", "sde"], ["--mode", "cps", "--log-prob-kind", "sq_err"], ["--mode", "ode"], ["--mode", "dance"],
-              ["--mode", "ddim"], ["--mode", "dpm_sde"], ["--mode", "flash_sde"]],
-    ids=["sde", "cps-sq_err", "ode", "dance", "ddim", "dpm_sde", "flash_sde"],
+    "flags", [["--mode", m, *EXTRA_FLAGS.get(m, [])] for m in MODES],
+    ids=["-".join([m, *EXTRA_FLAGS.get(m, [])[1:]]) for m in MODES],
 )
 def test_demo_ratios_are_exactly_one(flags):
     res = demo(*SMALL, *flags)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import flowrl
-import flowrl.recorder
-from flowrl.denoising_env import OutputTransform, detect_transform
+import flowrl.rollout.recorder
+from flowrl.data.denoising_env import OutputTransform, detect_transform
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
@@ -48,7 +48,7 @@ class _Velocity(torch.nn.Module):
 def record(name, dtype, extra, steps=STEPS, **options):
     pipe = getattr(tp, "tiny_" + name)(dtype)
     inputs = getattr(tp, name + "_inputs")(dtype, steps=steps, **extra)
-    with flowrl.recorder.rollout(pipe.scheduler, generator=torch.Generator().manual_seed(1), model=pipe.transformer,
+    with flowrl.rollout.recorder.rollout(pipe.scheduler, generator=torch.Generator().manual_seed(1), model=pipe.transformer,
                                  **options) as rec:
         pipe(**inputs, generator=torch.Generator().manual_seed(0))
     return pipe, rec.trajectory()
@@ -164,20 +164,20 @@ def test_hooks_removed_on_exception_and_option_checks():
         raise KeyError("stop")
 
     with pytest.raises(KeyError):
-        with flowrl.recorder.rollout(pipe.scheduler, model=pipe.transformer) as rec:
+        with flowrl.rollout.recorder.rollout(pipe.scheduler, model=pipe.transformer) as rec:
             pipe(**inputs, callback_on_step_end=boom)
     assert not pipe.transformer._forward_hooks and not pipe.transformer._forward_pre_hooks
     assert "step" not in vars(pipe.scheduler)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
-        flowrl.recorder.rollout(pipe.scheduler, model=lambda x: x)
+        flowrl.rollout.recorder.rollout(pipe.scheduler, model=lambda x: x)
     with pytest.raises(ValueError, match="need model="):
-        flowrl.recorder.rollout(pipe.scheduler, env_device="cpu")
+        flowrl.rollout.recorder.rollout(pipe.scheduler, env_device="cpu")
     with pytest.raises(TypeError, match="output_transform must be callable"):
-        flowrl.recorder.rollout(pipe.scheduler, model=pipe.transformer, output_transform=3)
+        flowrl.rollout.recorder.rollout(pipe.scheduler, model=pipe.transformer, output_transform=3)
     with pytest.raises(TypeError, match="debug must be"):
-        flowrl.recorder.rollout(pipe.scheduler, debug=3)
+        flowrl.rollout.recorder.rollout(pipe.scheduler, debug=3)
     # inside the block the environment is not complete yet
-    with flowrl.recorder.rollout(pipe.scheduler, model=pipe.transformer) as rec:
+    with flowrl.rollout.recorder.rollout(pipe.scheduler, model=pipe.transformer) as rec:
         pipe(**inputs)
         with pytest.raises(RuntimeError, match="after the `with` block"):
             rec.trajectory()
@@ -290,7 +290,7 @@ def test_cuda_rollout_with_environment_on_cpu_replays_on_cuda():
     pipe = tp.tiny_StableDiffusion3Pipeline(torch.bfloat16).to("cuda")
     inputs = {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
               for k, v in tp.StableDiffusion3Pipeline_inputs(torch.bfloat16, guidance_scale=4.5).items()}
-    with flowrl.recorder.rollout(pipe.scheduler, model=pipe.transformer, env_device="cpu",
+    with flowrl.rollout.recorder.rollout(pipe.scheduler, model=pipe.transformer, env_device="cpu",
                                  generator=torch.Generator("cuda").manual_seed(1)) as rec:
         pipe(**inputs, generator=torch.Generator("cuda").manual_seed(0))
     traj = rec.trajectory()

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import flowrl
-from flowrl import _dispatch, _validate
+from flowrl.backends import _dispatch
+from flowrl.core import _validate
 from flowrl.contract import LogProbKind, Mode, NoiseSource, Op, Reduction
 
 needs_interpreter = pytest.mark.skipif(not _dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
@@ -97,7 +98,7 @@ def test_flowrl_backend_env_overrides_auto_only(monkeypatch):
 
 @needs_interpreter
 def test_flowrl_backend_triton_runs_the_kernels_for_auto(monkeypatch):
-    from flowrl import _triton_ops
+    from flowrl.backends import _triton_ops
 
     calls = []
     real = _triton_ops.step_log_prob
@@ -128,7 +129,7 @@ def test_a_kernel_that_fails_to_build_raises_naming_it(monkeypatch, backend):
     import triton
     from triton.compiler.errors import CompilationError
 
-    from flowrl import _triton_ops
+    from flowrl.backends import _triton_ops
 
     class Unbuildable:
         __name__ = "finalize_kernel"
@@ -155,7 +156,7 @@ def test_a_kernel_that_fails_to_build_raises_naming_it(monkeypatch, backend):
 def test_the_grid_is_one_program_per_sample_and_block_of_chunks(monkeypatch):
     """The element kernels launch a 1-D grid of B * blocks programs: a batch above 65,535 (the limit
     of a CUDA grid's second axis) is one launch, not an error (tests/test_gpu.py runs one on CUDA)."""
-    from flowrl import _triton_ops
+    from flowrl.backends import _triton_ops
 
     grids = []
     real_launch = _triton_ops._launch
@@ -223,7 +224,7 @@ def test_no_value_checks_reads_no_device_value(monkeypatch):
 
 
 def test_sin_half_pi_is_cached_per_noise_level(monkeypatch):
-    from flowrl import reference
+    from flowrl.backends import reference
 
     reference.sin_half_pi.cache_clear()
     x, v, noise = data()

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import flowrl
 from flowrl import distributed as fd
 from gloo_ranks import run_ranks
-from flowrl.reference import CHUNK_SIZE
+from flowrl.backends.reference import CHUNK_SIZE
 
 pytestmark = pytest.mark.slow  # spawns gloo process groups (./run test -m 'not slow' skips it)
 

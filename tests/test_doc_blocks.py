@@ -790,22 +790,7 @@ def test_doc_block(block, tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------- names the docs use
-
-# old module paths (flowrl/_moved.py) a block may still use: docs/replay.md's SGLang blocks, whose section
-# is being rewritten elsewhere (flowrl.sglang is flowrl.data.sglang)
-OLD_PATHS_ALLOWED = {("docs/replay.md", "flowrl.sglang")}
-
-
-def test_blocks_use_the_current_module_paths():
-    from flowrl import _moved
-
-    found = []
-    for block in BLOCKS:
-        for old, new in _moved.MOVED.items():
-            used = re.search(rf"(?<![\w.]){re.escape(old)}(?![\w])", block.code)
-            if used and (block.file, old) not in OLD_PATHS_ALLOWED:
-                found.append(f"{block.file}:{block.line}: {old} (now {new})")
-    assert not found, found
+# (the blocks' module paths, with every other file's: tests/test_tree.py)
 
 
 def test_subpackages_resolve_after_import_flowrl(tmp_path):

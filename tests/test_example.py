@@ -95,7 +95,7 @@ BAD_FLAGS = [
 
 @pytest.mark.parametrize("args,message", BAD_FLAGS, ids=[a[0].lstrip("-") for a, _ in BAD_FLAGS])
 def test_example_rejects_a_bad_flag(args, message, capsys):
-    from flowrl.example import parse_args
+    from flowrl.apps.example import parse_args
 
     with pytest.raises(SystemExit) as exc:
         parse_args(SMALL + args)

@@ -18,8 +18,8 @@ import torch
 
 import flowrl
 from flowrl.losses import flow_dppo_loss, grpo_guard_loss, grpo_loss
-from flowrl.recorder import rollout
-from flowrl.scheduler import FlowMatchEulerDiscreteScheduler as Sched
+from flowrl.rollout.recorder import rollout
+from flowrl.rollout.scheduler import FlowMatchEulerDiscreteScheduler as Sched
 
 import oracle
 

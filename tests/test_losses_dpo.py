@@ -31,7 +31,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flowrl import _dispatch, losses as L
+from flowrl.backends import _dispatch
+from flowrl import losses as L
 
 sys.path.insert(0, os.path.dirname(__file__))
 

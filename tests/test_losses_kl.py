@@ -33,7 +33,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import flowrl
-from flowrl import _dispatch, losses as L
+from flowrl.backends import _dispatch
+from flowrl import losses as L
 
 sys.path.insert(0, os.path.dirname(__file__))
 import oracle  # noqa: E402
@@ -195,7 +196,7 @@ def test_velocity_kl_sum_reduction_and_deterministic_steps(backend, mode, eta):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_velocity_kl_is_the_transition_kl_times_two_std_squared_over_c_squared(backend):
     """docs/losses.md, KL choices: per sample mean (v - v_ref)^2 = (2 std^2 / c^2) x the exact transition
-    KL (mu - mu_ref = c (v - v_ref)), with std and c the step's (flowrl.reference.mode_coefficients in
+    KL (mu - mu_ref = c (v - v_ref)), with std and c the step's (flowrl.backends.reference.mode_coefficients in
     float64), so the two kl_coef scales differ by that factor per step."""
     from flowrl.backends.reference import mode_coefficients
     from flowrl.contract import Mode

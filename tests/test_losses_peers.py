@@ -25,7 +25,8 @@ import pytest
 import torch
 
 import flowrl
-from flowrl import _dispatch, losses as L
+from flowrl.backends import _dispatch
+from flowrl import losses as L
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_compat import diffusers_scheduler, gen, peer_flow_grpo  # noqa: E402

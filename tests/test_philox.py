@@ -12,9 +12,10 @@ import triton
 import triton.language as tl
 
 import flowrl
-from flowrl import reference as R
-from flowrl._validate import NoiseSeed
-from flowrl.step_spec import ShardContext
+import flowrl.data.serialization
+from flowrl.backends import reference as R
+from flowrl.core._validate import NoiseSeed
+from flowrl.core.step_spec import ShardContext
 from flowrl.kernels.common import (
     box_muller, philox4x32_10, philox_key, philox_normal_block, philox_quad, sqrt_rn_nonneg, sqrt_rn_normal,
 )
@@ -483,16 +484,16 @@ def _stream_3_box_muller(a, b, fma):
     """Stream 3's Box-Muller (docs/contract.md, Noise: what stream 4 changed), transcribed here with its
     constants: u = (a + 1/2) 2**-32, -2 ln u clamped to 2**-100, and an octant angle from b's low 29
     bits (bit 29 swaps sine and cosine, bit 31 negates the cosine, bit 30 the sine)."""
-    from flowrl import contract as C
+    from flowrl import contract
 
     u = (a.to(torch.float32) + 0.5) * 2.0**-32
     bits = u.view(torch.int32)
-    e = (bits - C.LOG_SPLIT) >> 23
+    e = (bits - contract.LOG_SPLIT) >> 23
     f = (bits - e * (1 << 23)).view(torch.float32) - 1.0
-    p = fma(f, C.LOG_P7, C.LOG_P6)
-    for coefficient in (C.LOG_P5, C.LOG_P4, C.LOG_P3, C.LOG_P2, C.LOG_P1, C.LOG_P0):
+    p = fma(f, contract.LOG_P7, contract.LOG_P6)
+    for coefficient in (contract.LOG_P5, contract.LOG_P4, contract.LOG_P3, contract.LOG_P2, contract.LOG_P1, contract.LOG_P0):
         p = fma(f, p, coefficient)
-    r = R.sqrt_rn(torch.clamp_min(fma(f, p, e.to(torch.float32) * C.NEG_2_LN2), 2.0**-100))
+    r = R.sqrt_rn(torch.clamp_min(fma(f, p, e.to(torch.float32) * contract.NEG_2_LN2), 2.0**-100))
     t = (b & 0x1FFFFFFF).to(torch.float32) * 2.0**-29 + 2.0**-30
     t2 = t * t
     sin_p = t * fma(t2, fma(t2, fma(t2, -3.59504520019982e-05, 0.00249000103212893), -0.08074543625116348),
@@ -604,7 +605,7 @@ def test_branching_trees_record_the_stream_and_refuse_another():
             del tensors["noise_stream"]
         else:
             tensors["noise_stream"] = torch.tensor(change)
-        bad = dict(wire, tree=flowrl.serialization.to_wire(tensors))
+        bad = dict(wire, tree=flowrl.data.serialization.to_wire(tensors))
         with pytest.raises(ValueError, match=message):
             RolloutTrajectory.from_wire(json.loads(json.dumps(bad)))
 

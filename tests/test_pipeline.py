@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flowrl
-import flowrl.recorder
+import flowrl.rollout.recorder
 
 diffusers = pytest.importorskip("diffusers")
 # diffusers' SD3 pipeline module imports transformers (for its text-encoder types) even when none is used
@@ -135,7 +135,7 @@ def test_recorder_wraps_diffusers_own_scheduler(dtype, scheduler_config):
     captured = []
     hook = pipe.transformer.register_forward_hook(lambda module, args, out: captured.append(out[0].detach()))
     try:
-        with flowrl.recorder.rollout(sched, mode="sde", noise_level=0.7, generator=torch.Generator().manual_seed(5)) as rec:
+        with flowrl.rollout.recorder.rollout(sched, mode="sde", noise_level=0.7, generator=torch.Generator().manual_seed(5)) as rec:
             images = generate(pipe, dtype)
     finally:
         hook.remove()

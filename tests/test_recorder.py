@@ -1,4 +1,4 @@
-"""flowrl.recorder: recording rollouts with a scheduler instance the user already has (diffusers' own
+"""flowrl.rollout.recorder: recording rollouts with a scheduler instance the user already has (diffusers' own
 FlowMatchEulerDiscreteScheduler, a framework's subclass, or flowrl's), and restoring it afterwards."""
 import copy
 import inspect
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import flowrl
-from flowrl.recorder import RolloutRecorder, rollout
-from flowrl.scheduler import FlowMatchEulerDiscreteScheduler as Sched
+from flowrl.rollout.recorder import RolloutRecorder, rollout
+from flowrl.rollout.scheduler import FlowMatchEulerDiscreteScheduler as Sched
 
 diffusers = pytest.importorskip("diffusers")
 BF16 = torch.bfloat16

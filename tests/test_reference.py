@@ -1,4 +1,4 @@
-"""The torch reference (``backend="torch"``) against the math contract (SPEC) and the independent
+"""The torch reference (``backend="torch"``) against the math contract (docs/contract.md) and the independent
 float64 oracle (tests/oracle.py): means, stds, log-probs, KL, gradients, the rounding rule,
 deterministic steps, per-sample steps and generators, and the fixed reduction order."""
 from __future__ import annotations
@@ -13,17 +13,26 @@ import pytest
 import torch
 
 import flowrl
-import flowrl.step_spec
-from flowrl import reference as R
+import flowrl.core.step_spec
+from flowrl.backends import reference as R
 from flowrl import sde_step, step_kl, step_log_prob
 
 sys.path.insert(0, os.path.dirname(__file__))
 import oracle  # noqa: E402
+from mode_coverage import every_mode_but, noise_levels, noisy  # noqa: E402
 
 T = 10
 STEPS = {"first": 0, "middle": T // 2, "last": T - 1}
-ETA = {"ode": 0.7, "sde": 0.7, "dance": 0.3, "cps": 0.6}
-MODES = tuple(ETA)
+# every mode but these, each against its own float64 formulas elsewhere (a new Mode joins MODES: give it
+# its float64 row in tests/oracle.py)
+MODES_ELSEWHERE = {
+    "ddim": "its alpha-bar table, against diffusers' DDIMScheduler and float64: tests/test_ddim.py",
+    "dpm_sde": "its fixed noise level and second order, against float64: tests/test_dpm_sde.py",
+    "flash_sde": "against Flash-GRPO's formula in float64: tests/test_variants.py",
+}
+MODES = every_mode_but(MODES_ELSEWHERE)
+ETA = noise_levels({"ode": 0.7, "sde": 0.7, "dance": 0.3, "cps": 0.6}, MODES)
+NOISY_MODES = noisy(MODES)  # mode_coverage.DETERMINISTIC: a log-prob and KL of exactly 0
 KINDS = ("gaussian", "kernel", "sq_err")
 REDUCTIONS = ("mean", "sum")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -105,7 +114,7 @@ def test_step_matches_oracle(mode, dtype, where):
             close(kl, oracle.kl(x, v, v_ref, sigmas, i, mode, eta, reduction), lp_tol, lp_tol, f"{mode} kl")
 
 
-@pytest.mark.parametrize("mode", ["sde", "dance", "cps"])
+@pytest.mark.parametrize("mode", NOISY_MODES)
 def test_sum_is_mean_times_element_count(mode):
     sigmas, shape = schedule(), (2, 3, 37, 41)  # 4551 elements: five chunks, the last partial
     x, v, noise = (randn(shape, torch.float64, k) for k in range(3))
@@ -441,7 +450,7 @@ def test_shard_invariance_at_a_chunk_boundary(kind):
     x, v, prev, v_ref = (randn((2, n), torch.float32, k) for k in range(4))
 
     def run(sl, gather=None, numel=None):
-        shard = None if gather is None else flowrl.step_spec.ShardContext(numel=numel or n, offset=0, gather=gather)
+        shard = None if gather is None else flowrl.core.step_spec.ShardContext(numel=numel or n, offset=0, gather=gather)
         common = dict(mode="sde", noise_level=eta, reduction="mean", backend="torch", shard=shard)
         if kind == "kl":
             return step_kl(x[:, sl], v[:, sl], v_ref[:, sl], sigmas, torch.tensor([i, i]), **common)
@@ -462,7 +471,7 @@ def test_shard_invariance_at_a_chunk_boundary(kind):
 
 # ---- gradients -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["sde", "dance", "cps"])
+@pytest.mark.parametrize("mode", NOISY_MODES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_log_prob_gradients_match_float64_autograd(mode, kind):
     sigmas, shape, eta = schedule(), (2, 3, 9, 11), ETA[mode]
@@ -484,7 +493,7 @@ def test_log_prob_gradients_match_float64_autograd(mode, kind):
             torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-5 * scale, msg=f"{name} {reduction}")
 
 
-@pytest.mark.parametrize("mode", ["sde", "dance", "cps"])
+@pytest.mark.parametrize("mode", NOISY_MODES)
 def test_kl_value_and_gradient(mode):
     sigmas, shape, eta = schedule(), (3, 4, 10, 10), ETA[mode]
     idx = torch.tensor([0, 5, 8])
@@ -507,7 +516,7 @@ def test_kl_value_and_gradient(mode):
     assert torch.equal(g, torch.zeros_like(g))
 
 
-@pytest.mark.parametrize("mode", ["sde", "dance", "cps"])
+@pytest.mark.parametrize("mode", NOISY_MODES)
 def test_kl_is_the_log_ratio_at_the_mean(mode):
     """With a shared std, log p_theta(x') - log p_ref(x') at x' = mu_theta is exactly the KL: ties the
     KL to the log-prob's definition across two public functions."""
@@ -526,7 +535,7 @@ def test_float64_reference_passes_gradcheck():
     sigmas = schedule()
     x, v, prev, v_ref = (randn((2, 3, 5), torch.float64, k).requires_grad_(True) for k in range(4))
     idx = torch.tensor([0, 7])
-    for mode in ("sde", "dance", "cps"):
+    for mode in NOISY_MODES:
         for kind in KINDS:
             f = lambda a, b, c: step_log_prob(a, b, c, sigmas, idx, mode=mode, noise_level=0.5, log_prob_kind=kind,  # noqa: E731
                                               backend="torch")
@@ -538,7 +547,7 @@ def test_float64_reference_passes_gradcheck():
 # ---- tiny noise levels and the rollout's gradient -----------------------------------------------
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode", ["sde", "dance", "cps"])
+@pytest.mark.parametrize("mode", NOISY_MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_noise_level_whose_variance_underflows_gives_finite_log_probs(backend, mode, dtype):
     """noise_level=1e-23: std > 0 but std**2 underflows float32 (it gave 0/0 = NaN). The value divides

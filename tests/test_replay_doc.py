@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flowrl
-import flowrl.sglang
+import flowrl.data.sglang
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
@@ -48,7 +48,7 @@ def test_sglang_loop_in_the_docs_gives_ratio_one():
     with sched.rollout(generator=torch.Generator().manual_seed(1)) as rec:
         for t in sched.timesteps:
             x = sched.step(x @ w * (t / 1000), t, x).prev_sample
-    responses = flowrl.sglang.to_sglang(rec.trajectory())
+    responses = flowrl.data.sglang.to_sglang(rec.trajectory())
     request = {"rollout_sde_type": "sde", "rollout_noise_level": 0.7, "rollout_log_prob_no_const": False}
     for r in responses:  # as SGLang sends them: no settings in the responses
         for k in list(r):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flowrl
-from flowrl.scheduler import FlowMatchEulerDiscreteScheduler as Sched
+from flowrl.rollout.scheduler import FlowMatchEulerDiscreteScheduler as Sched
 
 BF16 = torch.bfloat16
 
@@ -200,7 +200,7 @@ def test_works_without_diffusers_installed(tmp_path):
 import sys
 sys.modules["diffusers"] = None
 import torch, flowrl
-from flowrl.scheduler import FlowMatchEulerDiscreteScheduler as Sched, RolloutRecorder
+from flowrl.rollout.scheduler import FlowMatchEulerDiscreteScheduler as Sched, RolloutRecorder
 assert Sched.__mro__ == (Sched, object) and flowrl.RolloutRecorder is RolloutRecorder
 sched = Sched(shift=3.0)
 sched.set_timesteps(3)
@@ -223,11 +223,11 @@ print("ok")
 
 
 def test_reexports_and_lookup_module():
-    import flowrl.recorder
-    import flowrl.scheduler
-    from flowrl import timestep_lookup
+    import flowrl.rollout.recorder
+    import flowrl.rollout.scheduler
+    from flowrl.rollout import timestep_lookup
 
-    assert flowrl.scheduler.RolloutRecorder is flowrl.recorder.RolloutRecorder is flowrl.RolloutRecorder
+    assert flowrl.rollout.scheduler.RolloutRecorder is flowrl.rollout.recorder.RolloutRecorder is flowrl.RolloutRecorder
     assert flowrl.FlowMatchEulerDiscreteScheduler is Sched
     diffusers = pytest.importorskip("diffusers")
     ref = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
@@ -505,7 +505,7 @@ def test_changed_latents_between_steps_warn():
 
 
 def _triton_runs_here() -> bool:
-    from flowrl._dispatch import interpreter_enabled, triton_available
+    from flowrl.backends._dispatch import interpreter_enabled, triton_available
 
     return triton_available() and (torch.cuda.is_available() or interpreter_enabled())
 

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from flowrl import serialization as S
-from flowrl.trajectory import FORMAT, RolloutTrajectory
+from flowrl.data import serialization as S
+from flowrl.data.trajectory import FORMAT, RolloutTrajectory
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool]
@@ -597,7 +597,7 @@ def _joint_trajectory():
     import copy
 
     diffusers = pytest.importorskip("diffusers")
-    from flowrl.recorder import rollout
+    from flowrl.rollout.recorder import rollout
 
     sched = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
     video, audio = torch.randn(2, 6, 4).to(torch.bfloat16), torch.randn(2, 5, 3)

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import flowrl
-from flowrl.serialization import to_wire
-from flowrl.sglang import SGLangDenoisingEnv, from_sglang, to_sglang
+import flowrl.backends.reference
+from flowrl.data.serialization import to_wire
+from flowrl.data.sglang import SGLangDenoisingEnv, from_sglang, to_sglang
 
 B, T, SHAPE = 2, 4, (4, 6)
 REQUEST = {"prompt": "p", "rollout_sde_type": "sde", "rollout_noise_level": 0.7, "rollout_log_prob_no_const": False}
@@ -112,7 +113,7 @@ def test_schedule_length_equal_to_batch_size_is_never_sliced(batch, steps):
     assert_same(got, traj)
 
 
-@pytest.mark.parametrize("server", flowrl.sglang.SERVERS)
+@pytest.mark.parametrize("server", flowrl.data.sglang.SERVERS)
 def test_to_sglang_round_trips_bit_for_bit_with_debug_tensors_and_env(server):
     encode = msgpack.packb if server == "0.5.23" else json.dumps
     for traj in (rollout(dtype=torch.bfloat16, debug=True),
@@ -390,19 +391,19 @@ def test_unknown_keys_are_accepted_when_null_or_ignored_and_refused_otherwise():
         d[path[-1]] = 0
         with pytest.raises(ValueError, match=pattern):
             from_sglang(bad, request=REQUEST)
-    assert set(flowrl.sglang.IGNORED_KEYS["dit_trajectory"]) == {"model_timesteps"}
-    assert set(flowrl.sglang.IGNORED_KEYS["denoising_env"]) == {"sample_layout"}
+    assert set(flowrl.data.sglang.IGNORED_KEYS["dit_trajectory"]) == {"model_timesteps"}
+    assert set(flowrl.data.sglang.IGNORED_KEYS["denoising_env"]) == {"sample_layout"}
 
 
 def test_nan_log_probs_are_refused_naming_the_field_and_the_step():
     # the last cps step has std sigma' sin(eta pi / 2) = 0 (sigma' = 0): a gaussian log-prob there divides by 0
     sched = flowrl.FlowMatchEulerDiscreteScheduler(shift=3.0)
     sched.set_timesteps(T)
-    coef = flowrl.reference.mode_coefficients(sched.sigmas, torch.tensor([T - 1]), flowrl.contract.Mode.CPS, 0.7,
+    coef = flowrl.backends.reference.mode_coefficients(sched.sigmas, torch.tensor([T - 1]), flowrl.contract.Mode.CPS, 0.7,
                                               torch.float32)
     assert float(coef[2]) == 0.0
     responses = sglang_responses(rollout(mode="cps"))
-    lp = flowrl.serialization.from_wire(responses[1]["rollout_log_probs"])
+    lp = flowrl.data.serialization.from_wire(responses[1]["rollout_log_probs"])
     lp[T - 1] = float("nan")
     responses[1]["rollout_log_probs"] = to_wire(lp)
     with pytest.raises(ValueError, match=rf"\[1\]\['rollout_log_probs'\]: is nan at loop step {T - 1} "
@@ -441,7 +442,7 @@ def test_msgpack_bodies_are_decoded_strictly(monkeypatch):
     with pytest.raises(ValueError, match="exceeds max_bytes"):
         from_sglang(body, max_bytes=len(body) - 1)
     with pytest.raises(TypeError, match="body must be the response's bytes"):
-        flowrl.sglang.decode_body("text")
+        flowrl.data.sglang.decode_body("text")
     monkeypatch.setitem(sys.modules, "msgpack", None)
     with pytest.raises(ImportError, match="needs the msgpack package"):
         from_sglang(body)
@@ -455,8 +456,8 @@ def test_engine_prev_sample_is_mean_plus_noise_times_std_as_sglang_forms_it():
     for j in range(T):
         std = d.rollout_noise_std_devs[0, j].reshape(())
         expected = d.rollout_prev_sample_means[:1, j] + d.rollout_variance_noises[:1, j] * std
-        assert torch.equal(flowrl.sglang.engine_prev_sample(traj, j)[:1], expected)
+        assert torch.equal(flowrl.data.sglang.engine_prev_sample(traj, j)[:1], expected)
     with pytest.raises(ValueError, match="j must be a loop step"):
-        flowrl.sglang.engine_prev_sample(traj, T)
+        flowrl.data.sglang.engine_prev_sample(traj, T)
     with pytest.raises(ValueError, match="needs the response's rollout_debug_tensors"):
-        flowrl.sglang.engine_prev_sample(rollout(), 0)
+        flowrl.data.sglang.engine_prev_sample(rollout(), 0)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import flowrl
-from flowrl.sglang import engine_prev_sample, from_sglang
+from flowrl.data.sglang import engine_prev_sample, from_sglang
 
 import sglang_engine as E
 

@@ -25,8 +25,15 @@ except ImportError:
 
 import flowrl
 from flowrl import step_kl, step_log_prob, step_weights
+from flowrl.contract import Mode, Schedule
+from mode_coverage import every_mode_but, noise_levels
 
 F64 = torch.float64
+# step_weights reads a flow schedule: the modes of another schedule kind are refused (a new Mode joins MODES)
+MODES_ELSEWHERE = {m.label: "not a flow schedule (MODE_RULES), so step_weights refuses it: tests/test_step_weights.py, "
+                            "test_bad_arguments_name_themselves" for m in Mode if m.rules.schedule is not Schedule.SIGMAS}
+MODES = every_mode_but(MODES_ELSEWHERE)
+ETA = noise_levels({"sde": 0.7, "dance": 0.5, "cps": 0.5, "flash_sde": 0.8, "dpm_sde": 1.0, "ode": 0.0}, MODES)
 needs_diffusers = pytest.mark.skipif(diffusers is None, reason="needs diffusers")
 
 
@@ -125,9 +132,8 @@ def test_flash_weight_is_zero_on_deterministic_steps_and_weights_are_finite():
     steps = torch.arange(10)
     cps = step_weights("flash_grpo", sigmas, steps, mode="cps", noise_level=0.5)
     assert cps.loss[-1] == 0 and (cps.loss[:-1] > 0).all()  # cps' last step (sigma' = 0) has std 0
-    for scheme in flowrl.weights.SCHEMES:
-        for mode, eta in (("sde", 0.7), ("dance", 0.5), ("cps", 0.5), ("flash_sde", 0.8), ("dpm_sde", 1.0),
-                          ("ode", 0.0)):
+    for scheme in flowrl.ops.weights.SCHEMES:
+        for mode, eta in ETA.items():
             w = step_weights(scheme, sigmas, steps, mode=mode, noise_level=eta)
             assert torch.isfinite(w.log_ratio).all() and torch.isfinite(w.loss).all(), (scheme, mode)
             assert w.loss.dtype == torch.float32 and w.loss.shape == (10,)
@@ -141,6 +147,9 @@ def test_bad_arguments_name_themselves():
         step_weights("ppo", sigmas, 0)
     with pytest.raises(ValueError, match="mode"):
         step_weights("grpo_guard", sigmas, 0, mode="heun")
+    for mode in MODES_ELSEWHERE:  # ddim: an alpha-bar table
+        with pytest.raises(ValueError, match=f"flow schedule.*mode={mode!r}"):
+            step_weights("grpo_guard", sigmas, 0, mode=mode, noise_level=0.5)
     with pytest.raises(ValueError, match="step_index"):
         step_weights("grpo_guard", sigmas, 10)
     with pytest.raises(ValueError, match="noise_level"):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from flowrl.serialization import from_wire
-from flowrl.trajectory import RolloutTrajectory
+from flowrl.data.serialization import from_wire
+from flowrl.data.trajectory import RolloutTrajectory
 
 STEPS = 4
 
@@ -119,7 +119,7 @@ def _recorded(**options):
     """A recorded rollout (toy velocity) and the velocity of every step."""
     diffusers = pytest.importorskip("diffusers")  # flowrl's diffusers extra is optional
 
-    from flowrl.recorder import rollout
+    from flowrl.rollout.recorder import rollout
 
     sched = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
     sched.set_timesteps(STEPS)

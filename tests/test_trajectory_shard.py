@@ -1,4 +1,4 @@
-"""Replay under sequence parallelism (flowrl.trajectory_shard, docs/wire_and_sp.md): a rollout recorded
+"""Replay under sequence parallelism (flowrl.data.trajectory_shard, docs/wire_and_sp.md): a rollout recorded
 on one device, cut to each rank's shard with ``flowrl.shard_trajectory(traj, start, stop, dim=1)``, recomputed on 2 gloo
 ranks from the recorded model calls (``shard.model_inputs(j)`` -> the model -> ``shard.step_model_output``
 -> ``shard.step_log_prob``, i.e. ``flowrl.distributed.step_log_prob``) gives the recorded log-probs bit
@@ -11,7 +11,7 @@ import torch
 
 import flowrl
 from flowrl import distributed as fd
-from flowrl.recorder import rollout
+from flowrl.rollout.recorder import rollout
 from flowrl.data.trajectory_shard import ShardedRolloutTrajectory
 from gloo_ranks import run_ranks
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import flowrl
+import flowrl.data.denoising_env
 from flowrl.data import trajectory_store as TS
-from flowrl.recorder import rollout
+from flowrl.rollout.recorder import rollout
 
 B, T = 2, 4
 SHAPE = (B, 6, 8, 4)  # [B, S, C, D]: 192 elements per sample
@@ -102,12 +103,12 @@ def _bitwise(a, b, where):
         return
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert flowrl.denoising_env.bitwise_equal(a, b), where
+        assert flowrl.data.denoising_env.bitwise_equal(a, b), where
         return
     assert a == b, where
 
 
-_FIELDS = ("latents", "log_probs", "timesteps", "sigmas", "latent_step_indices", "mode", "noise_level", "log_prob",
+_FIELDS = ("latents", "log_probs", "timesteps", "sigmas", "latent_step_indices", "mode", "noise_level", "log_prob_kind",
            "reduction", "sde_steps", "token_sigmas", "frozen", "counts", "prev_x0_preds", "prediction_type",
            "clip_sample_range")
 
@@ -184,7 +185,7 @@ def test_store_argument_is_checked():
 
 
 def test_cpu_store_is_refused_while_capturing(monkeypatch):
-    from flowrl import _validate
+    from flowrl.core import _validate
 
     sched = _scheduler()
     monkeypatch.setattr(_validate, "capturing", lambda: True)
@@ -336,7 +337,7 @@ def test_ddim_rollout_cpu_store_matches_and_holds_only_copies(eta, dtype):
     # flowrl.DDIMScheduler's recorder replaces the last stored latent on a deterministic half-precision
     # step (its _replace_last_output): that one goes through the store too
     pytest.importorskip("diffusers")
-    from flowrl.ddim import DDIMScheduler
+    from flowrl.rollout.ddim import DDIMScheduler
 
     def run(store):
         sched = DDIMScheduler(num_train_timesteps=1000)

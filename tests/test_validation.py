@@ -1,6 +1,6 @@
 """Bad input to the public functions raises a ValueError / TypeError whose message is about the
 argument: it starts with the argument's name, and the rest tells this error from the others (the
-messages of flowrl/_validate.py, flowrl/functional.py and flowrl/_dispatch.py). Devices are
+messages of flowrl/core/_validate.py, flowrl/ops/functional.py and flowrl/backends/_dispatch.py). Devices are
 mismatched with the "meta" device, so these run without a GPU."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl import _dispatch
+from flowrl.backends import _dispatch
 from flowrl.contract import Mode
 from flowrl import sde_step, step_kl, step_log_prob
 

@@ -24,7 +24,7 @@ pytest.importorskip("transformers")  # the pipeline modules import it for their 
 pytest.importorskip("PIL")
 
 import tiny_pipelines as tiny  # noqa: E402
-from flowrl.recorder import RolloutRecorder  # noqa: E402
+from flowrl.rollout.recorder import RolloutRecorder  # noqa: E402
 
 BF16 = torch.bfloat16
 

@@ -1,7 +1,7 @@
 """The torch reference backend: the math contract (docs/contract.md) written once, in plain torch.
 
 It is the oracle the Triton kernels are tested against, the path taken on CPU, and the only backend
-that accepts float64. Every function takes already-validated arguments (see ``flowrl.functional``):
+that accepts float64. Every function takes already-validated arguments (see ``flowrl.ops.functional``):
 ``step_index`` is an int64 tensor [B] on the sample's device, ``noise_level`` a float.
 
 Log-probs are reduced in the contract's fixed order (see ``CHUNK_SIZE``): the flattened sample is cut
@@ -12,8 +12,8 @@ of two. Only elementwise adds are used, so the bits do not depend on
 the batch size, the position in the batch, threading, or how a sample was sharded (when shard
 boundaries fall on chunk boundaries).
 
-The backend's three ops take a validated ``flowrl.step_spec.StepSpec`` and the tensors, like the
-Triton backend's (``flowrl._dispatch`` holds the table); under sequence parallelism the spec's
+The backend's three ops take a validated ``flowrl.core.step_spec.StepSpec`` and the tensors, like the
+Triton backend's (``flowrl.backends._dispatch`` holds the table); under sequence parallelism the spec's
 ``numel`` is the full sample's and ``spec.gather`` maps the local partials to the full sample's.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import contract as C
+from .. import contract
 from ..core._validate import NoiseSeed
 from ..contract import CHUNK_SIZE, HALF_LOG_2PI, LEAF_SIZE, SIGMA_ONE_TOL, STD_FLOOR, LogProbKind, Mode, NoiseSource, Reduction
 
@@ -398,14 +398,14 @@ def box_muller_radius(x_radius: torch.Tensor) -> torch.Tensor:
     + f) with 1 + f in [sqrt(1/2), sqrt(2)) split from u's bits, -2 ln u = fma(f, P(f), e NEG_2_LN2)
     (flowrl.contract's degree-7 polynomial, Horner by fmas; positive since u < 1), then the correctly
     rounded square root."""
-    u = fma_f32(x_radius.to(torch.float32), C.U_SCALE, 2.0**-33)
+    u = fma_f32(x_radius.to(torch.float32), contract.U_SCALE, 2.0**-33)
     bits = u.view(torch.int32)
-    e = (bits - C.LOG_SPLIT) >> 23  # arithmetic shift: floor division by 2**23
+    e = (bits - contract.LOG_SPLIT) >> 23  # arithmetic shift: floor division by 2**23
     f = (bits - e * (1 << 23)).view(torch.float32) - 1.0
-    p = fma_f32(f, C.LOG_P7, C.LOG_P6)
-    for coefficient in (C.LOG_P5, C.LOG_P4, C.LOG_P3, C.LOG_P2, C.LOG_P1, C.LOG_P0):
+    p = fma_f32(f, contract.LOG_P7, contract.LOG_P6)
+    for coefficient in (contract.LOG_P5, contract.LOG_P4, contract.LOG_P3, contract.LOG_P2, contract.LOG_P1, contract.LOG_P0):
         p = fma_f32(f, p, coefficient)
-    r2 = fma_f32(f, p, e.to(torch.float32) * C.NEG_2_LN2)
+    r2 = fma_f32(f, p, e.to(torch.float32) * contract.NEG_2_LN2)
     return sqrt_rn(r2)
 
 
@@ -421,9 +421,9 @@ def box_muller(x_radius: torch.Tensor, x_angle: torch.Tensor) -> Tuple[torch.Ten
     # the kernels' float in [2, 4) with the word's low 23 bits as mantissa, minus 3: exact either way
     t = (x_angle & 0x7FFFFF).to(torch.float32) * 2.0**-22 - 1.0
     t2 = t * t
-    sin_p = t * fma_f32(t2, fma_f32(t2, fma_f32(t2, fma_f32(t2, C.SIN_A4, C.SIN_A3), C.SIN_A2), C.SIN_A1),
-                        C.SIN_A0)
-    cos_p = fma_f32(t2, fma_f32(t2, fma_f32(t2, fma_f32(t2, C.COS_B3, C.COS_B2), C.COS_B1), C.COS_B0), 1.0)
+    sin_p = t * fma_f32(t2, fma_f32(t2, fma_f32(t2, fma_f32(t2, contract.SIN_A4, contract.SIN_A3), contract.SIN_A2), contract.SIN_A1),
+                        contract.SIN_A0)
+    cos_p = fma_f32(t2, fma_f32(t2, fma_f32(t2, fma_f32(t2, contract.COS_B3, contract.COS_B2), contract.COS_B1), contract.COS_B0), 1.0)
     return r * cos_p, r * sin_p
 
 
@@ -474,9 +474,9 @@ def ddim_mean(x: torch.Tensor, v: torch.Tensor, sqrt_a, sqrt_b, sqrt_a_prev, k, 
     default use_clipped_model_output=False). The clip makes mu nonlinear in v: autograd's clamp gradient
     is 0 outside [-range, range] (inclusive bounds pass it)."""
     v = v.to(sqrt_a.dtype)  # upcast once: the clip compares compute-dtype values, as the kernel does
-    if prediction is C.Prediction.EPSILON:
+    if prediction is contract.Prediction.EPSILON:
         x0, eps = (x - sqrt_b * v) / sqrt_a, v
-    elif prediction is C.Prediction.SAMPLE:
+    elif prediction is contract.Prediction.SAMPLE:
         x0 = v
         eps = (x - sqrt_a * x0) / sqrt_b
     else:  # V_PREDICTION
@@ -489,9 +489,9 @@ def ddim_mean(x: torch.Tensor, v: torch.Tensor, sqrt_a, sqrt_b, sqrt_a_prev, k, 
 def ddim_velocity_coefficient(sqrt_a, sqrt_b, sqrt_a_prev, k, prediction):
     """d mu / d v of ddim's unclipped mean [B] (the kernels' common.ddim_velocity_coefficient, the same
     operations): without the clip mu = A x + C v, so two policies' means differ by C v - C v_ref."""
-    if prediction is C.Prediction.EPSILON:
+    if prediction is contract.Prediction.EPSILON:
         return k - (sqrt_a_prev / sqrt_a) * sqrt_b
-    if prediction is C.Prediction.SAMPLE:
+    if prediction is contract.Prediction.SAMPLE:
         return sqrt_a_prev - (k / sqrt_b) * sqrt_a
     return k * sqrt_a - sqrt_a_prev * sqrt_b  # V_PREDICTION
 
@@ -499,9 +499,9 @@ def ddim_velocity_coefficient(sqrt_a, sqrt_b, sqrt_a_prev, k, prediction):
 def ddim_clipped_kl_coefficients(sqrt_a, sqrt_b, k, prediction):
     """(e, inv_sqrt_a) of ddim's clipped KL, per sample (the kernels' common.ddim_clipped_kl_coefficients,
     the same operations): e = d (k eps_hat) / d v, and epsilon's 1 / sqrt(a) (None for the others)."""
-    if prediction is C.Prediction.EPSILON:
+    if prediction is contract.Prediction.EPSILON:
         return k, 1 / sqrt_a
-    if prediction is C.Prediction.SAMPLE:
+    if prediction is contract.Prediction.SAMPLE:
         return -((k / sqrt_b) * sqrt_a), None
     return k * sqrt_a, None  # V_PREDICTION
 
@@ -528,9 +528,9 @@ def ddim_clipped_difference(x, v, v_ref, sqrt_a, sqrt_b, sqrt_a_prev, k, predict
     e, inv_sqrt_a = ddim_clipped_kl_coefficients(sqrt_a, sqrt_b, k, prediction)
 
     def clipped_x0(out):
-        if prediction is C.Prediction.EPSILON:
+        if prediction is contract.Prediction.EPSILON:
             x0 = _fma(-sqrt_b, out, x) * inv_sqrt_a
-        elif prediction is C.Prediction.SAMPLE:
+        elif prediction is contract.Prediction.SAMPLE:
             x0 = out
         else:  # V_PREDICTION
             x0 = _fma(-sqrt_b, out, sqrt_a * x)

@@ -45,7 +45,7 @@ import torch
 
 from ..core import _validate as V
 from ..ops.functional import step_log_prob
-from . import _common as C
+from . import _common as compat_common
 
 
 def flux_step(
@@ -67,15 +67,15 @@ def flux_step(
     the global RNG, as DanceGRPO), ``out_dtype`` (the sampled ``prev_sample``'s dtype; default
     ``model_output.dtype``), ``peer_compatible`` (the log-prob of the float32 sample, as DanceGRPO),
     ``backend``."""
-    C.check_tensor("latents", latents)
-    C.check_tensor("model_output", model_output, latents, "latents")
+    compat_common.check_tensor("latents", latents)
+    compat_common.check_tensor("model_output", model_output, latents, "latents")
     if prev_sample is not None:
-        C.check_tensor("prev_sample", prev_sample, latents, "latents")
-    eta = C.check_noise_level("eta", eta)
+        compat_common.check_tensor("prev_sample", prev_sample, latents, "latents")
+    eta = compat_common.check_noise_level("eta", eta)
     V.check_bool("grpo", grpo)
     V.check_bool("sde_solver", sde_solver)
     V.check_bool("peer_compatible", peer_compatible)
-    out_dtype = C.check_out_dtype(out_dtype)
+    out_dtype = compat_common.check_out_dtype(out_dtype)
     if peer_compatible and out_dtype not in (None, torch.float32):
         raise ValueError(
             f"peer_compatible=True with out_dtype={out_dtype} would return the sample rounded to {out_dtype} with the "
@@ -93,21 +93,21 @@ def flux_step(
         raise ValueError(f"sigmas must be a 1-D float32 schedule of length T + 1 >= 2; got {sigmas.dtype} "
                          f"{tuple(sigmas.shape)}")
     V.check_sigmas(sigmas, sigmas.device)  # validated where it lives (cached per tensor)
-    table = C.on_device(sigmas, latents.device)
-    idx = C.check_index("index", index, table.numel() - 1, latents.shape[0], latents.device)
+    table = compat_common.on_device(sigmas, latents.device)
+    idx = compat_common.check_index("index", index, table.numel() - 1, latents.shape[0], latents.device)
     mode = "dance" if sde_solver else "ode"
-    peer_dtype = C.promote(latents.dtype, model_output.dtype)
-    sigma = C.column(table.to(torch.float32)[idx], latents.dim())
+    peer_dtype = compat_common.promote(latents.dtype, model_output.dtype)
+    sigma = compat_common.column(table.to(torch.float32)[idx], latents.dim())
     x0 = (latents.to(torch.float32) - sigma * model_output.to(torch.float32)).to(peer_dtype)
 
     if not grpo:
-        mean = C.step_mean(latents, model_output, table, idx, mode, eta, backend)
+        mean = compat_common.step_mean(latents, model_output, table, idx, mode, eta, backend)
         return mean.to(peer_dtype), x0
     if prev_sample is None:
-        noise = C.draw(latents, generator)
+        noise = compat_common.draw(latents, generator)
         if out_dtype is None:
             out_dtype = peer_dtype if peer_compatible else model_output.dtype
-        prev, log_prob, _, _ = C.emit(latents, model_output, table, idx, mode="dance", eta=eta, noise=noise,
+        prev, log_prob, _, _ = compat_common.emit(latents, model_output, table, idx, mode="dance", eta=eta, noise=noise,
                                       kind="gaussian", out_dtype=out_dtype, peer_compatible=peer_compatible,
                                       backend=backend)
         return prev, x0, log_prob

@@ -64,7 +64,7 @@ import torch
 from ..ops.functional import step_log_prob
 from ..rollout.scheduler import FlowMatchEulerDiscreteScheduler, _DEFAULTS
 from ..core import _validate as V
-from . import _common as C
+from . import _common as compat_common
 
 DYNAMICS = {"Flow-SDE": ("sde", "gaussian"), "Dance-SDE": ("dance", "gaussian"), "CPS": ("cps", "sq_err"),
             "ODE": ("ode", "gaussian")}
@@ -119,7 +119,7 @@ def _step_indices(timestep, timesteps: torch.Tensor, batch: int, device):
         )
         if isinstance(timestep, torch.Tensor) and timestep.dim() > 1:
             raise ValueError(f"timestep must be a scalar or a 1-D tensor [B]; got shape {tuple(timestep.shape)}")
-        return C.check_index("timestep", timestep, timesteps.numel(), batch, device)
+        return compat_common.check_index("timestep", timestep, timesteps.numel(), batch, device)
     if isinstance(timestep, torch.Tensor) and timestep.dim() > 1:
         raise ValueError(
             f"timestep must be a scalar or a 1-D tensor [B]; got shape {tuple(timestep.shape)}. Pass the original "
@@ -127,14 +127,14 @@ def _step_indices(timestep, timesteps: torch.Tensor, batch: int, device):
         )
     if not isinstance(timestep, (torch.Tensor, Real)):
         raise TypeError(f"timestep must be a float or a torch.Tensor; got {type(timestep).__name__}")
-    return C.resolve_timesteps("timestep", timestep, timesteps, batch, device)[0]
+    return compat_common.resolve_timesteps("timestep", timestep, timesteps, batch, device)[0]
 
 
 def _check_timestep_next(timestep_next, idx: torch.Tensor, timesteps: torch.Tensor) -> None:
     """``timestep_next`` must be the schedule's next timestep of each sample (0 after the last step)."""
     if isinstance(timestep_next, bool) or not isinstance(timestep_next, (Real, torch.Tensor)):
         raise TypeError(f"timestep_next must be a float or a tensor; got {type(timestep_next).__name__}")
-    t = C.timestep_tensor("timestep_next", timestep_next).to(idx.device)
+    t = compat_common.timestep_tensor("timestep_next", timestep_next).to(idx.device)
     if t.numel() not in (1, idx.numel()):
         raise ValueError(f"timestep_next must hold 1 or B = {idx.numel()} values; got {t.numel()}")
     table = torch.cat([timesteps.to(device=idx.device, dtype=torch.float32), torch.zeros(1, device=idx.device)])
@@ -175,7 +175,7 @@ def _noise_levels(scheduler, noise_level, sigma: torch.Tensor, batch: int, dynam
         values = [noise_level]
     if len(values) not in (1, batch):
         raise ValueError(f"noise_level must hold 1 or B = {batch} values; got {len(values)}")
-    etas = [C.check_noise_level("noise_level", v, at_most_one=dynamics == "CPS") for v in values]
+    etas = [compat_common.check_noise_level("noise_level", v, at_most_one=dynamics == "CPS") for v in values]
     return etas * batch if len(etas) == 1 else etas
 
 
@@ -207,11 +207,11 @@ def step(
     """Flow-Factory's ``FlowMatchEulerDiscreteSDEScheduler.step`` on flowrl's ops (module docstring).
     ``self``: a FlowMatchEulerDiscreteScheduler (diffusers', flowrl's, Flow-Factory's or the class
     below); its ``dynamics_type``, ``is_eval`` and noise-level settings are read when present."""
-    sigmas, timesteps = C.scheduler_tables(self, "self")
-    C.check_tensor("latents", latents)
-    C.check_tensor("noise_pred", noise_pred, latents, "latents")
+    sigmas, timesteps = compat_common.scheduler_tables(self, "self")
+    compat_common.check_tensor("latents", latents)
+    compat_common.check_tensor("noise_pred", noise_pred, latents, "latents")
     if next_latents is not None:
-        C.check_tensor("next_latents", next_latents, latents, "latents")
+        compat_common.check_tensor("next_latents", next_latents, latents, "latents")
     dynamics = dynamics_type or getattr(self, "dynamics_type", None) or "Flow-SDE"
     if dynamics not in DYNAMICS:
         raise ValueError(f"dynamics_type must be one of {', '.join(map(repr, DYNAMICS))}; got {dynamics!r}")
@@ -224,7 +224,7 @@ def step(
         raise ValueError(f"return_kwargs may name {', '.join(RETURN_KWARGS)}; got unknown {unknown}")
     mode, kind = DYNAMICS[dynamics]
     batch, ndim, device = latents.shape[0], latents.dim(), latents.device
-    table = C.on_device(sigmas, device)
+    table = compat_common.on_device(sigmas, device)
     if sigma_max is not None:
         if isinstance(sigma_max, bool) or not isinstance(sigma_max, (Real, torch.Tensor)) or float(sigma_max) != float(
             table.to(torch.float32)[1]
@@ -241,7 +241,7 @@ def step(
     etas = _noise_levels(self, noise_level, sigma, batch, dynamics)
 
     rollout = next_latents is None
-    noise = C.draw(latents, generator) if rollout and mode != "ode" else None
+    noise = compat_common.draw(latents, generator) if rollout and mode != "ode" else None
     # Flow-Factory emits the sample rounded to the latents' dtype, returned as float32; its ODE step
     # returns the float32 mean unrounded
     emit_dtype = torch.float32 if mode == "ode" else latents.dtype
@@ -250,14 +250,14 @@ def step(
         pick = (lambda t: t) if rows is None else (lambda t, r=torch.tensor(rows, device=device): t[r])
         x, v, i = pick(latents), pick(noise_pred), pick(idx)
         if rollout:
-            o = C.emit(x, v, table, i, mode=mode, eta=eta, noise=None if noise is None else pick(noise), kind=kind,
+            o = compat_common.emit(x, v, table, i, mode=mode, eta=eta, noise=None if noise is None else pick(noise), kind=kind,
                        out_dtype=emit_dtype, peer_compatible=False, backend=backend)
             prev_parts.append((rows, o[0].to(torch.float32)))
             mean_parts.append((rows, o[2]))
             lp_parts.append((rows, o[1]))
         else:
             prev_parts.append((rows, pick(next_latents).to(torch.float32)))
-            mean_parts.append((rows, C.step_mean(x, v, table, i, mode, eta, backend)))
+            mean_parts.append((rows, compat_common.step_mean(x, v, table, i, mode, eta, backend)))
             if compute_log_prob and mode != "ode":
                 lp_parts.append((rows, step_log_prob(x, v, pick(next_latents), table, i, mode=mode, noise_level=eta,
                                                      log_prob_kind=kind, backend=backend)))
@@ -268,18 +268,18 @@ def step(
         log_prob = _assemble(lp_parts)
     eta_t = torch.tensor(etas, dtype=torch.float32, device=device)
     if mode == "sde":
-        std_dev_t = eta_t * C.sde_per_unit_time_std(table, idx, 1.0)
+        std_dev_t = eta_t * compat_common.sde_per_unit_time_std(table, idx, 1.0)
     elif mode == "dance":
         std_dev_t = eta_t
     elif mode == "cps":
-        std_dev_t = torch.cat([C.cps_std(sigma_next[k:k + 1], e) for k, e in enumerate(etas)])
+        std_dev_t = torch.cat([compat_common.cps_std(sigma_next[k:k + 1], e) for k, e in enumerate(etas)])
     else:
         std_dev_t = torch.zeros_like(sigma)
     result = {
         "next_latents": out_latents,
         "next_latents_mean": mean,
-        "std_dev_t": C.column(std_dev_t, ndim),
-        "dt": C.column(sigma_next - sigma, ndim),
+        "std_dev_t": compat_common.column(std_dev_t, ndim),
+        "dt": compat_common.column(sigma_next - sigma, ndim),
         "log_prob": log_prob if compute_log_prob else None,
         "noise_pred": noise_pred.float(),
     }
@@ -313,7 +313,7 @@ class FlowMatchEulerDiscreteSDEScheduler(FlowMatchEulerDiscreteScheduler):
     ``torch.randperm`` under ``seed`` (``current_sde_steps``); ``get_noise_level_for_*`` give
     ``noise_level`` on those steps and 0 elsewhere. ``eval()`` makes every step deterministic,
     ``train()`` / ``rollout()`` stochastic; ``rollout`` here is Flow-Factory's mode switch, not
-    flowrl's recorder (use ``flowrl.recorder.rollout(scheduler)`` for that)."""
+    flowrl's recorder (use ``flowrl.rollout.recorder.rollout(scheduler)`` for that)."""
 
     def __init__(
         self,
@@ -331,7 +331,7 @@ class FlowMatchEulerDiscreteSDEScheduler(FlowMatchEulerDiscreteScheduler):
         super().__init__(**{k: v for k, v in config.items() if k in _DEFAULTS})
         if dynamics_type not in DYNAMICS:
             raise ValueError(f"dynamics_type must be one of {', '.join(map(repr, DYNAMICS))}; got {dynamics_type!r}")
-        self.noise_level = C.check_noise_level("noise_level", noise_level, at_most_one=dynamics_type == "CPS")
+        self.noise_level = compat_common.check_noise_level("noise_level", noise_level, at_most_one=dynamics_type == "CPS")
         if num_sde_steps is not None and (isinstance(num_sde_steps, bool) or not isinstance(num_sde_steps, Integral)
                                           or num_sde_steps < 0):
             raise ValueError(f"num_sde_steps must be None or an int >= 0; got {num_sde_steps!r}")
@@ -412,7 +412,7 @@ class FlowMatchEulerDiscreteSDEScheduler(FlowMatchEulerDiscreteScheduler):
         """``noise_level`` if the timestep's step is a current SDE step, else 0 (a float for a scalar,
         a tensor of the timesteps' dtype for a 1-D tensor); bf16-safe lookup."""
         scalar = not isinstance(timestep, torch.Tensor) or timestep.dim() == 0
-        idx, _ = C.resolve_timesteps("timestep", timestep, self.timesteps, 1 if scalar else timestep.numel(), "cpu")
+        idx, _ = compat_common.resolve_timesteps("timestep", timestep, self.timesteps, 1 if scalar else timestep.numel(), "cpu")
         hit = torch.isin(idx, self.current_sde_steps)
         if scalar:
             return self.noise_level if bool(hit[0]) else 0.0

@@ -33,7 +33,7 @@ What differs from Flow-GRPO (docs/integration.md has the measurements):
 - A deterministic step (``noise_level=0``; ``"cps"`` at the last step) has log-prob 0. Flow-GRPO
   gives NaN for ``"sde"`` at ``noise_level=0`` (0 / 0), and ``-mean((x' - mu)^2)`` of the stored
   sample's rounding at the last ``"cps"`` step.
-- The timestep is found with flowrl's bf16-safe lookup (``flowrl.timestep_lookup``), so a bf16
+- The timestep is found with flowrl's bf16-safe lookup (``flowrl.rollout.timestep_lookup``), so a bf16
   timestep works where diffusers' ``index_for_timestep`` raises; a value matching no entry raises
   ``ValueError`` naming ``timestep``. sigma and sigma' are read from the float32 table.
 - ``sigma == 1`` is tested with the contract's tolerance (1e-5), not exact equality.
@@ -63,7 +63,7 @@ import torch
 
 from ..ops.functional import sde_step, step_log_prob
 from ..core import _validate as V
-from . import _common as C
+from . import _common as compat_common
 
 SDE_TYPES = {"sde": ("sde", "gaussian"), "cps": ("cps", "sq_err")}
 
@@ -90,18 +90,18 @@ def sde_step_with_logprob(
     ``model_output.dtype``, float32 with ``peer_compatible``), ``peer_compatible`` (the log-prob of
     the float32 sample before rounding, as Flow-GRPO), ``backend`` (flowrl's ``"auto"``, ``"torch"``,
     ``"triton"``)."""
-    sigmas, timesteps = C.scheduler_tables(self, "self")
-    C.check_tensor("sample", sample)
-    C.check_tensor("model_output", model_output, sample, "sample")
+    sigmas, timesteps = compat_common.scheduler_tables(self, "self")
+    compat_common.check_tensor("sample", sample)
+    compat_common.check_tensor("model_output", model_output, sample, "sample")
     if prev_sample is not None:
-        C.check_tensor("prev_sample", prev_sample, sample, "sample")
+        compat_common.check_tensor("prev_sample", prev_sample, sample, "sample")
     if not isinstance(sde_type, str) or sde_type not in SDE_TYPES:
         raise ValueError(f"sde_type must be one of {', '.join(map(repr, SDE_TYPES))}; got {sde_type!r}")
     mode, kind = SDE_TYPES[sde_type]
-    eta = C.check_noise_level("noise_level", noise_level, at_most_one=mode == "cps")
+    eta = compat_common.check_noise_level("noise_level", noise_level, at_most_one=mode == "cps")
     V.check_bool("return_sqrt_dt", return_sqrt_dt)
     V.check_bool("peer_compatible", peer_compatible)
-    out_dtype = C.check_out_dtype(out_dtype)
+    out_dtype = compat_common.check_out_dtype(out_dtype)
     if peer_compatible and out_dtype not in (None, torch.float32):
         raise ValueError(
             f"peer_compatible=True with out_dtype={out_dtype} would return the sample rounded to {out_dtype} with the "
@@ -110,31 +110,31 @@ def sde_step_with_logprob(
             "float32 sample and its log-prob)"
         )
     batch = sample.shape[0]
-    idx, given = C.resolve_timesteps("timestep", timestep, timesteps, batch, sample.device)
-    table = C.on_device(sigmas, sample.device)
+    idx, given = compat_common.resolve_timesteps("timestep", timestep, timesteps, batch, sample.device)
+    table = compat_common.on_device(sigmas, sample.device)
 
     if prev_sample is None:
-        noise = C.draw(sample, generator)
+        noise = compat_common.draw(sample, generator)
         if out_dtype is None:
             out_dtype = torch.float32 if peer_compatible else model_output.dtype
-        prev, log_prob, mean, _ = C.emit(sample, model_output, table, idx, mode=mode, eta=eta, noise=noise,
+        prev, log_prob, mean, _ = compat_common.emit(sample, model_output, table, idx, mode=mode, eta=eta, noise=noise,
                                          kind=kind, out_dtype=out_dtype, peer_compatible=peer_compatible,
                                          backend=backend)
     else:
         log_prob = step_log_prob(sample, model_output, prev_sample, table, idx, mode=mode, noise_level=eta,
                                  log_prob_kind=kind, backend=backend)
-        mean = C.step_mean(sample, model_output, table, idx, mode, eta, backend)
+        mean = compat_common.step_mean(sample, model_output, table, idx, mode, eta, backend)
         prev = prev_sample.float()  # Flow-GRPO returns the upcast prev_sample
 
     rows = idx[:given]
     sigma, sigma_next = table.float()[rows], table.float()[rows + 1]
     if mode == "sde":
-        std_dev_t = C.sde_per_unit_time_std(table, rows, eta)
+        std_dev_t = compat_common.sde_per_unit_time_std(table, rows, eta)
     else:
-        std_dev_t = C.cps_std(sigma_next, eta)
-    std_dev_t = C.column(std_dev_t, sample.dim())
+        std_dev_t = compat_common.cps_std(sigma_next, eta)
+    std_dev_t = compat_common.column(std_dev_t, sample.dim())
     if return_sqrt_dt:
-        return prev, log_prob, mean, std_dev_t, C.column(torch.sqrt(sigma - sigma_next), sample.dim())
+        return prev, log_prob, mean, std_dev_t, compat_common.column(torch.sqrt(sigma - sigma_next), sample.dim())
     return prev, log_prob, mean, std_dev_t
 
 
@@ -218,23 +218,23 @@ def ode_step_with_logprob(
     ``sde_step_with_logprob``: by default the sample is rounded to ``out_dtype`` and the residual is
     of that rounded sample (the recompute from the stored sample gives the same bits);
     ``peer_compatible=True`` scores the float32 sample and returns it in float32 (Flow-GRPO)."""
-    sigmas, timesteps = C.scheduler_tables(self, "self")
-    C.check_tensor("sample", sample)
-    C.check_tensor("model_output", model_output, sample, "sample")
-    C.check_tensor("mean_model_output", mean_model_output, sample, "sample")
+    sigmas, timesteps = compat_common.scheduler_tables(self, "self")
+    compat_common.check_tensor("sample", sample)
+    compat_common.check_tensor("model_output", model_output, sample, "sample")
+    compat_common.check_tensor("mean_model_output", mean_model_output, sample, "sample")
     if prev_sample is not None:
-        C.check_tensor("prev_sample", prev_sample, sample, "sample")
+        compat_common.check_tensor("prev_sample", prev_sample, sample, "sample")
     if not isinstance(sde_type, str) or sde_type not in SDE_TYPES:
         raise ValueError(f"sde_type must be one of {', '.join(map(repr, SDE_TYPES))}; got {sde_type!r}")
-    eta = C.check_noise_level("noise_level", noise_level)
+    eta = compat_common.check_noise_level("noise_level", noise_level)
     V.check_bool("return_sqrt_dt", return_sqrt_dt)
     V.check_bool("peer_compatible", peer_compatible)
-    out_dtype = _check_peer_out_dtype(C.check_out_dtype(out_dtype), peer_compatible)
+    out_dtype = _check_peer_out_dtype(compat_common.check_out_dtype(out_dtype), peer_compatible)
     batch = sample.shape[0]
-    idx, given = C.resolve_timesteps("timestep", timestep, timesteps, batch, sample.device)
-    table = C.on_device(sigmas, sample.device)
+    idx, given = compat_common.resolve_timesteps("timestep", timestep, timesteps, batch, sample.device)
+    table = compat_common.on_device(sigmas, sample.device)
 
-    mean = C.step_mean(sample, mean_model_output, table, idx, "ode", 0.0, backend)
+    mean = compat_common.step_mean(sample, mean_model_output, table, idx, "ode", 0.0, backend)
     if prev_sample is None:
         if out_dtype is None:
             out_dtype = torch.float32 if peer_compatible else model_output.dtype
@@ -247,10 +247,10 @@ def ode_step_with_logprob(
     log_prob = -(r * r).mean(dim=tuple(range(1, r.dim())))
 
     rows = idx[:given]
-    std_dev_t = C.column(C.sde_per_unit_time_std(table, rows, eta), sample.dim())
+    std_dev_t = compat_common.column(compat_common.sde_per_unit_time_std(table, rows, eta), sample.dim())
     if return_sqrt_dt:
         sigma, sigma_next = table.float()[rows], table.float()[rows + 1]
-        return prev, log_prob, mean, std_dev_t, C.column(torch.sqrt(sigma - sigma_next), sample.dim())
+        return prev, log_prob, mean, std_dev_t, compat_common.column(torch.sqrt(sigma - sigma_next), sample.dim())
     return prev, log_prob, mean, std_dev_t
 
 
@@ -355,12 +355,12 @@ def _solver_step(model_output, latents, table, idx, x0, prev_sample, mode, eta, 
                  peer_compatible, backend):
     """The solver functions' common body: sample the step (``prev_sample=None``) or score the given one,
     with flowrl's ``mode`` at noise level ``eta`` and log-prob ``kind``; ``(prev_sample, x0, log_prob)``."""
-    out_dtype = _check_peer_out_dtype(C.check_out_dtype(out_dtype), peer_compatible)
+    out_dtype = _check_peer_out_dtype(compat_common.check_out_dtype(out_dtype), peer_compatible)
     if prev_sample is None:
-        noise = C.draw(latents, generator)
+        noise = compat_common.draw(latents, generator)
         if out_dtype is None:
             out_dtype = torch.float32 if peer_compatible else model_output.dtype
-        prev, log_prob, _, _ = C.emit(latents, model_output, table, idx, mode=mode, eta=eta, noise=noise, kind=kind,
+        prev, log_prob, _, _ = compat_common.emit(latents, model_output, table, idx, mode=mode, eta=eta, noise=noise, kind=kind,
                                       out_dtype=out_dtype, peer_compatible=peer_compatible, backend=backend)
         return prev, x0, log_prob
     log_prob = step_log_prob(latents, model_output, prev_sample, table, idx, mode=mode, noise_level=eta,
@@ -399,11 +399,11 @@ def _check_peer_out_dtype(out_dtype, peer_compatible):
 def _solver_args(model_output, latents, eta, sigmas, index, prev_sample, peer_compatible, one_step=False):
     """The solver functions' checks under their argument names: ``(table on latents' device, int64
     [B] index, eta, pred_original_sample in the peer's dtype, the peer's dtype)``."""
-    C.check_tensor("latents", latents)
-    C.check_tensor("model_output", model_output, latents, "latents")
+    compat_common.check_tensor("latents", latents)
+    compat_common.check_tensor("model_output", model_output, latents, "latents")
     if prev_sample is not None:
-        C.check_tensor("prev_sample", prev_sample, latents, "latents")
-    eta = C.check_noise_level("eta", eta)
+        compat_common.check_tensor("prev_sample", prev_sample, latents, "latents")
+    eta = compat_common.check_noise_level("eta", eta)
     V.check_bool("peer_compatible", peer_compatible)
     if not isinstance(sigmas, torch.Tensor):
         raise TypeError(f"sigmas must be a 1-D torch.Tensor schedule; got {type(sigmas).__name__}")
@@ -411,13 +411,13 @@ def _solver_args(model_output, latents, eta, sigmas, index, prev_sample, peer_co
         raise ValueError(f"sigmas must be a 1-D float32 schedule of length T + 1 >= 2; got {sigmas.dtype} "
                          f"{tuple(sigmas.shape)}")
     V.check_sigmas(sigmas, sigmas.device)
-    table = C.on_device(sigmas, latents.device)
+    table = compat_common.on_device(sigmas, latents.device)
     if one_step and isinstance(index, torch.Tensor) and index.numel() != 1:
         raise ValueError(f"index must be one step for the batch (an int) in ddim_step: its noise level depends on "
                          f"the step; got a tensor of shape {tuple(index.shape)}")
-    idx = C.check_index("index", index, table.numel() - 1, latents.shape[0], latents.device)
-    peer_dtype = C.promote(latents.dtype, model_output.dtype)
-    sigma = C.column(table.to(torch.float32)[idx], latents.dim())
+    idx = compat_common.check_index("index", index, table.numel() - 1, latents.shape[0], latents.device)
+    peer_dtype = compat_common.promote(latents.dtype, model_output.dtype)
+    sigma = compat_common.column(table.to(torch.float32)[idx], latents.dim())
     x0 = (latents.to(torch.float32) - sigma * model_output.to(torch.float32)).to(peer_dtype)
     return table, idx, eta, x0, peer_dtype
 

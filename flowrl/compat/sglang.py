@@ -17,7 +17,7 @@ noise, drawn from the request's generators exactly as SGLang draws it. What chan
 - ``rollout_log_probs`` are flowrl's log-probs of the emitted sample, in the dtype ``scheduler.step``
   emits (the model output's), which is the sample the next step consumes and the response returns in
   ``dit_trajectory.latents``; SGLang's own score the float32 sample before that rounding. Training's
-  ``traj.step_log_prob(j, v)`` on ``flowrl.sglang.from_sglang(body)`` then reproduces them bit for bit:
+  ``traj.step_log_prob(j, v)`` on ``flowrl.data.sglang.from_sglang(body)`` then reproduces them bit for bit:
   a first-update ratio of exactly 1, in float32 and bf16.
 - A deterministic step (noise level 0, the last ``cps`` step, ``ode``) has log-prob 0 (docs/contract.md),
   where SGLang asserts or divides 0 by 0.

@@ -364,7 +364,7 @@ def check_frozen(frozen, sample: torch.Tensor, name: str = "frozen") -> torch.Te
 
 
 class NoiseSeed(NamedTuple):
-    """A validated ``noise_seed`` (in-kernel Philox noise, see flowrl.reference.philox_normal).
+    """A validated ``noise_seed`` (in-kernel Philox noise, see flowrl.backends.reference.philox_normal).
 
     seeds: int64 [B] on the sample's device, the Philox key of each sample (its 64 bits).
     stream_stride: sample b uses Philox stream b * stream_stride: 1 for an int seed (the samples of

@@ -1,8 +1,8 @@
 """One validated, immutable description of a step: ``StepSpec``.
 
-Each public op (``flowrl.functional``) builds its spec once from its arguments, with the checks here
-and in ``flowrl._validate`` (each names its argument), then hands it with the tensors to a backend of
-the table in ``flowrl._dispatch``. Backends read their scalars and switches from the spec only, so a
+Each public op (``flowrl.ops.functional``) builds its spec once from its arguments, with the checks here
+and in ``flowrl.core._validate`` (each names its argument), then hands it with the tensors to a backend of
+the table in ``flowrl.backends._dispatch``. Backends read their scalars and switches from the spec only, so a
 parameter is followed from ``flowrl.sde_step`` to the kernel launch through named fields:
 ``noise_level`` -> ``StepSpec.noise_level`` -> ``reference.mode_coefficients`` or the kernels'
 ``eta`` argument.
@@ -231,7 +231,7 @@ def elements_per_sample(sample: torch.Tensor, shard: Optional[ShardContext]) -> 
     if shard is None:
         return math.prod(sample.shape[1:])  # not numel // B: B may be 0 (an empty batch)
     if not isinstance(shard, ShardContext):
-        raise TypeError(f"shard must be a flowrl.step_spec.ShardContext or None; got {type(shard).__name__}")
+        raise TypeError(f"shard must be a flowrl.core.step_spec.ShardContext or None; got {type(shard).__name__}")
     return shard.numel
 
 

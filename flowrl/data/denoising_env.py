@@ -1,7 +1,7 @@
 """The denoising environment of a rollout: what the model received at every step, and what the pipeline
 did to the model's output before ``scheduler.step``.
 
-``scheduler.rollout(..., model=pipe.transformer)`` (``flowrl.recorder.RolloutRecorder``) hooks that
+``scheduler.rollout(..., model=pipe.transformer)`` (``flowrl.rollout.recorder.RolloutRecorder``) hooks that
 module for the length of the ``with`` block (forward pre/post hooks with kwargs, removed on exit, also on
 an exception). Every call's arguments are bound to ``forward``'s parameter names and stored; a tensor
 that did not change since the previous step (the same object at the same version, or the same bits at

@@ -17,7 +17,7 @@ python/sglang/multimodal_gen/runtime/entrypoints/post_training/rollout_api.py ``
      "inference_time_s", "peak_memory_mb"}
 
 Tensors are envelopes (``{"__tensor__": true, "data": <safetensors>, "shape", "dtype"}``,
-flowrl.serialization): ``data`` is raw bytes in the released servers' msgpack bodies (sglang 0.5.20 to
+flowrl.data.serialization): ``data`` is raw bytes in the released servers' msgpack bodies (sglang 0.5.20 to
 0.5.23, ``entrypoints/post_training/utils._maybe_serialize``) and base64 text in JSON (the pull requests'
 commits); both are read. The body may be given as the msgpack bytes themselves (decoded with the
 ``msgpack`` package, the ``flowrl-triton[sglang]`` extra), as its JSON text, or as the decoded list. The sampling settings are the

@@ -103,7 +103,7 @@ class RolloutTrajectory:
         step 0, which reads none), to recompute with ``step_log_prob(..., prev_x0_pred=)``; else None.
     prediction_type, clip_sample_range: mode 'ddim''s model output type and x0 clip (None otherwise);
         for ddim ``sigmas`` is the alpha-bar table [2T] of (alpha_bar_t, alpha_bar_prev) pairs
-        (flowrl.ddim.alpha_bar_table). ``step_options()`` gives every setting a recompute passes.
+        (flowrl.rollout.ddim.alpha_bar_table). ``step_options()`` gives every setting a recompute passes.
     tree: None, or for a branching rollout (docs/branching.md) the ``flowrl.data.tree.BranchTree``
         whose leaves are the rows: which rows share which node (and so the same latents, noise and
         log-prob) at each step, and every node's Philox key.
@@ -129,8 +129,8 @@ class RolloutTrajectory:
     prediction_type: Optional[str] = None
     clip_sample_range: Optional[float] = None
     tree: Optional[BranchTree] = None
-    # recorded with scheduler.rollout(model=..., debug=...): flowrl.denoising_env.DenoisingEnv and
-    # flowrl.debug.DebugTensors (in memory only: to_wire / save carry neither)
+    # recorded with scheduler.rollout(model=..., debug=...): flowrl.data.denoising_env.DenoisingEnv and
+    # flowrl.data.debug.DebugTensors (in memory only: to_wire / save carry neither)
     denoising_env: Optional[Any] = None
     debug_tensors: Optional[Any] = None
     stream_weights: Optional[Tuple[float, ...]] = None
@@ -181,7 +181,7 @@ class RolloutTrajectory:
         return options
 
     # ----------------------------------------------------------------------------------------------
-    # replay: the recorded model calls and the exact log-prob recompute (flowrl.denoising_env)
+    # replay: the recorded model calls and the exact log-prob recompute (flowrl.data.denoising_env)
 
     def model_inputs(self, j: int, device=None):
         """Step ``j``'s recorded model call kwargs (a dict; a list of dicts for several calls)."""
@@ -369,7 +369,7 @@ class RolloutTrajectory:
     def from_wire(cls, wire: Any, *, max_bytes: Optional[int] = None, device=None,
                   _where: str = "RolloutTrajectory wire payload", _nested: bool = False) -> "RolloutTrajectory":
         """Decode ``to_wire``'s dict strictly (it may come from the network): exact key set, tensors
-        checked by ``flowrl.serialization.from_wire``, then shapes, dtypes and settings checked;
+        checked by ``flowrl.data.serialization.from_wire``, then shapes, dtypes and settings checked;
         anything malformed raises ``ValueError``. Format /1 payloads (before per-token sigmas, masks
         and streams) still load."""
         where = _where

@@ -32,7 +32,7 @@ from ..backends import _dispatch
 from ..contract import KLSpace, TrustSource
 from ..core._validate import no_value_checks
 from ..core.loss_spec import GRPOInputs, GRPOLossSpec, Variant
-from ..ops import _custom_ops as C
+from ..ops import _custom_ops as op_support
 from ._flow import NFTLossOutput, awm_from_args, awm_log_prob_from_args, nft_from_args
 from ._policy import GRPOLossOutput, grpo_from_spec
 from ._preference import DGPOLossOutput, DPOLossOutput, dgpo_from_args, dgpo_references, dpo_from_args
@@ -65,8 +65,8 @@ def pack_loss(spec: GRPOLossSpec, inputs: GRPOInputs):
     """The loss as schema values: (model_output, tensors [GRPOInputs' others, seeds], the step's tensors,
     ints [the step's, seed stride and offset, variant, trust, kl_space], floats [noise_level, clip_low,
     clip_high, kl_coef, kl_threshold, ref_scale], the backend's name)."""
-    step_tensors, step_ints, eta, _, _ = C.pack_spec(spec.step)
-    seeds, seed_ints = C.pack_seed(spec.seed)
+    step_tensors, step_ints, eta, _, _ = op_support.pack_spec(spec.step)
+    seeds, seed_ints = op_support.pack_seed(spec.seed)
     clip = spec.clip if spec.clip is not None else (None, None)
     ints = [*step_ints, *seed_ints, int(spec.variant), int(spec.trust), int(spec.kl_space)]
     floats = [float(eta), *map(_float, (*clip, spec.kl_coef, spec.kl_threshold, spec.ref_scale))]
@@ -76,8 +76,8 @@ def pack_loss(spec: GRPOLossSpec, inputs: GRPOInputs):
 
 def unpack_loss(model_output, tensors, step_tensors, ints, floats, backend):
     """``pack_loss``'s values back: (GRPOLossSpec, GRPOInputs)."""
-    step = C.unpack_spec(step_tensors, ints[:_STEP_INTS], floats[0], None, None)
-    seed = C.unpack_seed(tensors[-1], ints[_STEP_INTS:_STEP_INTS + 2])
+    step = op_support.unpack_spec(step_tensors, ints[:_STEP_INTS], floats[0], None, None)
+    seed = op_support.unpack_seed(tensors[-1], ints[_STEP_INTS:_STEP_INTS + 2])
     variant, trust, kl_space = ints[_STEP_INTS + 2:_STEP_INTS + 5]
     clip_low, clip_high, kl_coef, kl_threshold, ref_scale = map(_optional, floats[1:])
     spec = GRPOLossSpec(Variant(variant), step, trust=TrustSource(trust), seed=seed,
@@ -92,8 +92,8 @@ def _grpo_op(model_output: torch.Tensor, tensors: List[Optional[torch.Tensor]],
              backend: str) -> List[torch.Tensor]:
     with torch.no_grad():
         out = grpo_from_spec(*unpack_loss(model_output, tensors, step_tensors, ints, floats, backend))
-    fields = [C.absent(out.log_prob) if t is None else t for t in out]
-    return C.fresh(fields, [model_output, *tensors, *step_tensors])
+    fields = [op_support.absent(out.log_prob) if t is None else t for t in out]
+    return op_support.fresh(fields, [model_output, *tensors, *step_tensors])
 
 
 @_grpo_op.register_fake
@@ -123,7 +123,7 @@ def _grpo_backward_op(grad_loss: torch.Tensor, model_output: torch.Tensor, tenso
     def forward(v):
         return (grpo_from_spec(*unpack_loss(v, tensors, step_tensors, ints, floats, backend)).loss,)
 
-    return C.grads_by_replay(forward, [model_output], [True], [grad_loss])[0]
+    return op_support.grads_by_replay(forward, [model_output], [True], [grad_loss])[0]
 
 
 @_grpo_backward_op.register_fake
@@ -143,7 +143,7 @@ def _backward(ctx, grads):
     model_output, *saved = ctx.saved_tensors
     n = ctx.counts[0]
     tensors, step_tensors = saved[:n], saved[n:]
-    none = (None, C.list_grad(tensors), C.list_grad(step_tensors), None, None, None)
+    none = (None, op_support.list_grad(tensors), op_support.list_grad(step_tensors), None, None, None)
     if grads[0] is None or not ctx.needs_input_grad[0]:
         return none
     grad_v = _grpo_backward_op(grads[0], model_output, list(tensors), list(step_tensors), *ctx.scalars)
@@ -157,8 +157,8 @@ def _call(op, fake, v_index: int, *args) -> List[torch.Tensor]:
     """``op(*args)``, or on an empty batch (B = 0: ``args[v_index]``, model_output, holds no sample) no op and
     no kernel: ``fake``'s outputs as zeros, the loss on model_output's graph (``flowrl.ops._custom_ops.
     on_empty``). The losses send an empty batch here in eager mode too, after their checks."""
-    if C.is_empty(args[v_index]):
-        return C.on_empty(fake(*args), [args[v_index]])
+    if op_support.is_empty(args[v_index]):
+        return op_support.on_empty(fake(*args), [args[v_index]])
     return op(*args)
 
 
@@ -166,8 +166,8 @@ def empty_joint(out, model_outputs):
     """A joint step's output on an empty batch: stream 0's (``out``, a loss output or awm_log_prob's [0])
     with its first field on the graph of every stream's model_output."""
     if isinstance(out, torch.Tensor):
-        return C.on_empty([out], model_outputs)[0]
-    return out._replace(**{out._fields[0]: C.on_empty([out[0]], model_outputs)[0]})
+        return op_support.on_empty([out], model_outputs)[0]
+    return out._replace(**{out._fields[0]: op_support.on_empty([out[0]], model_outputs)[0]})
 
 
 def grpo_family_loss(spec: GRPOLossSpec, inputs: GRPOInputs) -> GRPOLossOutput:
@@ -192,7 +192,7 @@ def _loss_op(name: str, schema: str, run, fake, v_index: int):
     def impl(*args):
         with torch.no_grad():
             out = run(*args)
-        return C.fresh(out, [a for a in args if isinstance(a, torch.Tensor)])
+        return op_support.fresh(out, [a for a in args if isinstance(a, torch.Tensor)])
 
     op = torch.library.custom_op(f"flowrl::{name}", impl, mutates_args=(), schema=f"({schema}) -> Tensor[]")
     op.register_fake(fake)
@@ -201,7 +201,7 @@ def _loss_op(name: str, schema: str, run, fake, v_index: int):
         def forward(v):
             return run(*args[:v_index], v, *args[v_index + 1:])[:1]
 
-        return C.grads_by_replay(forward, [args[v_index]], [True], [grad])[0]
+        return op_support.grads_by_replay(forward, [args[v_index]], [True], [grad])[0]
 
     backward_op = torch.library.custom_op(f"flowrl::{name}_backward", backward_impl, mutates_args=(),
                                           schema=f"(Tensor grad, {schema}) -> Tensor")
@@ -229,7 +229,7 @@ def _loss_op(name: str, schema: str, run, fake, v_index: int):
 
 
 def _or_absent(fields, like):
-    return [C.absent(like) if t is None else t for t in fields]
+    return [op_support.absent(like) if t is None else t for t in fields]
 
 
 def _dtype(backend, *tensors):

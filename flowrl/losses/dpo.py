@@ -90,7 +90,7 @@ def dpo_loss(
     ``noise_seed`` (with ``noise=None``; exactly one of the two): eps drawn from Philox4x32-10 inside the
     element passes (forward and backward), never stored. One Philox stream per pair, shared by its two
     samples: an int in [0, 2**63) keys every pair, pair p on stream p; an integer tensor [P] gives pair p
-    its own seed (stream 0). The values are ``flowrl.reference.philox_normal``'s (sde_step's noise_seed
+    its own seed (stream 0). The values are ``flowrl.backends.reference.philox_normal``'s (sde_step's noise_seed
     stream layout), float32; the torch backend draws the same ones (docs/losses.md).
     """
     V.check_sample(model_output, "model_output")
@@ -119,7 +119,7 @@ def dpo_noise(noise_seed: Union[int, torch.Tensor], like: torch.Tensor, *, pair_
               shard: Optional[ShardContext] = None) -> torch.Tensor:
     """The eps ``dpo_loss(..., noise_seed=noise_seed, pair_layout=pair_layout)`` draws, float32 in
     ``like``'s shape (a pair's two samples equal), to form the model's input x_t = (1 - sigma) x0 +
-    sigma eps. The torch backend's draw (flowrl.reference.philox_normal); the Triton kernels' normals
+    sigma eps. The torch backend's draw (flowrl.backends.reference.philox_normal); the Triton kernels' normals
     equal it to an ulp or so (docs/losses.md)."""
     V.check_sample(like, "like")
     batch = like.shape[0]
@@ -245,7 +245,7 @@ def dgpo_loss(
     element passes, as ``sde_step``'s ``noise_seed``: an int in [0, 2**63) (sample b on stream b: every
     sample its own noise) or an integer tensor [B] of per-sample seeds (stream 0: samples with equal seeds
     draw the same noise; DGPO's shared noise per group: ``group_seeds[group_index]``). The torch backend
-    draws the same float32 values (``flowrl.reference.philox_normal``; docs/losses.md).
+    draws the same float32 values (``flowrl.backends.reference.philox_normal``; docs/losses.md).
     """
     V.check_sample(model_output, "model_output")
     batch = model_output.shape[0]

@@ -5,7 +5,7 @@ Each rank passes its shard: a contiguous range of every sample's *flattened* ele
 order (e.g. ``[B, S / world, C]`` of ``[B, S, C]``, the token sequence split on S). The log-prob is a
 reduction over the whole sample, so the ranks exchange the contract's fixed-size chunk partials (an
 all-gather of a ``[B, ceil(n_local / CHUNK_SIZE)]`` float32 tensor), concatenate them in rank order
-and combine them exactly as a single device does (``flowrl.reference.finalize``). When every rank's
+and combine them exactly as a single device does (``flowrl.backends.reference.finalize``). When every rank's
 per-sample shard except the last is a multiple of ``CHUNK_SIZE`` (1024) elements, the partials are
 the single-device partials and the result is identical bit for bit; otherwise a chunk straddles two
 ranks, it is summed as two partials, and the result agrees to float32 rounding only.
@@ -147,7 +147,7 @@ def shard_layout(sample: torch.Tensor, group=None, shard_numels: Optional[Sequen
 
 
 def _with_group(op, note: Optional[str] = None):
-    """``op`` (a ``flowrl.functional`` op, or a loss of ``flowrl.losses``) on this rank's shards: the same
+    """``op`` (a ``flowrl.ops.functional`` op, or a loss of ``flowrl.losses``) on this rank's shards: the same
     arguments, less ``shard``, plus ``group`` (the process group; None: the default group) and
     ``shard_numels`` (every rank's elements per sample, when known: skips their exchange). The layout
     comes from op's first argument (a tensor of the sample's shape: ``sample``, ``noised_sample`` or

@@ -1,9 +1,9 @@
 """The public functional API: ``sde_step``, ``step_log_prob``, ``step_kl``.
 
 Each op declares its arguments once, here, builds one validated, immutable ``StepSpec`` from them
-(``flowrl.step_spec``), picks a backend from the table in ``flowrl._dispatch``, and calls that
+(``flowrl.core.step_spec``), picks a backend from the table in ``flowrl.backends._dispatch``, and calls that
 backend's op with the spec and the tensors. ``flowrl.distributed`` wraps these ops (adding ``group``).
-The math lives in the backends (``flowrl.reference`` and the Triton kernels), never here.
+The math lives in the backends (``flowrl.backends.reference`` and the Triton kernels), never here.
 """
 from __future__ import annotations
 

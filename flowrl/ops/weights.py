@@ -5,7 +5,7 @@
 loss)``, float32 tensors shaped like ``step_index`` (0-d for an int): multiply ``log_prob -
 old_log_prob`` by ``log_ratio`` before the exponential, and the per-sample clipped loss by ``loss``.
 ``std`` is the step's std and ``c`` the coefficient of the model output in its mean (``mu = a x + c v``),
-both from ``flowrl.reference.mode_coefficients`` (the contract's formulas, computed in float64 from the
+both from ``flowrl.backends.reference.mode_coefficients`` (the contract's formulas, computed in float64 from the
 float32 table), ``D = sigma - sigma'``:
 
 - ``"grpo_guard"`` (GRPO-Guard, arXiv 2510.22319; verl-omni ``GRPOGuardLoss`` in

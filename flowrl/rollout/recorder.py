@@ -1,6 +1,6 @@
 """Record RL rollouts from an unmodified denoising loop, with the scheduler the pipeline already has.
 
-    from flowrl.recorder import rollout
+    from flowrl.rollout.recorder import rollout
 
     with rollout(pipe.scheduler, mode="sde", noise_level=0.7) as rec:   # diffusers' or flowrl's scheduler
         pipe(...)
@@ -91,7 +91,7 @@ def check_scheduler(scheduler, mode: Optional[str] = None, noise_level: Optional
         )
     if mode is not None and Mode.parse("mode", mode).rules.schedule is not Schedule.SIGMAS:
         raise ValueError("mode='ddim' steps an alpha-bar (DDPM) schedule, not this scheduler's sigma table: record it "
-                         "with flowrl.DDIMScheduler(...).rollout() (or flowrl.ddim.DDIMRolloutRecorder)")
+                         "with flowrl.DDIMScheduler(...).rollout() (or flowrl.rollout.ddim.DDIMRolloutRecorder)")
     config = scheduler.config
     if config.get("stochastic_sampling", False) and (mode != "cps" or noise_level != 1 or sde_steps is not None):
         raise ValueError(
@@ -226,11 +226,11 @@ class RolloutRecorder:
 
     ``model``: the module whose calls to record (e.g. ``pipe.transformer``), or a tuple/list of modules
     (Wan 2.2 A14B's two experts; ``traj.model_indices(j)`` says which each call went to): the denoising environment,
-    ``traj.model_inputs(j)`` / ``traj.step_model_output(j, out)`` (``flowrl.denoising_env``);
+    ``traj.model_inputs(j)`` / ``traj.step_model_output(j, out)`` (``flowrl.data.denoising_env``);
     ``env_device``: where to keep its tensors (e.g. ``"cpu"``; None: where they were);
     ``output_transform``: callable(list of the step's call outputs) -> model_output, for pipelines whose
     transform the recorder cannot detect. ``debug``: True or a file path keeps each step's mean, std,
-    noise and model output (``traj.debug_tensors``, ``flowrl.debug``). With several streams, the
+    noise and model output (``traj.debug_tensors``, ``flowrl.data.debug``). With several streams, the
     environment's output transform and the debug tensors are stream 0's.
 
     ``solver_order`` (mode='dpm_sde' only; 1 or 2, default 2): at 2 the recorder keeps each step's data
@@ -302,7 +302,7 @@ class RolloutRecorder:
         self.sde_steps = _index_set("sde_steps", sde_steps)
         self.return_step_indices = _index_set("return_step_indices", return_step_indices)
         self._streams: List[_Stream] = []
-        # the denoising environment and debug tensors (flowrl.denoising_env, flowrl.debug): checked here,
+        # the denoising environment and debug tensors (flowrl.data.denoising_env, flowrl.data.debug): checked here,
         # created per rollout in __enter__
         self._env_options = check_env_options(model, env_device, output_transform, debug)
         self.store = check_store(store)  # where the recorded tensors go (flowrl.data.trajectory_store)
@@ -372,8 +372,8 @@ class RolloutRecorder:
                                     "recomputes its own log-prob exactly")
         return self._keys[i]
 
-    # ------------------------------------------------------- what a scheduler family changes (flowrl.ddim)
-    # A recorder for another scheduler family (flowrl.ddim.DDIMRolloutRecorder) overrides these, and
+    # ------------------------------------------------------- what a scheduler family changes (flowrl.rollout.ddim)
+    # A recorder for another scheduler family (flowrl.rollout.ddim.DDIMRolloutRecorder) overrides these, and
     # _step / _start (its step's arguments, its schedule table); the recording itself is shared.
     _check_scheduler = staticmethod(check_scheduler)
 
@@ -515,7 +515,7 @@ class RolloutRecorder:
 
     def _loop_schedule(self, stream: _Stream, sample: torch.Tensor):
         """The loop's schedule table from its first step (a snapshot on the sample's device) and its step
-        count; sets ``stream.begin``. A scheduler family's recorder (flowrl.ddim) overrides this."""
+        count; sets ``stream.begin``. A scheduler family's recorder (flowrl.rollout.ddim) overrides this."""
         sched = stream.scheduler
         if not isinstance(sched.sigmas, torch.Tensor) or sched.sigmas.dtype != torch.float32:
             got = sched.sigmas.dtype if isinstance(sched.sigmas, torch.Tensor) else type(sched.sigmas).__name__

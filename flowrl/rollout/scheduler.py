@@ -15,8 +15,8 @@ Copied from diffusers' ``diffusers/schedulers/scheduling_flow_match_euler_discre
 diffusers 0.42.1 (setup.cfg's tested upper bound); tests/test_diffusers_mirror.py fails when the
 installed diffusers changes a method this copy mirrors.
 
-The bf16-safe timestep lookup lives in ``flowrl.timestep_lookup``; the rollout recorder, which also
-wraps diffusers' own scheduler, in ``flowrl.recorder`` (``RolloutRecorder`` is re-exported here).
+The bf16-safe timestep lookup lives in ``flowrl.rollout.timestep_lookup``; the rollout recorder, which also
+wraps diffusers' own scheduler, in ``flowrl.rollout.recorder`` (``RolloutRecorder`` is re-exported here).
 """
 from __future__ import annotations
 
@@ -428,7 +428,7 @@ class FlowMatchEulerDiscreteScheduler(
 
         Unlike diffusers' exact float match, a bf16/fp16 timestep resolves to the one entry that rounds to
         it; ``ValueError`` when none does or when several distinct entries do (ambiguous). See
-        ``flowrl.timestep_lookup``."""
+        ``flowrl.rollout.timestep_lookup``."""
         return timestep_lookup.index_for_timestep(
             timestep, self.timesteps if schedule_timesteps is None else schedule_timesteps
         )
