@@ -141,12 +141,7 @@ def grpo_loss(
     Per-token sigmas and frozen masks). Also ``flow_dppo_loss`` (D_s per element, each token's std, over
     the scored elements) and ``grpo_guard_loss`` (``frozen`` only: its std and 1/D are one step's).
     """
-    return _grpo_family(_Variant.GRPO, GRPOCall(
-        sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, clip_range=clip_range,
-        mode=mode, noise_level=noise_level, log_prob_kind=log_prob_kind, reduction=reduction, kl_coef=kl_coef,
-        kl_space=kl_space, ref_model_output=ref_model_output, ref_guidance_scale=ref_guidance_scale,
-        rollout_is_weights=rollout_is_weights, token_sigmas=token_sigmas, frozen=frozen, backend=backend,
-        shard=shard, stream_weights=stream_weights))
+    return _grpo_family(_Variant.GRPO, GRPOCall(**locals()))  # the call as given, by name
 
 
 def grpo_guard_loss(
@@ -192,13 +187,7 @@ def grpo_guard_loss(
     scale = sqrt(mean_n D_k) sqrt(mean_n std_k^2 / D_k), D_s = mean over every element of (mu -
     mu_old)^2 / (2 scale^2), ratio exp((dlogp + D_s) scale), loss / mean_n D_k (docs/losses.md, Joint
     steps)."""
-    return _grpo_family(_Variant.GUARD, GRPOCall(
-        sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, clip_range=clip_range,
-        old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, mode=mode, noise_level=noise_level,
-        log_prob_kind=log_prob_kind, reduction=reduction, kl_coef=kl_coef,
-        kl_space=kl_space, ref_model_output=ref_model_output, ref_guidance_scale=ref_guidance_scale,
-        rollout_is_weights=rollout_is_weights, token_sigmas=token_sigmas, frozen=frozen, backend=backend,
-        shard=shard, stream_weights=stream_weights))
+    return _grpo_family(_Variant.GUARD, GRPOCall(**locals()))  # the call as given, by name
 
 
 def flow_dppo_loss(
@@ -235,13 +224,7 @@ def flow_dppo_loss(
     ``ref_guidance_scale``, ``token_sigmas``, ``frozen``: as ``grpo_loss``'s (D_s then per element with each
     token's std, over the scored elements)."""
     kl_threshold = _check_scalar("kl_threshold", kl_threshold)
-    return _grpo_family(_Variant.DPPO, GRPOCall(
-        sample, model_output, prev_sample, sigmas, step_index, old_log_prob, advantages, kl_threshold=kl_threshold,
-        old_prev_sample_mean=old_prev_sample_mean, noise_seed=noise_seed, mode=mode, noise_level=noise_level,
-        log_prob_kind=log_prob_kind, reduction=reduction, kl_coef=kl_coef,
-        kl_space=kl_space, ref_model_output=ref_model_output, ref_guidance_scale=ref_guidance_scale,
-        rollout_is_weights=rollout_is_weights, token_sigmas=token_sigmas, frozen=frozen, backend=backend,
-        shard=shard, stream_weights=stream_weights))
+    return _grpo_family(_Variant.DPPO, GRPOCall(**locals()))  # the call as given, by name
 
 
 def teacher_kl_loss(
