@@ -30,7 +30,7 @@ from typing import Optional, Tuple
 import torch
 
 MODES = ("sde", "cps", "ddim", "flash_sde", "dpm_sde")
-# flowrl's log_prob= kind that matches each mode's Flow-GRPO (ddim: DDPO; flash_sde: Flash-GRPO; dpm_sde:
+# flowrl's log_prob_kind= that matches each mode's Flow-GRPO (ddim: DDPO; flash_sde: Flash-GRPO; dpm_sde:
 # MixGRPO) log-prob
 LOG_PROB_KIND = {"sde": "gaussian", "cps": "sq_err", "ddim": "gaussian", "flash_sde": "gaussian", "dpm_sde": "gaussian"}
 

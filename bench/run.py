@@ -281,7 +281,7 @@ def _check_cond(case: Case, op: str) -> None:
 
 def _flowrl_cond_fn(case: Case, op: str, backend: str) -> Callable[[], Tuple[torch.Tensor, ...]]:
     common = dict(mode=case.mode, noise_level=noise_level(case.mode), backend=backend, token_sigmas=case.token_sigmas,
-                  frozen=case.frozen, log_prob=case.log_prob_kind)
+                  frozen=case.frozen, log_prob_kind=case.log_prob_kind)
     if op == "rollout_cond":
         def fn():
             out = flowrl.sde_step(case.x, case.v, case.sigmas, STEP_INDEX, noise=case.noise,
