@@ -174,7 +174,9 @@ def test_the_recording_step_takes_flowrls_step_arguments():
     assert ours.replace(parameters=list(ours.parameters.values())[1:]) == STEP_SIGNATURE
 
 
-@pytest.mark.parametrize("diffusers_installed", [True, False], ids=["diffusers", "no-diffusers"])
+# a subprocess each; with diffusers ~5 s (importing it): the full suite's
+@pytest.mark.parametrize("diffusers_installed", [pytest.param(True, marks=pytest.mark.slow), False],
+                         ids=["diffusers", "no-diffusers"])
 def test_the_recorder_imported_alone_drives_both_schedulers(diffusers_installed):
     # a fresh interpreter that imports the recorder first: it records diffusers' scheduler without
     # importing flowrl's copy, and accepts flowrl's copy once that is imported (it registers itself)

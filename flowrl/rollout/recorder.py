@@ -19,16 +19,17 @@ rollout is active (LTX-2's ``audio_scheduler = copy.deepcopy(self.scheduler)``) 
 rollout as another stream, with noise of its own; ``trajectory()`` holds every stream that stepped, and
 its log-prob per step is the joint one (``flowrl.combine_streams``). A copy made outside a rollout, or
 left after it, is a plain scheduler.
+
+The per-stream records, the hooks set on a scheduler instance (and on its copies) and the assembly of the
+streams' records into the trajectory are in ``flowrl.rollout._streams``; this module checks the options
+and records each step.
 """
 from __future__ import annotations
 
-import copy
-import functools
 import inspect
 import warnings
-from dataclasses import replace
 from numbers import Integral
-from typing import Dict, Iterable, List, Optional
+from typing import Iterable, List, Optional
 
 import torch
 
@@ -40,14 +41,10 @@ from ..ops.functional import GeneratorArg, check_stream_weights, combine_streams
 from .step_output import STEP_SIGNATURE as _STEP_SIGNATURE
 from .step_output import FlowMatchEulerDiscreteSchedulerOutput, check_step_timestep
 from .timestep_lookup import index_for_timestep
+from ._streams import Stream, attach, detach, joint_trajectory, stream_trajectory
 from ..data.trajectory import RolloutTrajectory
 from ..data.tree import BranchSpec
 from ..data.trajectory_store import StepStore, check_store
-
-# instance attributes a rollout sets on a recording scheduler (and removes when it ends): the two methods
-# it records through, and the two hooks copy.deepcopy / copy.copy read from an instance (a copy becomes
-# a stream of the rollout instead of a second scheduler sharing the first one's recorder and generator)
-_PATCHED = ("step", "set_timesteps", "__deepcopy__", "__reduce_ex__")
 
 # What a recording step takes (_STEP_SIGNATURE, from step_output): the arguments of diffusers'
 # FlowMatchEulerDiscreteScheduler.step, which flowrl's copy has too (without self).
@@ -133,7 +130,8 @@ def _index_set(name: str, values, upper: Optional[int] = None) -> Optional[List[
         return None
     if isinstance(values, torch.Tensor):
         if values.dtype.is_floating_point or values.dtype == torch.bool or values.dim() > 1:
-            raise TypeError(f"{name} must be a 1-D integer tensor or an iterable of ints; got {values.dtype} {tuple(values.shape)}")
+            raise TypeError(f"{name} must be a 1-D integer tensor or an iterable of ints; got {values.dtype} "
+                            f"{tuple(values.shape)}")
         values = values.tolist()
     elif isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise TypeError(f"{name} must be an iterable of ints or None; got {type(values).__name__}")
@@ -145,56 +143,6 @@ def _index_set(name: str, values, upper: Optional[int] = None) -> Optional[List[
             raise ValueError(f"{name} entries must be in [0, {upper}]; got {int(v)}")
         out.append(int(v))
     return sorted(set(out))
-
-
-def _derive_generator(g: torch.Generator) -> torch.Generator:
-    """A generator for another stream, seeded by one draw from ``g``: deterministic given ``g``, and never
-    the same sequence of numbers as ``g`` (a deep copy of ``g`` would repeat it)."""
-    seed = int(torch.randint(0, 2 ** 62, (1,), generator=g, device=g.device))
-    return torch.Generator(device=g.device).manual_seed(seed)
-
-
-def _derive(generator: GeneratorArg) -> GeneratorArg:
-    if generator is None:
-        return None  # the global RNG: each draw continues it, so streams never repeat each other's numbers
-    if isinstance(generator, torch.Generator):
-        return _derive_generator(generator)
-    return [_derive_generator(g) for g in generator]  # per sample: sample i's stream noise from generator i
-
-
-def _same_object(x):
-    return x
-
-
-class _Stream:
-    """One scheduler recording into a rollout: the one the rollout was opened on (stream 0), or a copy the
-    pipeline made of it while the rollout was active. Holds that loop's schedule snapshot and records."""
-
-    def __init__(self, recorder: "RolloutRecorder", scheduler, index: int, generator, frozen):
-        self.recorder, self.scheduler, self.index = recorder, scheduler, index
-        self.generator = generator
-        self.derive_from_step_generator = index > 0 and generator is None
-        self.derived: Dict[int, GeneratorArg] = {}  # id(step generator) -> this stream's generator
-        self.frozen = frozen  # the user's mask (stream 0 only), as given
-        self.saved: Dict[str, object] = {}
-        self.begin: Optional[int] = None  # schedule index of the loop's first step
-        self.num_steps: Optional[int] = None
-        self.sigmas: Optional[torch.Tensor] = None  # snapshot, float32 on the sample's device
-        self.timesteps: Optional[torch.Tensor] = None
-        self.latents: Dict[int, torch.Tensor] = {}
-        self.log_probs: List[torch.Tensor] = []
-        self.counts: List[torch.Tensor] = []  # scored elements per step (joint rollouts combine with them)
-        self.token_sigmas: List[torch.Tensor] = []
-        self.frozen_full: Optional[torch.Tensor] = None  # the user's mask, validated, dim 0 expanded to B
-        self.last_prev: Optional[torch.Tensor] = None
-        self.last_unscored: Optional[torch.Tensor] = None
-        self.batch: Optional[int] = None
-        self.x0_pred: Optional[torch.Tensor] = None  # dpm_sde order 2: the last step's data prediction
-        self.prev_x0_preds: List[torch.Tensor] = []
-
-    @property
-    def steps_recorded(self) -> int:
-        return len(self.log_probs)
 
 
 class RolloutRecorder:
@@ -288,11 +236,13 @@ class RolloutRecorder:
         V.check_choice("reduction", reduction, V.REDUCTIONS)
         V.check_choice("backend", backend, BACKENDS)
         if generator is not None and not isinstance(generator, (torch.Generator, list, tuple)):
-            raise TypeError(f"generator must be None, a torch.Generator or a list of them; got {type(generator).__name__}")
+            raise TypeError("generator must be None, a torch.Generator or a list of them; got "
+                            f"{type(generator).__name__}")
         if frozen is not None and (not isinstance(frozen, torch.Tensor) or frozen.dtype != torch.bool):
             raise TypeError(
                 "frozen must be a bool tensor broadcastable to the latents (True: a conditioning element the "
-                f"pipeline keeps); got {type(frozen).__name__ if not isinstance(frozen, torch.Tensor) else frozen.dtype}"
+                "pipeline keeps); got "
+                f"{type(frozen).__name__ if not isinstance(frozen, torch.Tensor) else frozen.dtype}"
             )
         self.scheduler = scheduler
         self.mode, self.log_prob_kind, self.reduction, self.backend = mode, log_prob_kind, reduction, backend
@@ -301,7 +251,7 @@ class RolloutRecorder:
         self.solver_order = _solver_order(mode, solver_order)
         self.sde_steps = _index_set("sde_steps", sde_steps)
         self.return_step_indices = _index_set("return_step_indices", return_step_indices)
-        self._streams: List[_Stream] = []
+        self._streams: List[Stream] = []
         # the denoising environment and debug tensors (flowrl.data.denoising_env, flowrl.data.debug): checked here,
         # created per rollout in __enter__
         self._env_options = check_env_options(model, env_device, output_transform, debug)
@@ -320,7 +270,7 @@ class RolloutRecorder:
         self._reset()
 
     def _reset(self) -> None:
-        self._streams = [_Stream(self, self.scheduler, 0, self.generator, self.frozen)]
+        self._streams = [Stream(self, self.scheduler, 0, self.generator, self.frozen)]
         self._tree = self._keys = self._owner_rows = None
 
     # ------------------------------------------------------------------ branching (flowrl.data.tree)
@@ -338,10 +288,11 @@ class RolloutRecorder:
                          or (self.sde_steps is not None and s not in self.sde_steps)]
         if deterministic:
             raise ValueError(f"branch.steps {deterministic} are deterministic steps of this rollout (mode "
-                             f"{self.mode!r}, noise_level {self.noise_level}, sde_steps); a fork there gives equal children")
+                             f"{self.mode!r}, noise_level {self.noise_level}, sde_steps); a fork there gives equal "
+                             "children")
         return branch
 
-    def _start_branch(self, stream: _Stream) -> None:
+    def _start_branch(self, stream: Stream) -> None:
         if self.branch.steps and self.branch.steps[-1] >= stream.num_steps:
             raise ValueError(f"branch.steps entries must be loop steps in [0, {stream.num_steps - 1}] for this "
                              f"{stream.num_steps}-step loop; got {self.branch.steps[-1]}")
@@ -354,7 +305,7 @@ class RolloutRecorder:
             [[first.setdefault((j, int(m)), n) for n, m in enumerate(nodes[:, j].tolist())]
              for j in range(stream.num_steps)], dtype=torch.int64, device=device)
 
-    def _branch_noise_seed(self, stream: _Stream, sample: torch.Tensor, i: int, noise) -> torch.Tensor:
+    def _branch_noise_seed(self, stream: Stream, sample: torch.Tensor, i: int, noise) -> torch.Tensor:
         """Step i's per-row Philox keys; checks that rows under one node received one latent."""
         if noise is not None:
             raise ValueError("branch: this step was given its noise (variance_noise); a branching rollout draws "
@@ -377,7 +328,7 @@ class RolloutRecorder:
     # _step / _start (its step's arguments, its schedule table); the recording itself is shared.
     _check_scheduler = staticmethod(check_scheduler)
 
-    def _scheduler_step_index(self, stream: _Stream) -> Optional[int]:
+    def _scheduler_step_index(self, stream: Stream) -> Optional[int]:
         return stream.scheduler.step_index
 
     def _step_options(self, stochastic: bool) -> dict:
@@ -392,48 +343,11 @@ class RolloutRecorder:
             raise RuntimeError("this scheduler is already recording a rollout; rollouts do not nest")
         self._check_scheduler(sched, self.mode, self.noise_level, self.sde_steps)  # the config may have changed
         self._reset()
-        self._attach(self._streams[0])
+        attach(self, self._streams[0])
         self._host = StepStore(self.store)
         self._env, self._debug = start_env(self._env_options, self._host)
         self._env_result = self._debug_result = None
         return self
-
-    def _attach(self, stream: _Stream) -> None:
-        sched = stream.scheduler
-        # an instance attribute the scheduler already had (another wrapper) comes back on exit
-        stream.saved = {name: sched.__dict__[name] for name in _PATCHED if name in sched.__dict__}
-        original_set_timesteps = sched.set_timesteps
-
-        # functools.wraps keeps the scheduler's signature visible: pipelines inspect step and
-        # set_timesteps (retrieve_timesteps looks for "sigmas", extra-step-kwargs for "generator")
-        @functools.wraps(sched.step)
-        def step(*args, **kwargs):
-            return self._step(stream, *args, **kwargs)
-
-        @functools.wraps(original_set_timesteps)
-        def set_timesteps(*args, **kwargs):
-            self._on_set_timesteps(stream)
-            return original_set_timesteps(*args, **kwargs)
-
-        # copy.deepcopy reads __deepcopy__ from the instance, copy.copy reads __reduce_ex__ from it
-        def __deepcopy__(memo):
-            return self._copy_as_stream(stream, memo)
-
-        def __reduce_ex__(protocol):
-            return _same_object, (self._copy_as_stream(stream, None),)
-
-        step._flowrl_recorder = set_timesteps._flowrl_recorder = self
-        sched.step, sched.set_timesteps = step, set_timesteps
-        sched.__deepcopy__, sched.__reduce_ex__ = __deepcopy__, __reduce_ex__
-
-    def _detach(self, stream: _Stream) -> None:
-        sched = stream.scheduler
-        for name in _PATCHED:
-            if name in stream.saved:
-                setattr(sched, name, stream.saved[name])
-            elif name in sched.__dict__:
-                delattr(sched, name)
-        stream.saved = {}
 
     def __exit__(self, *exc) -> None:
         try:
@@ -442,32 +356,7 @@ class RolloutRecorder:
             self._env_result, self._debug_result = finish_env(env, debug, exc[0] is None)
         finally:
             for stream in self._streams:
-                self._detach(stream)
-
-    def _copy_as_stream(self, source: _Stream, memo: Optional[dict]):
-        """``copy.deepcopy`` (``memo`` a dict) or ``copy.copy`` (``memo`` None) of a recording scheduler: a
-        plain copy of its state, recording as a new stream of this rollout."""
-        if not self.active:
-            raise RuntimeError("a scheduler of a finished rollout still had its copy hooks; this is a flowrl bug")
-        if self.branch is not None:
-            raise RuntimeError("branch: a branching rollout records one stream; the scheduler was copied while it "
-                               "was recording (joint streams and branching are not combined)")
-        if any(s.steps_recorded for s in self._streams):
-            raise RuntimeError(
-                "the scheduler was copied after this rollout recorded steps: a copy joins the rollout as "
-                "another stream only when made before the first step (as LTX-2 copies its scheduler for the audio)"
-            )
-        sched = source.scheduler
-        state = {k: v for k, v in sched.__dict__.items() if k not in _PATCHED}
-        clone = object.__new__(type(sched))
-        if memo is not None:
-            memo[id(sched)] = clone
-            state = copy.deepcopy(state, memo)
-        clone.__dict__.update(state)
-        stream = _Stream(self, clone, len(self._streams), _derive(self.generator), None)
-        self._streams.append(stream)
-        self._attach(stream)
-        return clone
+                detach(stream)
 
     @property
     def active(self) -> bool:
@@ -482,7 +371,7 @@ class RolloutRecorder:
         """Streams that recorded steps so far (the scheduler's own, then copies in creation order)."""
         return max(1, sum(1 for s in self._streams if s.steps_recorded))
 
-    def _on_set_timesteps(self, stream: _Stream) -> None:
+    def _on_set_timesteps(self, stream: Stream) -> None:
         if stream.log_probs:
             raise RuntimeError(
                 "set_timesteps was called after this rollout recorded steps: a rollout records one denoising "
@@ -490,7 +379,7 @@ class RolloutRecorder:
             )
 
     # ------------------------------------------------------------------ the recording step
-    def _step(self, stream: _Stream, *args, **kwargs):
+    def _step(self, stream: Stream, *args, **kwargs):
         try:
             arguments = _STEP_SIGNATURE.bind(*args, **kwargs)
         except TypeError as exc:
@@ -513,7 +402,7 @@ class RolloutRecorder:
         sched._step_index += 1
         return out if given["return_dict"] else (out.prev_sample,)
 
-    def _loop_schedule(self, stream: _Stream, sample: torch.Tensor):
+    def _loop_schedule(self, stream: Stream, sample: torch.Tensor):
         """The loop's schedule table from its first step (a snapshot on the sample's device) and its step
         count; sets ``stream.begin``. A scheduler family's recorder (flowrl.rollout.ddim) overrides this."""
         sched = stream.scheduler
@@ -524,20 +413,23 @@ class RolloutRecorder:
         # the loop runs schedule steps begin .. T-1 (begin > 0: img2img); loop step i is schedule step begin + i
         sigmas = sched.sigmas[stream.begin:].to(device=sample.device, copy=True)
         if sigmas.numel() < 2:
-            raise ValueError(f"the loop starts at the schedule's last sigma (step index {stream.begin}); nothing to sample")
+            raise ValueError(f"the loop starts at the schedule's last sigma (step index {stream.begin}); nothing to "
+                             "sample")
         return V.check_sigmas(sigmas, sample.device), sigmas.numel() - 1
 
-    def _start(self, stream: _Stream, sample: torch.Tensor) -> None:
+    def _start(self, stream: Stream, sample: torch.Tensor) -> None:
         stream.sigmas, stream.num_steps = self._loop_schedule(stream, sample)
         sched = stream.scheduler
         stream.timesteps = sched.timesteps[stream.begin:].to(sample.device, copy=True)
         stream.batch = sample.shape[0]
         t = stream.num_steps
-        for name, values, upper in (("sde_steps", self.sde_steps, t - 1), ("return_step_indices", self.return_step_indices, t)):
+        for name, values, upper in (("sde_steps", self.sde_steps, t - 1),
+                                    ("return_step_indices", self.return_step_indices, t)):
             if values is not None and values and values[-1] > upper:
                 raise ValueError(f"{name} entries must be in [0, {upper}] for this {t}-step loop; got {values[-1]}")
         if isinstance(stream.generator, list) and len(stream.generator) != stream.batch:
-            raise ValueError(f"generator must be a list of B = {stream.batch} generators; got a list of {len(stream.generator)}")
+            raise ValueError(f"generator must be a list of B = {stream.batch} generators; got a list of "
+                             f"{len(stream.generator)}")
         if stream.frozen is not None:
             frozen = V.check_frozen(stream.frozen.to(sample.device), sample, name="frozen")
             if frozen.shape[0] != 1 and frozen.shape[0] != stream.batch:
@@ -549,41 +441,7 @@ class RolloutRecorder:
     def _keep(self, loop_step: int) -> bool:
         return self.return_step_indices is None or loop_step in self.return_step_indices
 
-    def _stream_generator(self, stream: _Stream, step_generator):
-        if stream.generator is not None or not stream.derive_from_step_generator or step_generator is None:
-            return stream.generator if stream.generator is not None else step_generator
-        key = id(step_generator)  # a stream's own noise, derived once from the generator its step receives
-        if key not in stream.derived:
-            gens = step_generator
-            if isinstance(gens, (list, tuple)) and len(gens) == 1:
-                gens = gens[0]
-            stream.derived[key] = _derive(list(gens) if isinstance(gens, (list, tuple)) else gens)
-        return stream.derived[key]
-
-    def _token_sigmas(self, stream: _Stream, per_token_timesteps, sample: torch.Tensor) -> Optional[torch.Tensor]:
-        """Each token's sigma as diffusers' per-token step computes it, ``(per_token_timesteps /
-        num_train_timesteps)[..., None]``, checked to broadcast to the sample."""
-        i = stream.steps_recorded
-        if per_token_timesteps is None:
-            if stream.token_sigmas:
-                raise ValueError(f"per_token_timesteps was given on steps 0..{i - 1} of this rollout but not on step {i}; "
-                                 "a rollout takes it on every step or on none")
-            return None
-        if i and not stream.token_sigmas:
-            raise ValueError(f"per_token_timesteps is given on step {i} but was not on steps 0..{i - 1}; "
-                             "a rollout takes it on every step or on none")
-        if not isinstance(per_token_timesteps, torch.Tensor) or not per_token_timesteps.dtype.is_floating_point:
-            raise TypeError("per_token_timesteps must be a float tensor of timesteps (0 = a conditioning token)")
-        token_sigmas = (per_token_timesteps / stream.scheduler.config.num_train_timesteps)[..., None]
-        token_sigmas = V.check_token_sigmas(token_sigmas.to(torch.float32), sample, name="per_token_timesteps[..., None] / 1000")
-        if stream.token_sigmas and stream.token_sigmas[0].shape[1:] != token_sigmas.shape[1:]:
-            raise ValueError(
-                f"per_token_timesteps changed shape between steps ({tuple(stream.token_sigmas[0].shape[1:-1])} -> "
-                f"{tuple(token_sigmas.shape[1:-1])} after the batch dim); a rollout records one shape"
-            )
-        return token_sigmas
-
-    def _record(self, stream: _Stream, model_output, sample, step_generator, per_token_timesteps):
+    def _record(self, stream: Stream, model_output, sample, step_generator, per_token_timesteps):
         if stream.sigmas is None:
             self._start(stream, sample)
         if self._host.on_host and V.capturing():
@@ -599,7 +457,7 @@ class RolloutRecorder:
                 f"the scheduler is at step index {stream.scheduler.step_index} but the rollout expects "
                 f"{stream.begin + i}: steps were skipped or repeated"
             )
-        token_sigmas = self._token_sigmas(stream, per_token_timesteps, sample)
+        token_sigmas = stream.token_sigmas_for(per_token_timesteps, sample)
         # torch.equal reads a device value (a sync, refused while capturing a CUDA graph): like the value
         # checks, skipped while capturing and inside flowrl.no_value_checks(); the warning is all it gives.
         # Elements the step held (frozen, or at token sigma 0) are not compared: the pipeline may rewrite
@@ -627,12 +485,13 @@ class RolloutRecorder:
         masks = {k: v for k, v in (("token_sigmas", token_sigmas), ("frozen", stream.frozen_full)) if v is not None}
         options = self._step_options(stochastic)
         noise = options.pop("noise", None)  # a step's given eps (ddim's variance_noise)
-        generator = self._stream_generator(stream, step_generator) if stochastic and noise is None else None
+        generator = stream.generator_for(step_generator) if stochastic and noise is None else None
         debug = self._debug if stream.index == 0 else None
         if (debug is not None and noise is None and stochastic and options["mode"] != "ode"
                 and options["noise_level"] != 0):
             noise, generator = debug.draw(sample, generator), None  # the draw sde_step would make
-        prev_x0 = self._second_order_input(stream, sample, model_output, i)
+        # dpm_sde at solver order 2: the previous step's data prediction (the stream keeps it)
+        prev_x0 = stream.second_order_input(sample, model_output, i, self._host) if self.solver_order == 2 else None
         noise_seed = None
         if self.branch is not None and stochastic:
             noise_seed, generator = self._branch_noise_seed(stream, sample, i, noise), None
@@ -672,46 +531,7 @@ class RolloutRecorder:
             stream.latents[i + 1] = self._host.keep(prev_sample)
         return FlowMatchEulerDiscreteSchedulerOutput(prev_sample, log_prob, out.prev_sample_mean, out.std_dev)
 
-    def _second_order_input(self, stream: _Stream, sample, model_output, i: int) -> Optional[torch.Tensor]:
-        """dpm_sde at solver order 2: the data prediction of the previous step (zeros at step 0, which
-        reads none), stored for replay; then keeps this step's ``x - sigma v`` (float32, float64 for a
-        float64 rollout) for the next, as diffusers' DPM solvers keep their model_outputs."""
-        if self.solver_order != 2:
-            return None
-        dtype = torch.float64 if torch.float64 in (sample.dtype, model_output.dtype) else torch.float32
-        x, v = sample.detach().to(dtype), model_output.detach().to(dtype)
-        prev_x0 = torch.zeros_like(x) if stream.x0_pred is None else stream.x0_pred
-        stream.prev_x0_preds.append(self._host.keep(prev_x0))
-        stream.x0_pred = x - stream.sigmas[i].to(dtype) * v
-        return prev_x0
-
     # ------------------------------------------------------------------ the result
-    def _stream_trajectory(self, stream: _Stream, log_probs: torch.Tensor) -> RolloutTrajectory:
-        keys = sorted(stream.latents)
-        dtype = stream.latents[keys[0]].dtype
-        for k in keys[1:]:
-            dtype = torch.promote_types(dtype, stream.latents[k].dtype)  # lossless: a bf16 latent widens exactly
-        latents = torch.stack([stream.latents[k].to(dtype) for k in keys], dim=1)
-        device = self._host.device or stream.sigmas.device
-        return RolloutTrajectory(
-            latents=latents,
-            log_probs=log_probs,
-            timesteps=self._host.to_host(stream.timesteps),
-            sigmas=self._host.to_host(stream.sigmas),
-            latent_step_indices=torch.tensor(keys, dtype=torch.int64, device=device),
-            mode=self.mode,
-            noise_level=self.noise_level,
-            log_prob_kind=self.log_prob_kind,
-            reduction=self.reduction,
-            sde_steps=None if self.sde_steps is None else torch.tensor(self.sde_steps, dtype=torch.int64, device=device),
-            token_sigmas=torch.stack(stream.token_sigmas, dim=1) if stream.token_sigmas else None,
-            frozen=self._host.to_host(stream.frozen_full),
-            prev_x0_preds=torch.stack(stream.prev_x0_preds, dim=1) if stream.prev_x0_preds else None,
-            denoising_env=self._env_result if stream.index == 0 else None,
-            debug_tensors=self._debug_result if stream.index == 0 else None,
-            tree=self._tree if stream.index == 0 else None,
-        )
-
     def trajectory(self) -> RolloutTrajectory:
         """The recorded ``RolloutTrajectory`` (after the loop has run all its steps). With several streams,
         its fields are stream 0's except ``log_probs``, the joint log-prob of every stream per step
@@ -733,22 +553,8 @@ class RolloutRecorder:
                              f"{len(streams)} stream(s); pass one weight per stream (the scheduler's own first, then "
                              "its copies in the order they were made)")
         if len(streams) == 1:
-            return self._stream_trajectory(streams[0], torch.stack(streams[0].log_probs, dim=1))
-        num_steps = {s.num_steps for s in streams}
-        if len(num_steps) != 1:
-            raise RuntimeError(f"the rollout's streams ran different numbers of steps {sorted(num_steps)}; a joint "
-                               "rollout steps every stream once per model call")
-        sums = [torch.stack(s.log_probs, dim=1) for s in streams]
-        counts = [torch.stack(s.counts, dim=1) for s in streams]
-        joint = torch.stack([
-            combine_streams([x[:, j] for x in sums], [c[:, j] for c in counts], self.reduction, self.stream_weights)
-            for j in range(streams[0].num_steps)
-        ], dim=1)
-        per_stream = tuple(
-            replace(self._stream_trajectory(s, x), reduction="sum", counts=c) for s, x, c in zip(streams, sums, counts)
-        )
-        return replace(per_stream[0], log_probs=joint, reduction=self.reduction, counts=None, streams=per_stream,
-                       stream_weights=self.stream_weights)
+            return stream_trajectory(self, streams[0], torch.stack(streams[0].log_probs, dim=1))
+        return joint_trajectory(self, streams)
 
 
 def rollout_signature(recorder_class=None, **defaults) -> inspect.Signature:
