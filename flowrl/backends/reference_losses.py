@@ -63,8 +63,9 @@ def grpo_values(loss: GRPOLossSpec, inputs: GRPOInputs):
             eps = reference.philox_normal(seed, mu.shape[1]).to(dtype)
             old = reference._rows(prev).to(dtype) - reference._col(std) * eps
         # the spec's numel and shard (sequence parallelism: the full sample's count, partials gathered)
-        tr_spec = StepSpec(Op.KL, spec.sigmas, spec.step_index, spec.mode, spec.noise_level, LogProbKind.KL,
-                           Reduction.MEAN, spec.numel, shard=spec.shard)
+        tr_spec = StepSpec(op=Op.KL, sigmas=spec.sigmas, step_index=spec.step_index, mode=spec.mode,
+                           noise_level=spec.noise_level, kind=LogProbKind.KL, reduction=Reduction.MEAN,
+                           numel=spec.numel, shard=spec.shard)
         tr, _ = reference._reduce(tr_spec, mu - old, std)
     return lp, kl, tr
 

@@ -139,8 +139,10 @@ def validate(variant: Variant, call: GRPOCall) -> Tuple[GRPOLossSpec, GRPOInputs
                    old_prev_sample_mean=call.old_prev_sample_mean, old_log_prob=old_log_prob, advantages=advantages,
                    rollout_is_weights=weights)
     trust, seed = _trust(variant, call, sample)
-    step = StepSpec(Op.LOG_PROB, sigmas, idx, mode, eta, parse_log_prob_kind(call.log_prob_kind),
-                    Reduction.parse("reduction", call.reduction), numel, shard=call.shard, **elementwise)
+    step = StepSpec(op=Op.LOG_PROB, sigmas=sigmas, step_index=idx, mode=mode, noise_level=eta,
+                    kind=parse_log_prob_kind(call.log_prob_kind),
+                    reduction=Reduction.parse("reduction", call.reduction),
+                    numel=numel, shard=call.shard, **elementwise)
     inputs = GRPOInputs(sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output=ref_model_output,
                         ref_cond=ref_cond, old_prev_sample_mean=call.old_prev_sample_mean, rollout_is_weights=weights)
     ops = _dispatch.select(call.backend, *(t for t in (sample, model_output, prev_sample, ref_model_output,

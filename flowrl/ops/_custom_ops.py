@@ -71,8 +71,9 @@ def unpack_spec(tensors: Sequence[Optional[torch.Tensor]], ints: Sequence[int], 
             clip_sample_range: Optional[float], out_dtype: Optional[torch.dtype]) -> StepSpec:
     sigmas, step_index, token_sigmas, token_sigmas_next, frozen, seeds = tensors
     op, mode, kind, reduction, numel, source, return_mean, prediction = ints[:8]
-    return StepSpec(Op(op), sigmas, step_index, Mode(mode), noise_level, LogProbKind(kind), Reduction(reduction),
-                    numel, out_dtype=out_dtype, noise_source=NoiseSource(source),
+    return StepSpec(op=Op(op), sigmas=sigmas, step_index=step_index, mode=Mode(mode), noise_level=noise_level,
+                    kind=LogProbKind(kind), reduction=Reduction(reduction), numel=numel, out_dtype=out_dtype,
+                    noise_source=NoiseSource(source),
                     noise_seed=unpack_seed(seeds, ints[8:10]), return_mean=bool(return_mean),
                     prediction=Prediction(prediction), clip_sample_range=clip_sample_range, token_sigmas=token_sigmas,
                     token_sigmas_next=token_sigmas_next, frozen=frozen)

@@ -208,8 +208,9 @@ def sde_step(
         generator = V.check_generator(generator, sample.shape[0])
         # a step deterministic by its arguments draws no noise and advances no generator
         source = NoiseSource.NONE if mode is Mode.ODE or eta == 0 else NoiseSource.TENSOR
-    spec = StepSpec(Op.ROLLOUT, sigmas, idx, mode, eta, kind, reduction, elements_per_sample(sample, shard),
-                    out_dtype=out_dtype, noise_source=source, noise_seed=seed,
+    spec = StepSpec(op=Op.ROLLOUT, sigmas=sigmas, step_index=idx, mode=mode, noise_level=eta, kind=kind,
+                    reduction=reduction, numel=elements_per_sample(sample, shard), out_dtype=out_dtype,
+                    noise_source=source, noise_seed=seed,
                     return_mean=bool(return_prev_sample_mean), shard=shard, **extra, **elementwise)
     # the backend is chosen (and a bad one refused) before any noise is drawn: a drawn noise is float32,
     # so only a given noise tensor enters the choice
@@ -315,8 +316,9 @@ def step_log_prob(
                                                 extra.get("prediction"))
     V.check_batch_tensor("prev_sample", prev_sample, sample)
     return_count = V.check_bool("return_count", return_count)
-    spec = StepSpec(Op.LOG_PROB, sigmas, idx, mode, eta, parse_log_prob_kind(log_prob_kind), Reduction.parse("reduction", reduction),
-                    elements_per_sample(sample, shard), shard=shard, **extra,
+    spec = StepSpec(op=Op.LOG_PROB, sigmas=sigmas, step_index=idx, mode=mode, noise_level=eta,
+                    kind=parse_log_prob_kind(log_prob_kind), reduction=Reduction.parse("reduction", reduction),
+                    numel=elements_per_sample(sample, shard), shard=shard, **extra,
                     **elementwise_inputs(sample, sigmas, token_sigmas, frozen, mode, prev_x0_pred is not None))
     prev = second_order(prev_x0_pred, mode, sample)
     ops = _dispatch.select(backend, sample, model_output, prev_sample, *prev.values())
@@ -361,8 +363,9 @@ def step_kl(
                                                 extra.get("prediction"))
     V.check_batch_tensor("ref_model_output", ref_model_output, sample)
     return_count = V.check_bool("return_count", return_count)
-    spec = StepSpec(Op.KL, sigmas, idx, mode, eta, LogProbKind.KL, Reduction.parse("reduction", reduction),
-                    elements_per_sample(sample, shard), shard=shard, **extra,
+    spec = StepSpec(op=Op.KL, sigmas=sigmas, step_index=idx, mode=mode, noise_level=eta, kind=LogProbKind.KL,
+                    reduction=Reduction.parse("reduction", reduction), numel=elements_per_sample(sample, shard),
+                    shard=shard, **extra,
                     **elementwise_inputs(sample, sigmas, token_sigmas, frozen, mode, prev_x0_pred is not None))
     prev = second_order(prev_x0_pred, mode, sample)
     ops = _dispatch.select(backend, sample, model_output, ref_model_output, *prev.values())
