@@ -35,7 +35,8 @@ from ..core.loss_spec import GRPOInputs, GRPOLossSpec, Variant
 from ..ops import _custom_ops as op_support
 from ._flow import NFTLossOutput, awm_from_args, awm_log_prob_from_args, nft_from_args
 from ._policy import GRPOLossOutput, grpo_from_spec
-from ._preference import DGPOLossOutput, DPOLossOutput, dgpo_from_args, dgpo_references, dpo_from_args
+from ._preference import (DGPOInputs, DGPOLossOutput, DGPOOptions, DPOLossOutput, dgpo_from_args, dgpo_references,
+                          dpo_from_args)
 from ._teacher import teacher_kl
 
 _FIELDS = 14  # GRPOLossOutput's
@@ -215,7 +216,9 @@ def _loss_op(name: str, schema: str, run, fake, v_index: int):
         ctx.mark_non_differentiable(*output[1:])
 
     def backward(ctx, grads):
-        out = [None] * len(ctx.others)
+        # a Tensor?[] argument's (None) gradient in the structure torch.library checks
+        out = [op_support.list_grad(a) if isinstance(a, list) and any(isinstance(t, torch.Tensor) for t in a)
+               else None for a in ctx.others]
         if grads[0] is None or not ctx.needs_input_grad[v_index]:
             return tuple(out)
         args = list(ctx.others)
@@ -379,41 +382,55 @@ def dpo_loss(backend, v, ref, noise, x0, beta, pair_layout, noise_seed=None) -> 
 # flowrl::dgpo_loss -> DGPOLossOutput's 8 fields (empty: None); clip (eps_low, eps_high) or None
 
 
-def _dgpo_run(v, ref, noise, x0, adv, group_index, beta, group_size, old, clip_low, clip_high, clip_dsm, clip_kl,
-              ema_reference, kl_coef, backend, seeds, *layout):
-    clip = None if clip_low is None else (clip_low, clip_high)
-    out = dgpo_from_args(backend, v, ref, noise, x0, adv, group_index, beta, group_size, old, clip, clip_dsm, clip_kl,
-                         ema_reference, kl_coef, noise_seed=_seed(seeds, *layout))
+# flowrl::dgpo_loss carries DGPOInputs but model_output as ``tensors`` and DGPOOptions as ``floats`` [beta,
+# clip_low, clip_high, kl_coef] (a None clip as NaN) and ``ints`` [group_size (0: None), clip_dsm, clip_kl,
+# ema_reference]
+_DGPO_TENSORS = DGPOInputs._fields[1:]
+
+
+def _dgpo_unpack(v, tensors, floats, ints):
+    beta, clip_low, clip_high, kl_coef = floats
+    group_size, clip_dsm, clip_kl, ema_reference = ints
+    options = DGPOOptions(beta, group_size=group_size or None,
+                          clip=None if math.isnan(clip_low) else (clip_low, clip_high), clip_dsm=bool(clip_dsm),
+                          clip_kl=bool(clip_kl), ema_reference=bool(ema_reference), kl_coef=kl_coef)
+    return DGPOInputs(v, **dict(zip(_DGPO_TENSORS, tensors))), options
+
+
+def _dgpo_run(v, tensors, floats, ints, backend, seeds, *layout):
+    inputs, options = _dgpo_unpack(v, tensors, floats, ints)
+    out = dgpo_from_args(backend, inputs, options, noise_seed=_seed(seeds, *layout))
     return _or_absent(out, out.dsm)
 
 
-def _dgpo_fake(v, ref, noise, x0, adv, group_index, beta, group_size, old, clip_low, clip_high, clip_dsm, clip_kl,
-               ema_reference, kl_coef, backend, seeds, *layout):
-    clipped = clip_low is not None
-    first, second = dgpo_references(ref, old, (clip_low, clip_high) if clipped else None, ema_reference)
-    b, dtype = v.shape[0], _dtype(backend, first, v, noise, x0, second)  # the tensors the sums read
-    shapes = [(), (), (b,), (b,), (b,), (b,) if ref is not None else (0,), (b,) if clipped else (0,),
-              () if clipped else (0,)]
+def _dgpo_fake(v, tensors, floats, ints, backend, seeds, *layout):
+    inputs, options = _dgpo_unpack(v, tensors, floats, ints)
+    clipped = options.clip is not None
+    first, second = dgpo_references(inputs.ref_model_output, inputs.old_model_output, options.clip,
+                                    options.ema_reference)
+    b, dtype = v.shape[0], _dtype(backend, first, v, inputs.noise, inputs.clean_sample, second)  # what the sums read
+    shapes = [(), (), (b,), (b,), (b,), (b,) if inputs.ref_model_output is not None else (0,),
+              (b,) if clipped else (0,), () if clipped else (0,)]
     dtypes = [dtype] * 7 + [torch.float32 if clipped else dtype]  # clip_fraction is a bool mean
     return [v.new_empty(shape, dtype=d) for shape, d in zip(shapes, dtypes)]
 
 
-_dgpo_op = _loss_op("dgpo_loss", "Tensor model_output, Tensor? ref_model_output, Tensor? noise, Tensor clean_sample, "
-                    "Tensor advantages, Tensor group_index, float beta, int? group_size, Tensor? old_model_output, "
-                    "float? clip_low, float? clip_high, bool clip_dsm, bool clip_kl, bool ema_reference, "
-                    "float kl_coef, str backend, " + _SEED_SCHEMA, _dgpo_run, _dgpo_fake, 0)
+_dgpo_op = _loss_op("dgpo_loss", "Tensor model_output, Tensor?[] tensors, float[] floats, int[] ints, str backend, "
+                    + _SEED_SCHEMA, _dgpo_run, _dgpo_fake, 0)
 
 
-def dgpo_loss(backend, v, ref, noise, x0, adv, group_index, beta, group_size, old, clip, clip_dsm, clip_kl,
-              ema_reference, kl_coef, noise_seed=None) -> DGPOLossOutput:
-    """``dgpo_from_args``' DGPOLossOutput through ``flowrl::dgpo_loss`` (same arguments; ``backend`` the
-    resolved backend's name; ``noise_seed`` resolved, as ``dgpo_from_args``')."""
-    out = _call(_dgpo_op, _dgpo_fake, 0, v, ref, noise, x0, adv, group_index, float(beta), group_size, old,
-                *(clip if clip is not None else (None, None)), clip_dsm, clip_kl, ema_reference, float(kl_coef),
-                backend, *_seed_args(noise_seed))
-    clipped = clip is not None
-    return DGPOLossOutput(*out[:5], out[5] if ref is not None else None, out[6] if clipped else None,
-                          out[7] if clipped else None)
+def dgpo_loss(backend, inputs: DGPOInputs, options: DGPOOptions, noise_seed=None) -> DGPOLossOutput:
+    """``dgpo_from_args``' DGPOLossOutput through ``flowrl::dgpo_loss`` (``backend`` the resolved backend's
+    name; ``noise_seed`` resolved, as ``dgpo_from_args``')."""
+    clip = options.clip if options.clip is not None else (math.nan, math.nan)
+    floats = [float(options.beta), float(clip[0]), float(clip[1]), float(options.kl_coef)]
+    ints = [options.group_size or 0, int(options.clip_dsm), int(options.clip_kl), int(options.ema_reference)]
+    tensors = [getattr(inputs, name) for name in _DGPO_TENSORS]
+    out = _call(_dgpo_op, _dgpo_fake, 0, inputs.model_output, tensors, floats, ints, backend,
+                *_seed_args(noise_seed))
+    clipped = options.clip is not None
+    return DGPOLossOutput(*out[:5], out[5] if inputs.ref_model_output is not None else None,
+                          out[6] if clipped else None, out[7] if clipped else None)
 
 
 __all__ = ["grpo_family_loss", "nft_loss", "awm_log_prob", "awm_loss", "teacher_kl_loss", "dpo_loss", "dgpo_loss",

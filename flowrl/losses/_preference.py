@@ -6,8 +6,9 @@ written once for both backends. Eager mode calls ``dpo_from_args`` / ``dgpo_from
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from numbers import Integral
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +115,33 @@ def dgpo_noise_seed(noise_seed, like: torch.Tensor, elem_offset: int = 0):
     return seed.seeds, seed.stream_stride, elem_offset, 1, like.shape[0]
 
 
+class DGPOInputs(NamedTuple):
+    """The tensors ``dgpo_loss`` reads, validated (``ref_model_output``, ``noise``, ``old_model_output`` may
+    be None)."""
+
+    model_output: torch.Tensor
+    ref_model_output: Optional[torch.Tensor]
+    noise: Optional[torch.Tensor]
+    clean_sample: torch.Tensor
+    advantages: torch.Tensor
+    group_index: torch.Tensor
+    old_model_output: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class DGPOOptions:
+    """``dgpo_loss``'s options, validated: ``clip`` is (eps_low, eps_high) or None; the rest as the
+    function's arguments."""
+
+    beta: float
+    group_size: Optional[int] = None
+    clip: Optional[Tuple[float, float]] = None
+    clip_dsm: bool = True
+    clip_kl: bool = False
+    ema_reference: bool = False
+    kl_coef: float = 0.0
+
+
 def dgpo_references(ref_model_output, old_model_output, clip, ema_reference):
     """The kernel's references (first, second): the DGPO reference first, the other one (if needed) second."""
     first = old_model_output if ema_reference else ref_model_output
@@ -159,12 +187,12 @@ def _group_sums(term, inverse, counts) -> torch.Tensor:
     return reference.combine_partials(rows)
 
 
-def dgpo_from_args(backend, model_output, ref_model_output, noise, clean_sample, advantages, group_index, beta,
-                   group_size, old_model_output, clip, clip_dsm, clip_kl, ema_reference, kl_coef,
-                   shard=None, noise_seed=None) -> DGPOLossOutput:
-    """``dgpo_loss`` from its validated arguments (``backend``: the argument, or the resolved backend's name;
-    ``clip``: (eps_low, eps_high) or None; ``shard``, ``noise_seed`` (``dgpo_noise_seed``) as
-    ``dpo_from_args``'). The groups are read here (``torch.unique``: a device sync)."""
+def dgpo_from_args(backend, inputs: DGPOInputs, options: DGPOOptions, shard=None, noise_seed=None) -> DGPOLossOutput:
+    """``dgpo_loss`` from its validated inputs and options (``backend``: the argument, or the resolved
+    backend's name; ``shard``, ``noise_seed`` (``dgpo_noise_seed``) as ``dpo_from_args``'). The groups are
+    read here (``torch.unique``: a device sync)."""
+    model_output, ref_model_output, noise, clean_sample, advantages, group_index, old_model_output = inputs
+    clip, ema_reference = options.clip, options.ema_reference
     _, inverse = torch.unique(group_index, return_inverse=True)
     n_groups = int(inverse.max()) + 1
     first, second = dgpo_references(ref_model_output, old_model_output, clip, ema_reference)
@@ -185,24 +213,24 @@ def dgpo_from_args(backend, model_output, ref_model_output, noise, clean_sample,
         ratio = torch.exp(-dsm.detach() + old_dsm)
         should_clip = torch.where(adv > 0, ratio > 1.0 + hi, ratio < 1.0 - lo)
         clip_fraction = should_clip.float().mean()
-        if clip_dsm:
+        if options.clip_dsm:
             dsm = torch.where(should_clip, dsm.detach(), dsm)
     counts = torch.bincount(inverse, minlength=n_groups)
-    size = counts[inverse].to(dsm.dtype) if group_size is None else float(group_size)
+    size = counts[inverse].to(dsm.dtype) if options.group_size is None else float(options.group_size)
     with torch.no_grad():
-        term = adv * beta * (dsm.detach() - ref_dsm) / size
+        term = adv * options.beta * (dsm.detach() - ref_dsm) / size
         weight = torch.sigmoid(_group_sums(term, inverse, counts))[inverse]
     policy_loss = (weight * adv * dsm).mean()
     loss = policy_loss
     if kl is not None:
-        if clip_kl and should_clip is not None:
+        if options.clip_kl and should_clip is not None:
             kl = torch.where(should_clip, kl.detach(), kl)
-        if kl_coef != 0:
-            loss = policy_loss + kl_coef * kl.mean()
+        if options.kl_coef != 0:
+            loss = policy_loss + options.kl_coef * kl.mean()
     return DGPOLossOutput(loss, policy_loss.detach(), dsm.detach(), ref_dsm, weight,
                           None if kl is None else kl.detach(), None if ratio is None else ratio,
                           clip_fraction)
 
 
-__all__ = ["DPOLossOutput", "DGPOLossOutput", "dpo_from_args", "dgpo_from_args", "dgpo_references", "dpo_noise_seed",
+__all__ = ["DPOLossOutput", "DGPOLossOutput", "DGPOInputs", "DGPOOptions", "dpo_from_args", "dgpo_from_args", "dgpo_references", "dpo_noise_seed",
            "dgpo_noise_seed"]

@@ -40,7 +40,8 @@ from ..ops._custom_ops import traced as _traced
 from . import _custom_ops as _ops
 from ._common import _check_no_grad, _check_per_sample, _check_scalar, _flow_backend, check_clip_range
 from ._preference import _preference_sums  # noqa: F401 (tests/test_losses_dpo.py reads it here)
-from ._preference import DGPOLossOutput, DPOLossOutput, dgpo_from_args, dgpo_references, dpo_from_args
+from ._preference import (DGPOInputs, DGPOLossOutput, DGPOOptions, DPOLossOutput, dgpo_from_args, dgpo_references,
+                          dpo_from_args)
 from ._preference import dgpo_noise_seed, dpo_noise_seed
 
 PAIR_LAYOUTS = ("halves", "interleaved")
@@ -278,13 +279,15 @@ def dgpo_loss(
     seed = None
     if noise_seed is not None:
         seed = dgpo_noise_seed(noise_seed, model_output, 0 if shard is None else shard.offset)
-    args = (model_output, ref_model_output, noise, clean_sample, advantages, group_index, beta, group_size,
-            old_model_output, clip, clip_dsm, clip_kl, ema_reference, kl_coef)
+    inputs = DGPOInputs(model_output, ref_model_output, noise, clean_sample, advantages, group_index,
+                        old_model_output=old_model_output)
+    options = DGPOOptions(beta, group_size=group_size, clip=clip, clip_dsm=clip_dsm, clip_kl=clip_kl,
+                          ema_reference=ema_reference, kl_coef=kl_coef)
     if (_traced() and shard is None) or _empty(model_output):  # compiling (one device): flowrl::dgpo_loss; B = 0
         first, second = dgpo_references(ref_model_output, old_model_output, clip, ema_reference)
-        return _ops.dgpo_loss(_flow_backend(backend, first, model_output, noise, clean_sample, second).name, *args,
-                              noise_seed=seed)
-    return dgpo_from_args(backend, *args, shard=shard, noise_seed=seed)
+        name = _flow_backend(backend, first, model_output, noise, clean_sample, second).name
+        return _ops.dgpo_loss(name, inputs, options, noise_seed=seed)
+    return dgpo_from_args(backend, inputs, options, shard=shard, noise_seed=seed)
 
 
 __all__ = ["dpo_loss", "dpo_pairs", "dgpo_loss", "dpo_noise", "dgpo_noise", "DPOLossOutput", "DGPOLossOutput",
