@@ -1,5 +1,7 @@
-"""Triton helpers shared by every flowrl kernel: the modes' coefficients, the mean, and the fixed
-halving-tree reduction. Each piece of math is written here once, so the rollout kernel and the
+"""Triton helpers shared by every flowrl kernel: the modes' coefficients, the mean, the named constexpr
+switches and ddim's math, and (re-exported from their topic modules) the float32 numerics
+(kernels/numerics.py), Philox noise (kernels/philox.py) and the fixed halving-tree reduction
+(kernels/reduce.py). Each piece of math is written once, so the rollout kernel and the
 log-prob recompute kernel run the same instructions (docs/contract.md, Rounding / Reduction order).
 
 Conventions kept by every kernel: loads are upcast to float32 right away (Triton's interpreter
@@ -8,15 +10,24 @@ IEEE round-to-nearest forms (``div_rn`` / ``sqrt_rn``; Triton's plain ``sqrt`` i
 and launchers pass ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA: the
 arithmetic is then the reference's, operation for operation.
 """
-import os
-
 import triton
 import triton.language as tl
 
-from flowrl import contract as _contract
 from flowrl.contract import HALF_LOG_2PI as _HALF_LOG_2PI
 from flowrl.contract import STD_FLOOR as _STD_FLOOR
 from flowrl.contract import LogProbKind, Mode, NoiseSource, Op, Prediction
+
+# Helpers by topic, re-exported here: ``from flowrl.kernels.common import X`` keeps working, and a kernel's
+# jit function resolves them as globals of its own module wherever it imports them from.
+from .numerics import INTERPRETED, bf16_words_to_f32, neg, round_pairs, round_to, to_f32, words_to_f32  # noqa: F401
+from .philox import COS_B0, COS_B1, COS_B2, COS_B3, LOG_P0, LOG_P1, LOG_P2, LOG_P3, LOG_P4, LOG_P5  # noqa: F401
+from .philox import LOG_P6, LOG_P7, LOG_SPLIT, NEG_2_LN2, NEG_2_LN2_M23, PHILOX_M0, PHILOX_M0_ASM  # noqa: F401
+from .philox import PHILOX_M1, PHILOX_M1_ASM, PHILOX_W0, PHILOX_W1, SIN_A0, SIN_A1, SIN_A2, SIN_A3  # noqa: F401
+from .philox import SIN_A4, TWO_POW_M33, U_SCALE, box_muller, box_muller_radius, mul_wide_u32  # noqa: F401
+from .philox import philox4x32_10, philox4x32_10_pair, philox_key, philox_normal_block  # noqa: F401
+from .philox import philox_normal_quads, philox_quad, philox_round, sqrt_rn_nonneg, sqrt_rn_normal  # noqa: F401
+from .reduce import LEAF, LOG2_LEAF, carry_part_leaves, chunk_tree_rows, halving_tree_rows  # noqa: F401
+from .reduce import leaf_sums_rows, part_chunk_partial  # noqa: F401
 
 # Named constexpr switches from flowrl.contract's enums: a @triton.jit function may read a module
 # global only when it is a tl.constexpr (a plain int compiles under the interpreter, not for a GPU).
@@ -40,9 +51,6 @@ OP_KL = tl.constexpr(Op.KL.value)
 NOISE_TENSOR = tl.constexpr(NoiseSource.TENSOR.value)
 NOISE_PHILOX = tl.constexpr(NoiseSource.PHILOX.value)
 NOISE_NONE = tl.constexpr(NoiseSource.NONE.value)
-# Whether @triton.jit makes interpreted functions in this process (TRITON_INTERPRET, read at import
-# like triton.jit itself): round_to's integer bfloat16 rounding is needed only there.
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 HALF_LOG_2PI = tl.constexpr(_HALF_LOG_2PI)
 STD_FLOOR = tl.constexpr(_STD_FLOOR)
 
@@ -191,14 +199,6 @@ def dpm_sde_coefficients(sigmas_ptr, step, SECOND_ORDER: tl.constexpr):
 
 
 @triton.jit
-def neg(x):
-    """-x exactly (IEEE negation, -0.0 for +0.0). Triton 3.6 lowers unary minus to 0 - x: an FADD the
-    consumer cannot absorb (and +0.0 for +0.0), where a multiply by -1.0 becomes LLVM's fneg, which an
-    FFMA or FMUL takes as an operand modifier, free."""
-    return x * -1.0
-
-
-@triton.jit
 def step_mean(a, c, x, v):
     """mu = a * x + c * v in float32 (x, v already upcast)."""
     return a * x + c * v
@@ -276,377 +276,6 @@ def total_grad(grad, std, count, KIND: tl.constexpr, MEAN: tl.constexpr):
     if MEAN:
         coef = tl.div_rn(coef, tl.where(none_scored, 1.0, count))
     return coef
-
-
-@triton.jit
-def halving_tree_rows(t, ROWS: tl.constexpr, WIDTH: tl.constexpr, LOG2_WIDTH: tl.constexpr):
-    """The sums [ROWS] of the rows of a 1-D float32 block of ROWS * WIDTH values (row-major, WIDTH =
-    2**LOG2_WIDTH), each by the fixed halving tree ``t[:h] + t[h:]`` repeated
-    (flowrl.backends.reference._pairwise_sum). Each level sums an axis of length 2, i.e. one IEEE add per
-    output, so the bits do not depend on the compiler's register layout, the kernel it is inlined
-    in, how many rows a program holds, or the launch settings."""
-    t = tl.reshape(t, (ROWS, WIDTH))
-    for level in tl.static_range(LOG2_WIDTH):
-        t = tl.sum(tl.reshape(t, (ROWS, 2, WIDTH >> (level + 1))), axis=1)
-    return tl.sum(t, axis=1)
-
-
-# The contract's leaves (flowrl.contract.LEAF_SIZE): a chunk's runs of consecutive elements summed first.
-LEAF = tl.constexpr(_contract.LEAF_SIZE)
-LOG2_LEAF = tl.constexpr(_contract.LOG2_LEAF_SIZE)
-
-
-@triton.jit
-def chunk_tree_rows(t, ROWS: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr):
-    """The partials [ROWS] of a 1-D float32 block of ROWS chunks of CHUNK values (row-major), each in
-    the contract's chunk order (flowrl.backends.reference._chunk_partials): every leaf of LEAF consecutive
-    values by the halving tree, then the chunk's CHUNK / LEAF leaf sums by the same tree. Each level
-    sums an axis of length 2 (one IEEE add per output), so the bits do not depend on the layout or
-    the launch; a thread's 16-byte load of bfloat16 is one leaf, so the leaves add up in registers
-    and the tree crosses lanes with one value per thread (``halving_tree_rows`` over the chunk would
-    cross them with eight)."""
-    return halving_tree_rows(leaf_sums_rows(t, ROWS, CHUNK), ROWS, CHUNK // LEAF, LOG2_CHUNK - LOG2_LEAF)
-
-
-@triton.jit
-def leaf_sums_rows(t, ROWS: tl.constexpr, WIDTH: tl.constexpr):
-    """The sums [ROWS, WIDTH / LEAF] of each LEAF consecutive values of a 1-D float32 block of ROWS rows of
-    WIDTH values (row-major), each by the halving tree: a chunk tree's first levels
-    (``chunk_tree_rows``)."""
-    t = tl.reshape(t, (ROWS, WIDTH // LEAF, LEAF))
-    for level in tl.static_range(LOG2_LEAF):
-        t = tl.sum(tl.reshape(t, (ROWS, WIDTH // LEAF, 2, LEAF >> (level + 1))), axis=2)
-    return t
-
-
-@triton.jit
-def carry_part_leaves(even, odd, t, part: tl.constexpr, PART: tl.constexpr):
-    """A chunk run in 2 or 4 parts of PART consecutive values (one chunk per program): part ``part``'s
-    leaf sums [PART / LEAF] of ``t`` added into the carried (even, odd), so that ``even + odd`` is the
-    chunk tree's first levels over the parts' leaves Q0 | Q1 (| Q2 | Q3): Q0 + Q1, or (Q0 + Q2) + (Q1 +
-    Q3), element by element (``part_chunk_partial`` finishes the tree)."""
-    leaves = tl.reshape(leaf_sums_rows(t, 1, PART), (PART // LEAF,))
-    if part == 0:
-        even = leaves
-    elif part == 1:
-        odd = leaves
-    elif part % 2 == 0:
-        even = even + leaves
-    else:
-        odd = odd + leaves
-    return even, odd
-
-
-@triton.jit
-def part_chunk_partial(even, odd, PARTS: tl.constexpr, PART: tl.constexpr, LOG2_CHUNK: tl.constexpr):
-    """The chunk's partial [1] from the leaf sums its PARTS parts carried (``carry_part_leaves``): the
-    halving tree within a part after the levels across them, the contract's order
-    (``chunk_tree_rows``), the same bits."""
-    tl.static_assert(PARTS == 2 or PARTS == 4)
-    LOG2_PARTS: tl.constexpr = 1 if PARTS == 2 else 2
-    return halving_tree_rows(even + odd, 1, PART // LEAF, LOG2_CHUNK - LOG2_LEAF - LOG2_PARTS)
-
-
-@triton.jit
-def bf16_words_to_f32(words):
-    """bfloat16 pairs read as uint32 words, as float32 in element order: each half one integer op
-    (low << 16, high & 0xffff0000) where a bfloat16 load's conversion takes 1.5 per value; the same
-    bits. Little-endian: element 2i is word i's low half."""
-    low = (words << 16).to(tl.float32, bitcast=True)
-    high = (words & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return tl.interleave(low, high)
-
-
-@triton.jit
-def to_f32(x):
-    """``x`` as float32. Compiled bfloat16 (two values per 32-bit register as loaded): one integer op
-    per value, ``bf16_words_to_f32``'s (low << 16, high & 0xffff0000) by inline PTX on each register,
-    where Triton's conversion takes 1.5; the same bits (bfloat16 is float32's upper half).
-    Interpreted, and for the other dtypes, the cast."""
-    if INTERPRETED or x.dtype != tl.bfloat16:
-        return x.to(tl.float32)
-    else:
-        return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [x],
-                                         dtype=tl.float32, is_pure=True, pack=2)
-
-
-@triton.jit
-def round_to(x, DTYPE: tl.constexpr):
-    """float32 ``x`` rounded to the storage dtype DTYPE, to nearest even (torch's ``.to``).
-
-    Compiled, the conversion is the hardware's round-to-nearest-even (cvt.rn.bf16.f32 / cvt.rn.f16.f32,
-    one per value; ``round_pairs`` converts a pair at once). Triton's interpreter truncates float32 ->
-    bfloat16, so there (INTERPRETED) bfloat16 is rounded with integer ops first: the same bits for
-    finite values (an overflow carries into the exponent and gives inf, as the hardware does); the
-    integer form costs 3-4 instructions per value, which the compiled kernels do not pay."""
-    if DTYPE == tl.bfloat16:
-        if INTERPRETED:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16) << 16
-            x = bits.to(tl.float32, bitcast=True)
-    return x.to(DTYPE)
-
-
-@triton.jit
-def round_pairs(x, DTYPE: tl.constexpr):
-    """float32 ``x`` (1-D, even length) rounded to 16-bit DTYPE (bfloat16 / float16) to nearest even,
-    as ``round_to``, two values per uint32 word as memory holds them (element 2i in word i's low
-    half). Compiled, one cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32 per word (the PTX ISA's packed
-    conversion: its first source goes to the upper half), where Triton converts each value apart and
-    then packs the halves; interpreted, ``round_to`` on each value."""
-    even, odd = tl.split(tl.reshape(x, (x.shape[0] // 2, 2)))
-    if INTERPRETED:
-        low = round_to(even, DTYPE).to(tl.uint16, bitcast=True).to(tl.uint32)
-        high = round_to(odd, DTYPE).to(tl.uint16, bitcast=True).to(tl.uint32)
-        return low | (high << 16)
-    elif DTYPE == tl.bfloat16:
-        return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd], dtype=tl.uint32,
-                                         is_pure=True, pack=1)
-    else:
-        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd], dtype=tl.uint32,
-                                         is_pure=True, pack=1)
-
-
-@triton.jit
-def words_to_f32(words, DTYPE: tl.constexpr):
-    """16-bit DTYPE pairs held as uint32 words (``round_pairs``' layout), as float32 in element order."""
-    if DTYPE == tl.bfloat16:
-        return bf16_words_to_f32(words)
-    low = (words & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    high = (words >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return tl.interleave(low, high)
-
-
-# ------------------------------------------------------------------------------------ Philox noise
-# In-kernel noise (``sde_step(noise_seed=...)``), stream version ``NOISE_STREAM_VERSION`` 4 (docs/
-# contract.md, Noise): Philox4x32-10 (Salmon et al., SC'11; Random123), the same integer stream as
-# ``flowrl.backends.reference.philox4x32_10`` bit for bit, then Box-Muller in float32 multiplies, adds and
-# fused multiply-adds (tl.fma: one rounding, one FFMA where a multiply and an add take two; the
-# reference rounds its fmas once too), the reference's operations in its order, so the normals are the
-# reference's bits. Layout, shared with the reference (``flowrl.backends.reference.philox_normal``): element e
-# of a flattened sample is lane e % 4 of the call with counter (q low 32 bits, q high 32 bits, stream,
-# 0), q = e // 4; lanes 0, 1 are the Box-Muller pair of the words (x0, x1), lanes 2, 3 that of (x2,
-# x3); even lanes take the cosine, odd lanes the sine. So eps[e] depends only on (key, stream, e),
-# never on the launch. Triton 3.6's interpreter runs tl.fma as a multiply and an add (two roundings;
-# the newest rounds once): under it the normals may differ from the reference's in the last bits.
-PHILOX_M0 = tl.constexpr(0xD2511F53)
-PHILOX_M1 = tl.constexpr(0xCD9E8D57)
-# the rounds' multiplies as PTX (``mul_wide_u32``): outputs (high, low), input the counter word
-PHILOX_M0_ASM, PHILOX_M1_ASM = (
-    tl.constexpr(f"{{ .reg .b64 t; mul.wide.u32 t, $2, {m.value:#x}; mov.b64 {{$1, $0}}, t; }}")
-    for m in (PHILOX_M0, PHILOX_M1))
-PHILOX_W0 = tl.constexpr(0x9E3779B9)
-PHILOX_W1 = tl.constexpr(0xBB67AE85)
-TWO_POW_M33 = tl.constexpr(1.1641532182693481e-10)  # exact
-U_SCALE = tl.constexpr(_contract.U_SCALE)
-NEG_2_LN2 = tl.constexpr(_contract.NEG_2_LN2)
-NEG_2_LN2_M23 = tl.constexpr(_contract.NEG_2_LN2_M23)
-LOG_SPLIT = tl.constexpr(_contract.LOG_SPLIT)
-LOG_P0 = tl.constexpr(_contract.LOG_P0)
-LOG_P1 = tl.constexpr(_contract.LOG_P1)
-LOG_P2 = tl.constexpr(_contract.LOG_P2)
-LOG_P3 = tl.constexpr(_contract.LOG_P3)
-LOG_P4 = tl.constexpr(_contract.LOG_P4)
-LOG_P5 = tl.constexpr(_contract.LOG_P5)
-LOG_P6 = tl.constexpr(_contract.LOG_P6)
-LOG_P7 = tl.constexpr(_contract.LOG_P7)
-SIN_A0 = tl.constexpr(_contract.SIN_A0)
-SIN_A1 = tl.constexpr(_contract.SIN_A1)
-SIN_A2 = tl.constexpr(_contract.SIN_A2)
-SIN_A3 = tl.constexpr(_contract.SIN_A3)
-SIN_A4 = tl.constexpr(_contract.SIN_A4)
-COS_B0 = tl.constexpr(_contract.COS_B0)
-COS_B1 = tl.constexpr(_contract.COS_B1)
-COS_B2 = tl.constexpr(_contract.COS_B2)
-COS_B3 = tl.constexpr(_contract.COS_B3)
-
-
-@triton.jit
-def philox_round(c0, c1, c2, c3, k0, k1):
-    """One Philox4x32 round: two 32x32 -> 64-bit multiplies (``mul_wide_u32``: one IMAD.WIDE.U32
-    each, where umulhi and a low multiply take two)."""
-    hi0, lo0 = mul_wide_u32(c0, PHILOX_M0, PHILOX_M0_ASM)
-    hi1, lo1 = mul_wide_u32(c2, PHILOX_M1, PHILOX_M1_ASM)
-    return hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-
-
-@triton.jit
-def mul_wide_u32(x, M: tl.constexpr, ASM: tl.constexpr):
-    """(high, low) uint32 words of the 64-bit product of uint32 ``x`` and the constant M. Compiled, one
-    PTX mul.wide.u32 (``ASM``: its text for M): from the product of zero-extended words LLVM kept the
-    first two rounds in 64-bit multiplies (their inputs are known to fit in 32 bits) and ptxas added
-    their zero high words, 32 SASS more per 8 quads; interpreted, that product."""
-    if INTERPRETED:
-        p = x.to(tl.uint64) * M
-        return (p >> 32).to(tl.uint32), p.to(tl.uint32)
-    else:
-        return tl.inline_asm_elementwise(ASM, "=r,=r,r", [x], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
-
-
-@triton.jit
-def philox4x32_10(c0, c1, c2, c3, k0, k1):
-    """Philox4x32-10 of the uint32 counter (c0, c1, c2, c3) under the uint32 key (k0, k1): ten
-    rounds, the key bumped by the Weyl constants between rounds."""
-    for round_ in tl.static_range(10):
-        if round_ > 0:
-            k0 = k0 + PHILOX_W0
-            k1 = k1 + PHILOX_W1
-        c0, c1, c2, c3 = philox_round(c0, c1, c2, c3, k0, k1)
-    return c0, c1, c2, c3
-
-
-@triton.jit
-def philox4x32_10_pair(a0, a1, a2, a3, b0, b1, b2, b3, k0, k1):
-    """``philox4x32_10`` of two counters under one key, round by round (the unaligned path's first two
-    quads; the same instructions as two calls)."""
-    for round_ in tl.static_range(10):
-        if round_ > 0:
-            k0 = k0 + PHILOX_W0
-            k1 = k1 + PHILOX_W1
-        a0, a1, a2, a3 = philox_round(a0, a1, a2, a3, k0, k1)
-        b0, b1, b2, b3 = philox_round(b0, b1, b2, b3, k0, k1)
-    return a0, a1, a2, a3, b0, b1, b2, b3
-
-
-@triton.jit
-def philox_key(seed):
-    """(k0, k1): the low and high 32-bit words of an int64 seed's two's-complement bits."""
-    bits = seed.to(tl.uint64, bitcast=True)
-    return bits.to(tl.uint32), (bits >> 32).to(tl.uint32)
-
-
-@triton.jit
-def sqrt_rn_normal(x):
-    """The correctly rounded float32 square root of a normal finite x >= 2**-100: sqrt_rn's fast path
-    without its range check and branch to the slow path (zeros, subnormals, infinities, NaN), 5
-    instructions of its ~16: y ~ 1 / sqrt(x), s = x y, then s + (x - s^2) y / 2 by exact fmas. On the
-    GPU these are sqrt.rn's own instructions (MUFU.RSQ, two FMUL, two FFMA: IEEE-rounded); in the
-    interpreter y = 1 / sqrt(x) is rounded twice, and the step still rounds every float32 in [1, 4)
-    correctly (checked exhaustively; scaling x by 4 scales every step by 2, so every x in range).
-    Triton 3.6's interpreter does not fuse tl.fma (an ulp off there, now and then)."""
-    y = tl.math.rsqrt(x)
-    s = x * y
-    return tl.fma(tl.fma(neg(s), s, x), y * 0.5, s)
-
-
-@triton.jit
-def sqrt_rn_nonneg(x):
-    """The correctly rounded float32 square root of a finite x >= 0 (zero and subnormals included),
-    without tl.sqrt_rn's call to its slow path: below 2**-100 x is scaled by 2**100 first and the root
-    by 2**-50 after (exact powers of two), zero gives zero; the rest is ``sqrt_rn_normal``. A per-sample
-    coefficient's square root: the call's register saving made ptxas spill (cps, 4-8 bytes, triton 3.9)."""
-    small = x < 7.888609052210118e-31  # 2**-100
-    r = sqrt_rn_normal(tl.where(small, tl.maximum(x * 1.2676506002282294e30, 7.888609052210118e-31), x))
-    r = tl.where(small, r * 8.881784197001252e-16, r)  # 2**100, 2**-50
-    return tl.where(x == 0.0, 0.0, r)
-
-
-@triton.jit
-def box_muller_radius(x_radius):
-    """sqrt(-2 ln u) in float32 for u in (0, 1) of a uint32 word, as flowrl.backends.reference.box_muller_radius
-    computes it: u = fma(x, U_SCALE, 2**-33) in [2**-33, 1 - 2**-24], u = 2**e (1 + f) with 1 + f in
-    [sqrt(1/2), sqrt(2)) split from u's bits (e * 2**23 by a mask, no shift), -2 ln u = fma(f, P(f),
-    e NEG_2_LN2) (flowrl.contract's polynomial, Horner by fmas; at least 1.19e-7 since u < 1), then the
-    correctly rounded square root (``sqrt_rn_normal``)."""
-    u = tl.fma(x_radius.to(tl.float32), U_SCALE, TWO_POW_M33)
-    bits = u.to(tl.int32, bitcast=True)
-    e_bits = (bits - LOG_SPLIT) & -8388608  # 0xFF800000: e * 2**23, e = floor((bits - LOG_SPLIT) / 2**23)
-    f = (bits - e_bits).to(tl.float32, bitcast=True) - 1.0
-    p = tl.fma(f, LOG_P7, LOG_P6)
-    p = tl.fma(f, p, LOG_P5)
-    p = tl.fma(f, p, LOG_P4)
-    p = tl.fma(f, p, LOG_P3)
-    p = tl.fma(f, p, LOG_P2)
-    p = tl.fma(f, p, LOG_P1)
-    p = tl.fma(f, p, LOG_P0)
-    return sqrt_rn_normal(tl.fma(f, p, e_bits.to(tl.float32) * NEG_2_LN2_M23))
-
-
-@triton.jit
-def box_muller(x_radius, x_angle):
-    """Two standard normals (r cos(theta), r sin(theta)) in float32 from two uint32 words, as
-    flowrl.backends.reference.box_muller computes them: r = ``box_muller_radius(x_radius)``, negated when bit 31
-    of x_angle is set (theta + pi: an xor into the sign bit); t = m - 3 in [-1, 1) for the float m in
-    [2, 4) whose mantissa is x_angle's low 23 bits; phi = pi t / 2 with sine t S(t^2) and cosine 1 +
-    t^2 C(t^2) (flowrl.contract's polynomials, Horner by fmas). theta takes 2**24 equally spaced values
-    over the circle."""
-    r = box_muller_radius(x_radius)
-    r = (r.to(tl.uint32, bitcast=True) ^ (x_angle & 0x80000000)).to(tl.float32, bitcast=True)
-    t = ((x_angle & 0x007FFFFF) | 0x40000000).to(tl.float32, bitcast=True) - 3.0  # exact
-    t2 = t * t
-    sin_p = t * tl.fma(t2, tl.fma(t2, tl.fma(t2, tl.fma(t2, SIN_A4, SIN_A3), SIN_A2), SIN_A1), SIN_A0)
-    cos_p = tl.fma(t2, tl.fma(t2, tl.fma(t2, tl.fma(t2, COS_B3, COS_B2), COS_B1), COS_B0), 1.0)
-    return r * cos_p, r * sin_p
-
-
-@triton.jit
-def philox_quad(k0, k1, stream, quad):
-    """The four uint32 words that feed elements 4 * quad + (0, 1, 2, 3) (uint32 ``quad`` and
-    ``stream``): counter (quad low word, quad high word, stream, 0), the high word 0 (the kernels draw
-    elements below 2**32: flowrl.backends._triton_ops.check_philox_range), so the first two rounds' key
-    and stream terms are per program, not per quad."""
-    zero = quad * 0
-    return philox4x32_10(quad, zero, zero + stream, zero, k0, k1)
-
-
-@triton.jit
-def philox_normal_quads(k0, k1, stream, quad):
-    """The four normals of elements 4 * quad + (0, 1, 2, 3), from one Philox call each quad."""
-    x0, x1, x2, x3 = philox_quad(k0, k1, stream, quad)
-    n0, n1 = box_muller(x0, x1)
-    n2, n3 = box_muller(x2, x3)
-    return n0, n1, n2, n3
-
-
-@triton.jit
-def philox_normal_block(k0, k1, stream, first, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
-    """Normals of elements first + arange(BLOCK) (int64 ``first``, first + BLOCK <= 2**32: the quads
-    are uint32, ``philox_quad``; BLOCK a power of two >= 8). ALIGNED
-    (first % 4 == 0): one Philox call per 4 elements, interleaved back to element order; otherwise 3
-    calls per 8 elements, each element picking its lane (any first; the same values: same integers,
-    same float32 operations)."""
-    if ALIGNED:
-        # a thread computes whole octets (quads 2g, 2g + 1: elements 8g .. 8g + 7), as the latents'
-        # 16-byte loads hold them, and each join adds an in-register dimension, so the interleave to
-        # element order moves no data (from a 1-D arange of quads, or a 2-D [g, h] one, Triton's
-        # layouts take warp shuffles to interleave)
-        quad = first.to(tl.uint32) // 4 + 2 * tl.arange(0, BLOCK // 8).to(tl.uint32)
-        a0, a1, a2, a3 = philox_normal_quads(k0, k1, stream, quad)
-        b0, b1, b2, b3 = philox_normal_quads(k0, k1, stream, quad + 1)
-        # [g, h, i, j] = lane 2i + j of quad 2g + h: row-major flattening is element 8g + 4h + 2i + j
-        evens = tl.join(tl.join(a0, b0), tl.join(a2, b2))
-        odds = tl.join(tl.join(a1, b1), tl.join(a3, b3))
-        eps = tl.reshape(tl.join(evens, odds), (BLOCK,))
-    else:
-        # octet g holds elements first + 8g + k (k = 0 .. 7): words j = s + k (s = first % 4) of the
-        # three quads from (first + 8g) // 4, whose Box-Muller pairs P0 .. P0 + 4 (P0 = s // 2) cover
-        # them: 3 Philox calls and 5 pairs per 8 elements, then each element picks its lane (a call
-        # and a pair per element before). Selects on the uniform s, no branch.
-        quad = first.to(tl.uint32) // 4 + 2 * tl.arange(0, BLOCK // 8).to(tl.uint32)  # (first + 8 g) // 4
-        shift = first.to(tl.uint32) % 4
-        zero = quad * 0
-        x = philox4x32_10_pair(quad, zero, zero + stream, zero, quad + 1, zero, zero + stream, zero, k0, k1)
-        y0, y1, y2, y3 = philox_quad(k0, k1, stream, quad + 2)
-        upper = shift >= 2  # P0 = 1: the pairs start one later
-        n0, n1 = box_muller(tl.where(upper, x[2], x[0]), tl.where(upper, x[3], x[1]))
-        n2, n3 = box_muller(tl.where(upper, x[4], x[2]), tl.where(upper, x[5], x[3]))
-        n4, n5 = box_muller(tl.where(upper, x[6], x[4]), tl.where(upper, x[7], x[5]))
-        n6, n7 = box_muller(tl.where(upper, y0, x[6]), tl.where(upper, y1, x[7]))
-        n8, n9 = box_muller(tl.where(upper, y2, y0), tl.where(upper, y3, y1))
-        odd = (shift % 2) == 1  # element k is normal d + k of the five pairs, d = s - 2 P0
-        e0 = tl.where(odd, n1, n0)
-        e1 = tl.where(odd, n2, n1)
-        e2 = tl.where(odd, n3, n2)
-        e3 = tl.where(odd, n4, n3)
-        e4 = tl.where(odd, n5, n4)
-        e5 = tl.where(odd, n6, n5)
-        e6 = tl.where(odd, n7, n6)
-        e7 = tl.where(odd, n8, n7)
-        # [g, h, i, j] = element 8g + 4h + 2i + j, as on the aligned path
-        evens = tl.join(tl.join(e0, e4), tl.join(e2, e6))
-        odds = tl.join(tl.join(e1, e5), tl.join(e3, e7))
-        eps = tl.reshape(tl.join(evens, odds), (BLOCK,))
-    return eps
 
 
 # -------------------------------------------------------------------------------------------- ddim

@@ -9,9 +9,9 @@ Launch: the element kernels run a 1-D grid, one program per (sample, block of ``
 CHUNK_SIZE chunks) (any batch size), so every chunk's partial is summed inside one program (no
 atomics, fixed order); ``step_config`` picks (group, num_warps) from the sample's element count,
 the latents' dtypes and alignment and the step (``launch_config``'s one tile, or STEP_LAUNCH_TABLE's
-static tiles with ``step_switches``). Every entry gives the same bits (each chunk's tree is the same;
-tested). The finalize kernel's block
-is the sample's partial count rounded up to a power of two, num_warps = block / 256 in [1, 16].
+static tiles with ``step_switches``; the tables and choosers are flowrl/backends/_launch.py's). Every
+entry gives the same bits (each chunk's tree is the same; tested). The finalize kernel's block is the
+sample's partial count rounded up to a power of two, num_warps = block / 256 in [1, 16].
 Two launches per op call (partials, finalize); three for a rollout drawing torch noise (the randn).
 
 ``spec.gather`` (sequence parallelism) is called on the local partials in forward only: in backward
@@ -36,6 +36,11 @@ from flowrl.kernels.step import finalize_kernel, step_backward_kernel, step_part
 from flowrl.kernels.token import RECORD, TABLE_HEADER, token_table_kernel
 
 from . import reference
+# the launch tables and choosers live in _launch.py; re-exported here (``_triton_ops.X``, kernels/aot.py)
+from ._launch import ELEMENTWISE_CONFIG, LAUNCH_TABLE, MAX_TILE_REGISTERS, SLIM_CONFIG, STEP_LAUNCH_TABLE  # noqa: F401
+from ._launch import TOKEN_TABLE_BLOCK, UNALIGNED_PHILOX_CONFIG, WIDE_CONFIG, division_magic  # noqa: F401
+from ._launch import element_tiles, finalize_warps, launch_config, register_cap, step_switches  # noqa: F401
+from ._launch import tiles_taken, token_run  # noqa: F401
 from ..contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, SIGMA_ONE_TOL, LogProbKind, Mode, NoiseSource, Op, Reduction
 from ..core.step_spec import flat_layout
 
@@ -73,65 +78,6 @@ def _launch(kernel, grid, *args, **kwargs):
         ) from exc
 
 
-def finalize_warps(width: int) -> int:
-    """The finalize kernel's warps for ``width`` partials: 8 values per thread, 1 to 16 warps."""
-    return max(1, min(16, width // 256))
-
-
-# (largest elements per sample, chunks per program, num_warps), first match wins: flowrl.losses' element
-# passes (flowrl/backends/_triton_losses.py), and the step kernels wherever STEP_LAUNCH_TABLE is not
-# taken. One warp per 1,024-element chunk, 32 values per thread (issue 21, the roofline): a thread's
-# values sit 256 elements apart in four runs of 8 (bf16; fp32: 128 apart in eight runs of 4), so the
-# chunk's tree (leaves of 8 first) runs in registers and warp shuffles, with no shared memory and no barrier, and
-# the per-sample coefficients are spread over 32 values per thread instead of 8. The AOT roofline
-# (bf16, sm_90a, triton 3.9) measured the sde log-prob at 71 SASS instructions per element with (4
-# chunks, 16 warps), 25 with (1, 1); (2, 1) as one 64-value tile needs up to 254 registers (the
-# rollout with the mean) and spills at 128. Any entry gives the same bits.
-LAUNCH_TABLE = ((float("inf"), 1, 1),)
-
-# The step kernels' table where tiles are taken (``step_config``): above 4,096 elements per sample a
-# one-warp program holds 4 chunks and runs them as 4 static tiles of one chunk (TILES, a loop-free
-# tl.static_range), so each tile's 32 values per thread stay in registers while the per-sample work
-# (the coefficients' IEEE divisions and square roots with their slow paths, the index math, the
-# per-sample loads) is done once per 4,096 elements. Same bits: each chunk's tree is the same.
-STEP_LAUNCH_TABLE = ((4096, 1, 1), (float("inf"), 4, 1))
-
-# Registers per thread of a multi-tile program (issue 21: <= 128). Unbounded, ptxas hoists the next
-# tiles' loads and needs more registers for no fewer instructions.
-MAX_TILE_REGISTERS = 128
-
-
-# One chunk on four warps, 8 values per thread, for the launches that spill at 32 values per thread
-# (tests/test_compile.py): ddim's float32 rollouts (at (1, 1) 32 bytes spilled on sm_80, and on sm_90a
-# with triton 3.6). The chunk's tree then crosses warps (shared memory); the bits are the same.
-WIDE_CONFIG = (1, 4)
-# Philox from an offset that is not a multiple of 4 (a sequence-parallel shard cut mid-quad: 3 Philox
-# calls and 5 Box-Muller pairs per 8 elements): one chunk on two warps, 16 values per thread, 56-95
-# registers (sm_90a and sm_80, triton 3.6.0 and 3.9.0). At (1, 4) the per-program work weighed 0.54-0.64
-# of copy bandwidth against the target 0.7, at (1, 2) 0.76-0.93; at (1, 1) 167 registers, and under the
-# 128 cap 88-128 bytes spilled.
-UNALIGNED_PHILOX_CONFIG = (1, 2)
-
-
-# Elementwise steps (per-token sigmas, frozen masks) run the ordinary step's configuration since their
-# per-token coefficients come from a pre-pass (kernels/token.py) and are loaded once per run of
-# elements (``token_run``): at (1, 1) they fit in 128 registers on sm_90a without a spill
-# (kernels/aot.py). Three launches spill there and take WIDE_CONFIG instead (``element_config``):
-# one lookup per element (RUN 1) beside Philox noise (the rollout, the loss backward replaying mu_old:
-# 8-400 bytes), float32 latents in the loss pass (16 bytes, triton 3.9 sm_90a, a given mu_old and a
-# mask), and Philox from an unaligned offset (as without the elementwise switches). The backward step
-# kernel does not spill at (1, 1) with any of them.
-ELEMENTWISE_CONFIG = LAUNCH_TABLE[0][1:]
-
-# One chunk on eight warps, 4 values per thread: float32 latents with one lookup per element (RUN 1), where
-# WIDE_CONFIG's 8 values per thread spilled 8 bytes (the GRPO family's pass replaying mu_old from Philox
-# noise, sm_80, triton 3.9). The same bits (each chunk's tree is the same).
-SLIM_CONFIG = (1, 8)
-
-# Tokens per pre-pass program (the pre-pass reads and writes a few words per token).
-TOKEN_TABLE_BLOCK = 256
-
-
 def element_config(spec, n_per_sample: int, unaligned_philox: bool = False, storage=None, run=None):
     """(chunks per program, num_warps) of one-tile element kernels (flowrl.losses' passes; the step
     kernels where ``step_config`` takes no tiles) for ``spec``'s samples of ``n_per_sample`` stored as
@@ -150,39 +96,7 @@ def element_config(spec, n_per_sample: int, unaligned_philox: bool = False, stor
     return launch_config(n_per_sample, unaligned_philox=unaligned_philox)
 
 
-def launch_config(n_per_sample: int, unaligned_philox: bool = False, table=LAUNCH_TABLE):
-    """(chunks per program, num_warps) of the element kernels for samples of ``n_per_sample``
-    (``table``: LAUNCH_TABLE, or STEP_LAUNCH_TABLE for tiled step kernels)."""
-    if unaligned_philox:
-        return UNALIGNED_PHILOX_CONFIG
-    for largest, group, num_warps in table:
-        if n_per_sample <= largest:
-            return group, num_warps
-    raise AssertionError("the launch table ends with an unbounded entry")
-
-
 _TILE_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def tiles_taken(backward: bool, masked_rollout: bool = False, second_order: bool = False, philox: bool = False,
-                philox_mean: bool = False) -> bool:
-    """Whether the step kernels (the backward: ``backward``; a rollout drawing Philox noise: ``philox``)
-    run STEP_LAUNCH_TABLE's multi-tile programs when their latents are 16-bit and 16-byte aligned; the
-    others run LAUNCH_TABLE's one tile. Chosen per specialization from the AOT compile (kernels/aot.py;
-    no spill on sm_90a or sm_80 with triton 3.6.0 or 3.9.0, tests/test_compile.py), the same for every
-    mode. One tile where 4 spilled under the register cap: a masked rollout (``masked_rollout``: the
-    sample size not a multiple of 4,096; with the mean 8-40 bytes), a Philox rollout writing the mean
-    (``philox_mean``, 8-40 bytes) or of dpm_sde's second order (``second_order``, 16-64 bytes), and
-    dpm_sde's second-order gaussian backward (the extra x0_prev stream; the KL's cancels: 40-48 bytes
-    in float16, triton 3.6). The rest take tiles: ddim's log-prob and rollouts since its divisions
-    lost div.rn's per-element slow-path calls (common.div_rn_by_scalar), its KLs since they divide by
-    nothing per element, its Philox rollouts and its backward of the mean and of the clipped KL since
-    their tiles run in four parts behind barriers (kernels/step.py's step_partials_kernel's and
-    step_backward_kernel's PARTS: in one part they spilled 8-672 bytes), the other Philox rollouts since
-    their latents load after the noise, behind a barrier, their Philox counters are uint32 with a zero
-    high word and its multiplies one mul.wide each (125-128 registers, no spill)."""
-    philox_one_tile = philox and (philox_mean or second_order)
-    return not (masked_rollout or philox_one_tile or (second_order and backward))
 
 
 def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = False, unaligned_philox: bool = False,
@@ -209,54 +123,9 @@ def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = Fal
     return element_config(spec, n_per_sample, storage=storage)
 
 
-def element_tiles(group: int, num_warps: int) -> int:
-    """The step kernels' TILES: a program's ``group`` chunks run in static tiles of at most 32 values
-    per thread (one chunk per tile at one warp; one tile at WIDE_CONFIG and ELEMENTWISE_CONFIG)."""
-    return max(1, group * CHUNK_SIZE // (32 * 32 * num_warps))
-
-
-def register_cap(tiles: int, philox_mode: Optional[Mode] = None, latent_bytes: int = 2) -> dict:
-    """The ``maxnreg`` of a step launch (issue 21: <= 128 registers per thread), or none: a multi-tile
-    program's, and that of a rollout over 16-bit latents (``latent_bytes``) drawing Philox noise
-    (``philox_mode``: its mode; unbounded, ptxas took up to 132 with triton 3.6, and none spills at 128)
-    except ddim's one-tile rollout, whose sample clip spills under the cap (96 bytes, triton 3.6).
-    float32 latents' Philox rollouts spill under it (24-112 bytes) and keep theirs (about 150
-    registers). ddim's backward needs none at one tile (its four parts: at most 65 registers)."""
-    if tiles > 1 or (latent_bytes == 2 and philox_mode is not None and philox_mode is not Mode.DDIM):
-        return dict(maxnreg=MAX_TILE_REGISTERS)
-    return {}
-
-
-def step_switches(group: int, num_warps: int, n_per_sample: int, elementwise: bool = False, accessed=(),
-                  philox_mode: Optional[Mode] = None, latent_bytes: int = 2) -> dict:
-    """The step kernels' TILES, EVEN (the sample size a multiple of a one-warp program's block: no
-    masks, bfloat16 read and 16-bit results written as 32-bit words, so every 16-bit tensor in
-    ``accessed`` (the latents the kernel reads or writes; None skipped) must start on 4 bytes; the
-    multi-warp WIDE_CONFIG launches and elementwise steps stay masked, one variant each, as
-    kernels/aot.py compiles them) and register cap (``register_cap``; ``philox_mode``: the mode of a
-    rollout drawing Philox noise, ``latent_bytes``: its latents' element size) of a launch."""
-    tiles = element_tiles(group, num_warps)
-    words = all(t.data_ptr() % 4 == 0 for t in accessed if t is not None and t.element_size() == 2)
-    return dict(TILES=tiles, EVEN=(not elementwise and num_warps == 1 and n_per_sample % (group * CHUNK_SIZE) == 0
-                                   and words),
-                **register_cap(tiles, philox_mode, latent_bytes))
-
-
 # No FMA contraction: the kernels do the reference's roundings, and the rollout and recompute
 # kernels cannot be contracted differently (their log-probs must agree bit for bit).
 _LAUNCH = dict(enable_fp_fusion=False)
-
-
-def token_run(inners, storage=None) -> int:
-    """Consecutive elements that share one per-token lookup in the element kernels (their RUN): the
-    largest power of two dividing every ``inner`` (of the per-token table, of the frozen mask), at most
-    a thread's 16-byte vector of ``storage`` (8 16-bit values; 4 float32 ones, the default), so a run's
-    values sit in one thread's registers."""
-    run = 8 if storage is not None and storage.itemsize == 2 else 4
-    for inner in inners:
-        while inner % run:
-            run //= 2
-    return run
 
 
 def optional_input(name: str, t: Optional[torch.Tensor], placeholder: torch.Tensor,
@@ -368,19 +237,6 @@ def check_philox_range(elem_offset: int, n_per_sample: int) -> None:
                          f"sample's stream; got elem_offset {elem_offset} and {n_per_sample} elements")
 
 
-def division_magic(d: int) -> Tuple[int, int]:
-    """``(m, l)`` for a divisor ``1 <= d < 2**31``: n // d == umulhi(2 n, m) >> l for every 0 <= n <
-    2**31: the loss kernels' sample index from their program id (kernels/step.py's _block_offsets) and
-    the per-token tables' index math (the pre-pass's header, kernels/token.py; common.compact_index).
-    With l = ceil(log2 d) and m = ceil(2**(31 + l) / d) < 2**32, e = m d - 2**(31 + l) lies in [0, d),
-    so n m / 2**(31 + l) = n / d + n e / (d 2**(31 + l)), whose error term is below n / (d 2**31) <
-    1 / d: too small to reach the next integer."""
-    if not 1 <= d < 2**31:
-        raise ValueError(f"division_magic takes a divisor in [1, 2**31); got {d}")
-    l = (d - 1).bit_length()
-    return ((1 << (31 + l)) + d - 1) // d, l
-
-
 def _rows_shape(t: torch.Tensor):
     """(samples, elements per sample) of a latent tensor; ValueError past MAX_SAMPLE_ELEMENTS."""
     b = t.shape[0]
@@ -410,7 +266,8 @@ def _partials(spec, ks: _KernelScalars, x, v, third, prev_out=None, mean_out=Non
         check_philox_range(elem_offset, n)
     rollout = spec.op is Op.ROLLOUT  # its noise and mean are float32
     group, num_warps = step_config(spec, n, (x, v, None if rollout else third, prev_out, ks.prev_x0),
-                                   (third if rollout else None, mean_out), unaligned_philox=philox and elem_offset % 4 != 0,
+                                   (third if rollout else None, mean_out),
+                                   unaligned_philox=philox and elem_offset % 4 != 0,
                                    second_order=ks.prev_x0 is not None, run=ks.switches.get("RUN"),
                                    write_mean=write_mean)
     n_blocks = triton.cdiv(n_chunks, group)
@@ -455,7 +312,8 @@ def _finalize(spec, ks: _KernelScalars, partials: torch.Tensor):
     _launch(
         finalize_kernel, (b,),
         partials_ptr=partials, sigmas_ptr=ks.sigmas, step_ptr=ks.step_index, value_ptr=value, std_ptr=std,
-        count_ptr=count, COUNT_GIVEN=ks.count is not None, **optional_input("log_ptr", log_term, value, switch="HAS_LOG"),
+        count_ptr=count, COUNT_GIVEN=ks.count is not None,
+        **optional_input("log_ptr", log_term, value, switch="HAS_LOG"),
         n_partials=p, numel_f=float(spec.numel), **ks.scalars, MODE=int(spec.mode), KIND=int(spec.kind),
         MEAN=spec.reduction is Reduction.MEAN, WIDTH=width, LOG2_WIDTH=width.bit_length() - 1,
         num_warps=finalize_warps(width), **ks.ddim, last_index=ks.last_index, **_LAUNCH,
