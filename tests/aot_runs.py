@@ -16,6 +16,12 @@ installed triton's sm_80 beyond the spot check (538 of its 701 specializations) 
 demand: ``python -m flowrl.kernels.aot --update-docs docs/kernels.md`` (every specialization, both
 archs, both versions) or ``[PYTHONPATH=.venv/triton-3.6] python -m flowrl.kernels.aot --arch 80``. The compile
 runs niced, so that the suite's one thread keeps a core.
+
+Under pytest-xdist (``-n``) the controller, the one process that lives the whole session, runs the
+compile once (``share``: conftest.py, before the workers start): a worker that collected ``aot``
+tests leaves a file saying so in the shared folder (``FLOWRL_AOT_SHARED``), the controller starts the
+runs when a worker's collection is in, and writes each run's result there; a worker's ``rows`` waits
+for that file. Without it each worker would compile everything itself.
 """
 import atexit
 import json
@@ -26,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +43,8 @@ ARCHS_36 = ("90",)
 # triton's CUDA backend wheels (ptxas, nvdisasm) are Linux x86_64
 CAN_COMPILE = sys.platform == "linux" and platform.machine() == "x86_64"
 TIMEOUT_S = 2400
+
+SHARED = "FLOWRL_AOT_SHARED"  # under pytest-xdist: the folder of the controller's results (share())
 
 _lock = threading.Lock()
 _done = {}  # str(pythonpath) -> threading.Event
@@ -110,9 +119,41 @@ def _stop():
                 shutil.rmtree(tmp, ignore_errors=True)  # the compile's own cache sits under it too
 
 
+def _shared():
+    """The folder the controller's runs write to, in a pytest-xdist session (None outside one)."""
+    folder = os.environ.get(SHARED)
+    return Path(folder) if folder else None
+
+
+def _is_worker():
+    return _shared() is not None and "PYTEST_XDIST_WORKER" in os.environ
+
+
+def _result_file(pythonpath):
+    return _shared() / ("installed.json" if pythonpath is None else "triton36.json")
+
+
+def share():
+    """In the pytest-xdist controller, before its workers start (they inherit the environment): the
+    folder where workers ask for the runs and the controller leaves their results."""
+    if _shared() is None:
+        folder = tempfile.mkdtemp(prefix="flowrl-aot-shared-")
+        os.environ[SHARED] = folder
+        atexit.register(shutil.rmtree, folder, True)
+
+
+def wanted():
+    """Whether a worker of this pytest-xdist session has collected tests that read the runs."""
+    return _shared() is not None and (_shared() / "wanted").exists()
+
+
 def start():
-    """Start the runs one after the other in a background thread (once per session)."""
+    """Start the runs one after the other in a background thread (once per session). In a pytest-xdist
+    worker: only ask the controller to (``wanted``)."""
     global _thread
+    if _is_worker():
+        (_shared() / "wanted").touch()
+        return
     with _lock:
         if _thread is not None:
             return
@@ -123,6 +164,11 @@ def start():
         def work():
             for pythonpath, archs, spot in runs:
                 _results[str(pythonpath)] = _run(pythonpath, archs, spot)
+                if _shared() is not None:  # for the workers: written whole, then renamed into place
+                    part = _result_file(pythonpath).with_suffix(".part")
+                    rc, out, err = _results[str(pythonpath)]
+                    part.write_text(json.dumps(dict(rc=rc, out=out, err=err)))
+                    part.replace(_result_file(pythonpath))
                 _done[str(pythonpath)].set()
 
         atexit.register(_stop)
@@ -135,9 +181,24 @@ def rows(pythonpath=None):
     3.6.0 (``TRITON36``), waiting for it to finish."""
     start()
     key = str(pythonpath)
-    if key not in _done:
+    if key not in {str(p) for p, _, _ in _runs()}:
         raise FileNotFoundError(f"no AOT run for {pythonpath}: triton 3.6.0 is not installed there")
-    _done[key].wait()
-    rc, out, err = _results[key]
+    if _is_worker():  # the controller runs them (share())
+        rc, out, err = _wait_for_controller(pythonpath)
+    else:
+        _done[key].wait()
+        rc, out, err = _results[key]
     assert out.strip(), err[-3000:]
     return rc, json.loads(out.strip().splitlines()[-1])
+
+
+def _wait_for_controller(pythonpath):
+    """(exit status, stdout, stderr) of a run the pytest-xdist controller runs, once its file is there."""
+    path = _result_file(pythonpath)
+    deadline = time.monotonic() + TIMEOUT_S * len(_runs()) + 600  # its run may come after the other
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return None, "", f"the controller's AOT run left no {path.name} in {path.parent}"
+        time.sleep(1)
+    result = json.loads(path.read_text())
+    return result["rc"], result["out"], result["err"]

@@ -29,4 +29,22 @@ def pytest_collection_modifyitems(config, items):
     import aot_runs
 
     if aot_runs.CAN_COMPILE:
+        aot_runs.start()  # in a pytest-xdist worker: asks the controller to (below)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n``), in the controller: the AOT runs are the controller's, once for the
+    session, instead of every worker's (tests/aot_runs.py, ``share``)."""
+    distributed = config.getoption("dist", "no") != "no" and config.getoption("tx", None)  # as xdist decides
+    if distributed and not hasattr(config, "workerinput") and not config.option.collectonly:
+        import aot_runs
+
+        aot_runs.share()
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: in its controller, as each worker's collection is in
+def pytest_xdist_node_collection_finished(node, ids):
+    import aot_runs
+
+    if aot_runs.CAN_COMPILE and aot_runs.wanted():
         aot_runs.start()

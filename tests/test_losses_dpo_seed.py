@@ -1,6 +1,6 @@
 """dpo_loss / dgpo_loss with ``noise_seed``: eps drawn from Philox inside the element passes (kernels/loss.py's
 ``_flow_noise``), never stored. The seeded path equals the tensor path fed the same Philox noise
-(``flowrl.backends.reference_losses.flow_noise``, flowrl.reference.philox_normal's values): bit for bit on
+(``flowrl.backends.reference_losses.flow_noise``, flowrl.backends.reference.philox_normal's values): bit for bit on
 the torch backend and on the Triton backend, forward and backward; Triton equals torch as the tensor path
 does. Also the forward-process kernels' whole-block specialization (EVEN: no masks, bfloat16 read as
 uint32 pairs) against the torch backend, bit for bit, with a tail block and without.
@@ -8,7 +8,8 @@ uint32 pairs) against the torch backend, bit for bit, with a tail block and with
 import pytest
 import torch
 
-from flowrl import _dispatch, losses as L
+from flowrl.backends import _dispatch
+from flowrl import losses as L
 from flowrl.backends import reference, reference_losses
 from flowrl.contract import FlowLoss
 from flowrl.core._validate import NoiseSeed
@@ -18,8 +19,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = torch.cuda.is_available() or _dispatch.interpreter_enabled()
 BACKENDS = ["torch"] + (["triton"] if TRITON else [])
 needs_triton = pytest.mark.skipif(not TRITON, reason="needs the Triton backend")
-# whole chunks (EVEN on the Triton backend) and a partial last chunk
-SHAPES = [(4, 16, 32), (3, 10, 7)]
+# whole chunks (EVEN on the Triton backend) and a partial last chunk. The first, ~2-3 s a Triton case through
+# the interpreter, is the full suite's; the quick loop has whole chunks in test_triton_seeded_is_batch_invariant
+# (seeded) and test_flow_sums_whole_blocks_and_tail_match_torch_bit_for_bit's (2, 32, 32)
+SHAPES = [pytest.param((4, 16, 32), marks=pytest.mark.slow, id="shape0"), (3, 10, 7)]
 
 
 def _inputs(batch, shape, seed=0, dtype=torch.float32):
@@ -36,7 +39,7 @@ def _grad_of(fn, v):
 
 def _same(a, b, msg="", exact=True):
     """Equal fields: bit for bit, or (``exact`` False) to float32 rounding: the Triton kernels' Philox
-    normals equal flowrl.reference.philox_normal's to an ulp or so (log / cos / sin implementations
+    normals equal flowrl.backends.reference.philox_normal's to an ulp or so (log / cos / sin implementations
     differ; tests/test_philox.py)."""
     for field in a._fields:
         x, y = getattr(a, field), getattr(b, field)
@@ -55,7 +58,7 @@ def _same_grad(a, b, exact):
 
 
 def _pair_eps(seed, pairs, shape, layout):
-    """Each pair's noise, from flowrl.reference.philox_normal: an int seed keys every pair, pair p on
+    """Each pair's noise, from flowrl.backends.reference.philox_normal: an int seed keys every pair, pair p on
     stream p; a seed tensor [P] keys each pair, stream 0. Then each sample takes its pair's."""
     if isinstance(seed, int):
         ns = NoiseSeed(torch.full((pairs,), seed, dtype=torch.int64, device=DEVICE), 1, 0)

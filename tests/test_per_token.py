@@ -1,7 +1,7 @@
 """Per-token schedules, frozen-element masks, counts and joint streams (docs/contract.md: Per-token
 schedules; Frozen elements and counts; Joint steps), on both backends (Triton through the interpreter).
 
-The float64 oracle below is written from the contract per element, not from flowrl.reference: each
+The float64 oracle below is written from the contract per element, not from flowrl.backends.reference: each
 element's (sigma, sigma') is its token's, sigma' the largest schedule value strictly below sigma - 1e-6
 (diffusers' FlowMatchEulerDiscreteScheduler.step with per_token_timesteps,
 diffusers/schedulers/scheduling_flow_match_euler_discrete.py), the mode's mean and std come from
@@ -14,14 +14,25 @@ import pytest
 import torch
 
 import flowrl
-from flowrl.contract import CHUNK_SIZE
-from flowrl.step_spec import ShardContext, flat_layout, token_schedule
+from flowrl.contract import CHUNK_SIZE, Mode
+from flowrl.core.step_spec import ShardContext, flat_layout, token_schedule
 
 import oracle
+from mode_coverage import every_mode_but, noise_levels
 
 BACKENDS = ["torch", "triton"]
-MODES = ["ode", "sde", "dance", "cps"]
-ETA = {"ode": 0.0, "sde": 0.7, "dance": 0.5, "cps": 0.6}
+# every mode but these (a new Mode joins MODES: give it its float64 row in tests/oracle.py)
+MODES_ELSEWHERE = {
+    **{m.label: "MODE_RULES refuses token_sigmas= and frozen= for it (tests/test_per_token.py, "
+                "test_ddim_and_second_order_dpm_sde_refuse_token_sigmas_and_frozen)"
+       for m in Mode if not (m.rules.per_token and m.rules.frozen)},
+    "dpm_sde": "tests/oracle.py has no dpm_sde row: its frozen mask only (tests/test_per_token.py, "
+               "test_ddim_and_second_order_dpm_sde_refuse_token_sigmas_and_frozen)",
+    "flash_sde": "tests/oracle.py has no flash_sde row: its pre-pass records against the torch backend's "
+                 "token coefficients (tests/test_per_token_runs.py)",
+}
+MODES = list(every_mode_but(MODES_ELSEWHERE))
+ETA = noise_levels({"ode": 0.0, "sde": 0.7, "dance": 0.5, "cps": 0.6}, MODES)
 F64 = torch.float64
 
 # (storage dtype) -> (rtol, atol) of a value against the float64 oracle (the flash-attention rule is

@@ -125,10 +125,10 @@ def _outputs(x, v, v_ref, noise, ts, fz, step, mode, eta):
     return res
 
 
-_SLOW = pytest.mark.slow  # ~15-20 s each through the interpreter; the quick loop keeps bf16 sde (RUN 8, 4, 2, 1)
+_SLOW = pytest.mark.slow  # ~10-20 s each through the interpreter: the full suite's (the quick loop's longest was bf16 sde)
 
 
-@pytest.mark.parametrize("dtype,mode,eta", [(torch.bfloat16, "sde", 0.7),
+@pytest.mark.parametrize("dtype,mode,eta", [pytest.param(torch.bfloat16, "sde", 0.7, marks=_SLOW),
                                             pytest.param(torch.float32, "sde", 0.7, marks=_SLOW),
                                             pytest.param(torch.bfloat16, "cps", 0.5, marks=_SLOW),
                                             pytest.param(torch.float32, "cps", 0.5, marks=_SLOW)])

@@ -14,7 +14,7 @@ Domain (hypothesis draws every axis independently; ``derandomize=True``, so CI s
     exponential  exp(linspace(log sigma_max, log sigma_min, T))
   with sigma_max in [0.05, 1] (often exactly 1, or just below it: 1 - 1.1e-5, 0.9999, 0.999) and
   sigma_min = sigma_max * 10**-u, u in [1e-3, 4].
-  Only valid schedules are kept (``flowrl._validate.check_sigmas``: strictly decreasing in float32,
+  Only valid schedules are kept (``flowrl.core._validate.check_sigmas``: strictly decreasing in float32,
   sigmas[0] <= 1, sigmas[-1] == 0, sigmas[1] not within 1e-5 of 1).
 - noise_level: exactly 0; subnormal and tiny (5e-324, 1e-45, 1e-38, 1e-23, 2**-40, 1e-12, 1e-6);
   log-uniform over [1e-45, 1e-12] and [1e-12, 0.3]; ordinary [0.3, 1]; large, log-uniform over
@@ -63,7 +63,7 @@ Two float16 limits, both genuine (the exact value is not representable in float1
    wherever its float32 value is below 65520, and +-inf (never NaN) where it is not.
 
 ``test_negative_control`` shows the finiteness check can fail: with the std floor removed
-(``flowrl.reference.STD_FLOOR = 0``), noise_level 1e-23 gives a non-finite log-prob again.
+(``flowrl.backends.reference.STD_FLOOR = 0``), noise_level 1e-23 gives a non-finite log-prob again.
 ``test_kl_sample_grad_float16_tiny_noise``: the exact d step_kl / d sample is 0 (mu - mu_ref does not
 depend on x); in float16 with a tiny noise level it must not come out inf - inf = NaN.
 """
@@ -83,12 +83,21 @@ from hypothesis.errors import InvalidArgument
 from hypothesis import strategies as st
 
 import flowrl
-from flowrl import _dispatch
-from flowrl._validate import check_sigmas
-from flowrl.contract import SIGMA_ONE_TOL
+from flowrl.backends import _dispatch
+from flowrl.core._validate import check_sigmas
+from flowrl.contract import SIGMA_ONE_TOL, Mode
+
+from mode_coverage import every_mode_but
 
 CPU = torch.device("cpu")
-MODES = ("ode", "sde", "dance", "cps")
+# every mode but these, whose finiteness is searched elsewhere (a new Mode joins MODES: give it its
+# float64 coefficients in _coefficients below)
+MODES_ELSEWHERE = {
+    "ddim": "an alpha-bar table, not these flow schedules: its finiteness checks are tests/test_ddim.py's",
+    "dpm_sde": "its own search over these schedule families, both orders: tests/test_dpm_sde.py",
+    "flash_sde": "searched with dpm_sde over these schedule families: tests/test_dpm_sde.py",
+}
+MODES = every_mode_but(MODES_ELSEWHERE)
 KINDS = ("gaussian", "kernel", "sq_err")
 REDUCTIONS = ("mean", "sum")
 TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -98,7 +107,8 @@ FAMILIES = ("shifted", "dynamic", "beta", "karras", "exponential")
 # noise levels from float64 / float32 subnormals to tiny (std around and below the 2**-40 floor)
 TINY_ETAS = (5e-324, 1e-45, 1e-38, 1e-23, 2.0**-40, 1e-12, 1e-6)
 NEAR_ONE = (float(torch.tensor(1 - 1.1e-5)), 0.9999, 0.999)
-ETA_MAX = {"ode": 10.0, "sde": 10.0, "dance": 10.0, "cps": 1.0}
+# the largest noise level drawn: 10, or the mode's MODE_RULES bound below it (cps: 1)
+ETA_MAX = {m: min(10.0, Mode.parse("mode", m).rules.noise_level[1]) for m in MODES}
 
 # float16: largest finite value 65504; float32 values from 65520 up round to inf
 FP16_ROUNDS_TO_INF = 65520.0
@@ -248,8 +258,11 @@ def _coefficients(sigmas: torch.Tensor, i: int, mode: str, eta: float) -> Tuple[
     if mode == "sde":
         sigma_t = table[1] if abs(sigma - 1) <= SIGMA_ONE_TOL else sigma
         s = eta * math.sqrt(sigma / (1 - sigma_t))
-    else:
+    elif mode == "dance":
         s = eta
+    else:
+        raise ValueError(f"_coefficients has no float64 formula for mode {mode!r}: add its row "
+                         "(docs/contract.md, Modes) or name the mode in MODES_ELSEWHERE")
     s2 = s * s
     return 1 - s2 * d / (2 * sigma), -(1 + s2 * (1 - sigma) / (2 * sigma)) * d, s * math.sqrt(d)
 
@@ -519,7 +532,7 @@ def test_negative_control(monkeypatch, dtype):
     float32 to 0 and the log-prob is NaN or inf again (torch backend)."""
     case = regression("torch", "sde", dtype)
     run_case(case)  # passes with the floor
-    monkeypatch.setattr(flowrl.reference, "STD_FLOOR", 0.0)
+    monkeypatch.setattr(flowrl.backends.reference, "STD_FLOOR", 0.0)
     out = flowrl.sde_step(case.x, case.v, case.sigmas, case.step_index, noise=case.noise, mode="sde",
                           noise_level=1e-23, backend="torch")
     assert not bool(torch.isfinite(out.log_prob).all())

@@ -168,6 +168,7 @@ def test_sass_count_drops_padding_and_finds_runtime_loops():
 
 
 @needs_linux_x86
+@pytest.mark.slow  # compiles kernels for sm_90a and disassembles them (the quick loop leaves the compile checks out)
 def test_batched_disassembly_counts_each_kernel_as_its_own_listing(tmp_path):
     """aot.disassemble: kernels disassembled together (one nvdisasm call over their concatenated machine
     code) count as each one's own ELF listing (``nvdisasm -c`` of its cubin, branch targets as labels),
@@ -255,8 +256,9 @@ def test_docs_state_how_many_hot_specializations_meet_their_targets():
 
 
 @needs_linux_x86
+@pytest.mark.slow  # compiles for sm_90a and counts SASS (the quick loop leaves the compile checks out)
 def test_philox_normals_cost_at_most_34_sass_each(tmp_path):
-    """docs/kernels.md ("Fourth round", "Fifth round"): Philox and noise stream 4's Box-Muller alone,
+    """docs/kernels_log.md ("Fourth round", "Fifth round"): Philox and noise stream 4's Box-Muller alone,
     1,024 normals on one warp, compiled for sm_90a with the installed triton, issue at most 34 SASS
     instructions per normal, stores included (1,046 per 1,024 with triton 3.9.0, 1,076 with 3.6.0;
     1,100 / 1,135 before the uint32 counters and one mul.wide per multiply; stream 3 took 1,183 /
