@@ -18,7 +18,7 @@
 #
 # Env: PYTHON (default python3), TOTAL_S (default 480: the whole script's wall-clock budget),
 # BENCH_ARGS (extra arguments for every bench/run.py call), DRY_RUN=1 (no CUDA needed: every phase
-# on the CPU with tiny shapes and a few test files, to check this script itself; tests/test_gpu_check.py).
+# on the CPU with tiny shapes and a few test files, to check this script itself; tests/repo/test_gpu_check.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -44,8 +44,8 @@ say() { echo "$*" | tee -a "$log"; }
 if [ "$dry" = 1 ]; then
   device=cpu
   # all skip without CUDA: the phase's plumbing only
-  first_tests=(tests/test_gpu.py tests/test_losses_distributed.py::test_losses_under_sequence_parallelism_on_nccl)
-  rest_tests=(tests/test_validation.py)
+  first_tests=(tests/kernels/test_gpu.py tests/losses/test_losses_distributed.py::test_losses_under_sequence_parallelism_on_nccl)
+  rest_tests=(tests/ops/test_validation.py)
   target_shapes=1x64x32,1x2x3x8x8
   sweep_shapes=2x64x32
   dry_bench=(--impls flowrl-torch,eager --no-compile --timing-budget 0.02 --threads 1)
@@ -61,7 +61,8 @@ else
   # parallelism (test_losses_distributed: its NCCL variant, one rank per GPU, runs only here).
   first_tests=()
   for f in test_gpu.py test_kernels.py test_philox.py test_capturable.py test_torch_compile.py test_distributed.py test_per_token_distributed.py test_losses_distributed.py; do
-    [ -f "tests/$f" ] && first_tests+=("tests/$f")
+    path=$(find tests -name "$f" -print -quit)  # tests/<layer>/$f
+    [ -n "$path" ] && first_tests+=("$path")
   done
   rest_tests=(tests)
   target_shapes=32x4096x64,4x16x21x60x104

@@ -26,7 +26,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"flowrl {flowrl.__version__}, torch {torch.__version__}, backends: {', '.join(flowrl.available_backends())}, "
               f"CUDA: {'yes' if torch.cuda.is_available() else 'no'}, reduction chunk: {flowrl.CHUNK_SIZE} elements")
         return 0
-    # "{demo,info}" stays as it was (tests/test_demo.py matches it); the example command is named after it
+    # "{demo,info}" stays as it was (tests/apps/test_demo.py matches it); the example command is named after it
     print("usage: python -m flowrl {demo,info} [flags]  (python -m flowrl demo --help)\n"
           "       python -m flowrl example [flags]  (a GRPO training run; python -m flowrl example --help)", file=sys.stderr)
     return 2

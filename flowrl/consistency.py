@@ -15,7 +15,7 @@ recompute, the first-update ratio is not 1 and the mismatch has to be measured a
 - ``guard_clip_range``: warns once when the clip range is below the measured mismatch floor.
 
 The formulas are written here from verl's definitions (not copied), and tested against a transcription
-of them (tests/test_consistency.py):
+of them (tests/data/test_consistency.py):
 
 - verl-project/verl commit 1dda039b9c6311889a9c9a26040677e1254814f9,
   verl/trainer/ppo/rollout_corr_helper.py: ``compute_rollout_correction_weights`` (IS: log-ratio

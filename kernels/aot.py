@@ -883,7 +883,7 @@ def check(archs: Sequence[int] = ARCHS, storages: Sequence[str] = STORAGES, quic
     """Compile and analyze every specialization (``hot``: the hot ones only, ``hot_specializations``;
     ``match``: only those whose "kernel: label" contains one of the substrings); one result dict per
     (specialization, storage, arch). ``sass``: count the SASS of each; ``sass_hot``: of the hot ones
-    on sm_90 only (the roofline's rows, from the same compile as the rest: tests/test_compile.py);
+    on sm_90 only (the roofline's rows, from the same compile as the rest: tests/kernels/test_compile.py);
     ``spot_archs``: the archs of ``archs`` compiled for a spot check only, the hot bf16 specializations."""
     work = [(spec, storage, arch, sass or (sass_hot and arch == 90 and is_hot(spec)))
             for arch in archs for storage in storages if arch not in spot_archs or storage == "bf16"
@@ -993,7 +993,7 @@ def _replace_between(text: str, start: str, end: str, body: str) -> str:
 
 def update_docs(path: str, archs: Sequence[int], jobs: int) -> int:
     """Rows for the installed triton (here) and triton 3.6.0 (a subprocess with its wheel first on
-    PYTHONPATH), with the hot specializations' SASS counts on sm_90 (tests/test_compile.py's run); the
+    PYTHONPATH), with the hot specializations' SASS counts on sm_90 (tests/kernels/test_compile.py's run); the
     summary and the roofline table replace the text between their markers in ``path``."""
     rows = check(archs, jobs=jobs, sass_hot=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (triton36_path(), os.environ.get("PYTHONPATH")) if p))

@@ -308,7 +308,7 @@ def div_rn_by_scalar(a, b, b_inv):
     issues 14 (its own reciprocal, FCHK and the branch to its slow path, per element). Proof and
     exhaustive checks: docs/kernels.md ("Division by a per-sample scalar"); exact for numerators with
     2**-100 <= |a| <= 2**100 and for zeros (signs kept); an infinite quotient (the residual inf - inf is
-    NaN) keeps q, as does NaN; smaller numerators may be an ulp off (tests/test_division.py). Triton
+    NaN) keeps q, as does NaN; smaller numerators may be an ulp off (tests/kernels/test_division.py). Triton
     3.6's interpreter runs tl.fma unfused: an ulp off there now and then."""
     q = a * b_inv
     q1 = tl.fma(tl.fma(b, q, neg(a)), neg(b_inv), q)

@@ -1,4 +1,4 @@
-"""The full AOT runs that tests/test_compile.py, tests/test_roofline.py and tests/test_losses_dpo.py
+"""The full AOT runs that tests/kernels/test_compile.py, tests/kernels/test_roofline.py and tests/losses/test_losses_dpo.py
 check: every kernel specialization compiled for real GPU targets (kernels/aot.py, ``--sass-hot``),
 with the installed triton for sm_90a (and for sm_80 a spot check, the hot bf16 specializations),
 and with triton 3.6.0 (the GPU machines' image, an H200) for sm_90a.

@@ -1,7 +1,18 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The tests mirror the source's layers (tests/ops, backends, kernels, rollout, data, losses, compat,
+# apps; tests/repo: the README, docs and packaging). The shared helpers (oracle data, tiny pipelines,
+# process-group ranks, the AOT runs) sit here in tests/, on the path for every module; the layer folders
+# are on it too, so a module reads another's transcriptions by name (``from test_compat import ...``).
+TESTS = Path(__file__).resolve().parent
+for _folder in [TESTS, *sorted(p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py")))]:
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 # Without a GPU the Triton kernels run through Triton's interpreter, which must be switched on
 # before any @triton.jit function is defined, i.e. before flowrl.kernels is imported.

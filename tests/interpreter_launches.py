@@ -10,7 +10,7 @@ def patch_each_launch_once():
     test_per_token_runs.py's: 28.7 s, 24.6 s without). Inside a launch, a nested function whose
     triton.language modules (tl, or tl.core for tl.sum and the like) the launch has patched already
     skips the repeat; the first call that needs another patches as before. Installed only where the
-    interpreter has that structure (triton 3.6 to 3.9); tests/test_interpreter_launches.py checks
+    interpreter has that structure (triton 3.6 to 3.9); tests/backends/test_interpreter_launches.py checks
     that it gives the same bits with fewer patches. A no-op unless TRITON_INTERPRET is on."""
     from flowrl.backends._dispatch import interpreter_enabled
 

@@ -4,7 +4,7 @@ A test module that runs its checks over a list of modes builds that list here, f
 ``flowrl.contract.Mode`` less the modes it names in ``MODES_ELSEWHERE``, each with why and the test
 file that covers it instead. A new ``Mode`` then joins every such list at once (and fails there until
 its formulas are in the module's float64 oracle), or is named as excluded with a reason: it is never
-left out silently. tests/test_recipes.py checks every module in ``SUITES``, and that no test module
+left out silently. tests/repo/test_recipes.py checks every module in ``SUITES``, and that no test module
 holds a hand-written list of mode names again.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ SUITES = ("test_kernels", "test_properties", "test_per_token", "test_reference",
 # modes whose step is deterministic at every noise level (std 0): their log-prob and KL are exactly 0, so
 # the checks of a noisy step (rollout == recompute, gradients of the log-prob, variance) do not apply
 DETERMINISTIC = {"ode": "the probability-flow ODE: std 0 at every noise level, its log-prob and KL exactly 0 "
-                        "(tests/test_kernels.py, test_deterministic_steps_have_zero_value_and_grad)"}
+                        "(tests/kernels/test_kernels.py, test_deterministic_steps_have_zero_value_and_grad)"}
 
 
 def every_mode_but(elsewhere: Mapping[str, str]) -> Tuple[str, ...]:

@@ -41,7 +41,7 @@ MAX_TILE_REGISTERS = 128
 
 
 # One chunk on four warps, 8 values per thread, for the launches that spill at 32 values per thread
-# (tests/test_compile.py): ddim's float32 rollouts (at (1, 1) 32 bytes spilled on sm_80, and on sm_90a
+# (tests/kernels/test_compile.py): ddim's float32 rollouts (at (1, 1) 32 bytes spilled on sm_80, and on sm_90a
 # with triton 3.6). The chunk's tree then crosses warps (shared memory); the bits are the same.
 WIDE_CONFIG = (1, 4)
 # Philox from an offset that is not a multiple of 4 (a sequence-parallel shard cut mid-quad: 3 Philox
@@ -87,7 +87,7 @@ def tiles_taken(backward: bool, masked_rollout: bool = False, second_order: bool
     """Whether the step kernels (the backward: ``backward``; a rollout drawing Philox noise: ``philox``)
     run STEP_LAUNCH_TABLE's multi-tile programs when their latents are 16-bit and 16-byte aligned; the
     others run LAUNCH_TABLE's one tile. Chosen per specialization from the AOT compile (kernels/aot.py;
-    no spill on sm_90a or sm_80 with triton 3.6.0 or 3.9.0, tests/test_compile.py), the same for every
+    no spill on sm_90a or sm_80 with triton 3.6.0 or 3.9.0, tests/kernels/test_compile.py), the same for every
     mode. One tile where 4 spilled under the register cap: a masked rollout (``masked_rollout``: the
     sample size not a multiple of 4,096; with the mean 8-40 bytes), a Philox rollout writing the mean
     (``philox_mean``, 8-40 bytes) or of dpm_sde's second order (``second_order``, 16-64 bytes), and

@@ -82,7 +82,7 @@ def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     torch's CPU float32 sqrt is not always (about 1 in 5 an ulp off on an AMD EPYC, torch 2.13):
     float64's root rounded to float32. A float32's exact root lies at least 4 float64 ulps from every
     float32 rounding midpoint, so a float64 root within 3 ulps (torch's CPU float64 sqrt is not always
-    correctly rounded either) rounds to the right float32 (tests/test_philox.py)."""
+    correctly rounded either) rounds to the right float32 (tests/backends/test_philox.py)."""
     return torch.sqrt(x.double()).to(torch.float32)
 
 

@@ -18,7 +18,7 @@ recompute inputs back to a device.
 Under CUDA-graph capture (``torch.cuda.graph``) a recording with ``store="cpu"`` is refused: the
 copies are made by the Python step, which a graph replay does not run, so a replayed step would
 record nothing new and overwrite nothing; record captured loops with ``store="device"`` (tested in
-tests/test_capturable.py) and copy the graph's outputs to the host after each replay.
+tests/ops/test_capturable.py) and copy the graph's outputs to the host after each replay.
 """
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ from ..ops._custom_ops import is_empty as _empty
 from ..ops._custom_ops import traced as _traced
 from . import _custom_ops as _ops
 from ._common import _check_no_grad, _check_per_sample, _check_scalar, _flow_backend, check_clip_range
-from ._preference import _preference_sums  # noqa: F401 (tests/test_losses_dpo.py reads it here)
+from ._preference import _preference_sums  # noqa: F401 (tests/losses/test_losses_dpo.py reads it here)
 from ._preference import (DGPOInputs, DGPOLossOutput, DGPOOptions, DPOLossOutput, dgpo_from_args, dgpo_references,
                           dpo_from_args)
 from ._preference import dgpo_noise_seed, dpo_noise_seed

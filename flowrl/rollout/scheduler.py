@@ -12,7 +12,7 @@ diffusers checks to save a pipeline component, and what pipelines check with ``i
 method diffusers defines for it is overridden here. docs/scheduler.md says why.
 
 Copied from diffusers' ``diffusers/schedulers/scheduling_flow_match_euler_discrete.py`` as of
-diffusers 0.42.1 (setup.cfg's tested upper bound); tests/test_diffusers_mirror.py fails when the
+diffusers 0.42.1 (setup.cfg's tested upper bound); tests/rollout/test_diffusers_mirror.py fails when the
 installed diffusers changes a method this copy mirrors.
 
 The bf16-safe timestep lookup lives in ``flowrl.rollout.timestep_lookup``; the rollout recorder, which also

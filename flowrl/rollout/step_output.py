@@ -60,7 +60,7 @@ def _step_arguments(
     return_dict: bool = True,
 ):
     """The arguments of ``FlowMatchEulerDiscreteScheduler.step`` after ``self``: diffusers' and flowrl's
-    copy (tests/test_recorder.py checks that this is flowrl's ``step`` signature)."""
+    copy (tests/rollout/test_recorder.py checks that this is flowrl's ``step`` signature)."""
 
 
 # What a recording step binds its arguments to (the recorder runs in step's place).
