@@ -197,6 +197,19 @@ def _flow_noise_args(noise_seed, n, tensors, batch):
     return (group, num_warps), dict(kw, EVEN=even, PHILOX=philox, PHILOX_ALIGNED=aligned, PAIRED=paired)
 
 
+def _flow_inputs(xt, v, other, x0, ref, t) -> dict:
+    """The flow kernels' input tensors by name (kernels/loss.py): ``xt`` and ``other`` may be None (``v``
+    in their place, never read: LOSS and PHILOX say which the kernel reads), ``ref`` too (HAS_REF follows
+    from it)."""
+    return dict(**optional_input("xt_ptr", xt, v), v_ptr=v, **optional_input("other_ptr", other, v), x0_ptr=x0,
+                **optional_input("ref_ptr", ref, v, switch="HAS_REF"), t_ptr=t)
+
+
+def _flow_coefs(coefs) -> dict:
+    """The flow kernels' (beta, 1 - beta, 1 + beta) by name (NFT's; zeros for the other losses)."""
+    return dict(zip(("beta", "one_minus_beta", "one_plus_beta"), coefs, strict=True))
+
+
 def _flow_forward(kind, count, xt, v, other, x0, ref, t, coefs, shard=None, noise_seed=None):
     b, n = _rows_shape(v)
     n_chunks = triton.cdiv(n, CHUNK_SIZE)
@@ -205,10 +218,9 @@ def _flow_forward(kind, count, xt, v, other, x0, ref, t, coefs, shard=None, nois
     partials = torch.empty((count, b, n_chunks), dtype=torch.float32, device=v.device)
     _launch(
         flow_partials_kernel, (b * n_blocks,),
-        xt if xt is not None else v, v, other if other is not None else v, x0, ref if ref is not None else v, t,
-        partials, n, n_chunks, n_blocks, *division_magic(n_blocks), b, *coefs,
-        LOSS=int(kind), HAS_REF=ref is not None, CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE, GROUP=group,
-        num_warps=num_warps, **noise_kw, **_LAUNCH,
+        **_flow_inputs(xt, v, other, x0, ref, t), partials_ptr=partials, n_per_sample=n, n_chunks=n_chunks,
+        n_blocks=n_blocks, **_blocks_magic(n_blocks), n_rows=b, **_flow_coefs(coefs), LOSS=int(kind),
+        CHUNK=CHUNK_SIZE, LOG2_CHUNK=LOG2_CHUNK_SIZE, GROUP=group, num_warps=num_warps, **noise_kw, **_LAUNCH,
     )
     partials = partials.reshape(count * b, n_chunks)
     if shard is not None:  # sequence parallelism: the full samples' partials (forward only, as the step ops)
@@ -239,9 +251,9 @@ class _FlowSums(torch.autograd.Function):
         n_blocks = triton.cdiv(n, block)
         _launch(
             flow_backward_kernel, (b * n_blocks,),
-            xt if xt is not None else v, v, other if other is not None else v, x0, ref if ref is not None else v, t,
-            grad.to(torch.float32).contiguous(), grad_v, n, n_blocks, *division_magic(n_blocks), b, *ctx.coefs,
-            LOSS=int(ctx.kind), HAS_REF=ref is not None, BLOCK=block, num_warps=num_warps, **noise_kw, **_LAUNCH,
+            **_flow_inputs(xt, v, other, x0, ref, t), grad_ptr=grad.to(torch.float32).contiguous(),
+            grad_v_ptr=grad_v, n_per_sample=n, n_blocks=n_blocks, **_blocks_magic(n_blocks), n_rows=b,
+            **_flow_coefs(ctx.coefs), LOSS=int(ctx.kind), BLOCK=block, num_warps=num_warps, **noise_kw, **_LAUNCH,
         )
         return grad_v, None, None, None, None, None, None, None, None, None, None
 

@@ -63,11 +63,12 @@ class KernelCompileError(RuntimeError):
     """A flowrl Triton kernel failed to compile or launch on this machine."""
 
 
-def _launch(kernel, grid, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)``; a build failure becomes a KernelCompileError that names the
+def _launch(kernel, grid, **kwargs):
+    """``kernel[grid](**kwargs)``: every argument by its name in the kernel's signature (a misspelt or
+    missing one raises at the launch); a build failure becomes a KernelCompileError that names the
     kernel, its constexpr specialization and the triton version, and says how to run the torch path."""
     try:
-        kernel[grid](*args, **kwargs)
+        kernel[grid](**kwargs)
     except _BUILD_ERRORS as exc:
         name = getattr(getattr(kernel, "fn", kernel), "__name__", repr(kernel))
         switches = ", ".join(f"{k}={v}" for k, v in kwargs.items() if k.isupper())
