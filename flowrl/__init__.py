@@ -28,6 +28,7 @@ _LAZY = {
     "distributed": ("flowrl.distributed", None),
     "reference": ("flowrl.backends.reference", None),
     "losses": ("flowrl.losses", None),
+    "advantages": ("flowrl.advantages", None),
     "consistency": ("flowrl.consistency", None),
     "compat": ("flowrl.compat", None),
     "kernels": ("flowrl.kernels", None),  # the package imports no triton; its kernel modules do
