@@ -39,6 +39,7 @@ from typing import List, Optional
 import torch
 
 import flowrl
+from flowrl.advantages import group_advantages as _group_advantages
 from flowrl.backends._dispatch import BACKENDS, resolve
 
 MODES = ("sde", "cps")
@@ -73,10 +74,10 @@ def reward(final: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def group_advantages(rewards: torch.Tensor, prompts: int, k: int) -> torch.Tensor:
-    """GRPO's per-prompt normalization (r - mean) / (std + 1e-4); samples are ordered prompt-major."""
-    r = rewards.reshape(prompts, k)
-    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + 1e-4)
-    return adv.reshape(-1)
+    """GRPO's per-prompt normalization (r - mean) / (std + 1e-4), population std (Flow-GRPO's
+    ``PerPromptStatTracker``): ``flowrl.advantages.group_advantages``; samples are ordered prompt-major."""
+    prompt_of_sample = torch.arange(prompts, device=rewards.device).repeat_interleave(k)
+    return _group_advantages(rewards, prompt_of_sample, std="group", eps=1e-4)
 
 
 def _positive_int(minimum: int = 1):
