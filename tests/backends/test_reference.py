@@ -1,5 +1,5 @@
 """The torch reference (``backend="torch"``) against the math contract (docs/contract.md) and the independent
-float64 oracle (tests/oracle.py): means, stds, log-probs, KL, gradients, the rounding rule,
+float64 oracle (flowrl/oracle): means, stds, log-probs, KL, gradients, the rounding rule,
 deterministic steps, per-sample steps and generators, and the fixed reduction order."""
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ from flowrl.backends import reference as R
 from flowrl import sde_step, step_kl, step_log_prob
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import oracle  # noqa: E402
+from flowrl import oracle  # noqa: E402
 from mode_coverage import every_mode_but, noise_levels, noisy  # noqa: E402
 
 T = 10
 STEPS = {"first": 0, "middle": T // 2, "last": T - 1}
 # every mode but these, each against its own float64 formulas elsewhere (a new Mode joins MODES: give it
-# its float64 row in tests/oracle.py)
+# its float64 row in flowrl/oracle)
 MODES_ELSEWHERE = {
     "ddim": "its alpha-bar table, against diffusers' DDIMScheduler and float64: tests/ops/test_ddim.py",
     "dpm_sde": "its fixed noise level and second order, against float64: tests/ops/test_dpm_sde.py",

@@ -16,7 +16,7 @@ from flowrl import losses as L
 from flowrl.backends import reference as R
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import oracle  # noqa: E402
+from flowrl import oracle  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 T = 10
@@ -87,7 +87,7 @@ def test_grpo_log_prob_is_step_log_prob_bit_for_bit_and_first_ratio_is_one(backe
 
 def oracle_grpo(x, v, prev, sig, steps, old_lp, adv, mode, eta, clip, kl_coef=0.0, v_ref=None, old_mean=None,
                 variant="grpo", kl_threshold=None):
-    """The GRPO family in float64 from tests/oracle.py's log-prob, KL and mean (docs/contract.md's formulas)."""
+    """The GRPO family in float64 from flowrl/oracle's log-prob, KL and mean (docs/contract.md's formulas)."""
     idx = [int(i) for i in steps]
     lp = oracle.log_prob(x, v, prev, sig, idx, mode, eta)
     log_ratio = lp - old_lp.to(F64)

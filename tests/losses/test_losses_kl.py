@@ -37,7 +37,7 @@ from flowrl.backends import _dispatch
 from flowrl import losses as L
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import oracle  # noqa: E402
+from flowrl import oracle  # noqa: E402
 from test_losses import BACKENDS, DEVICE, STEPS, advantages, oracle_grpo, perturbed, rollout  # noqa: E402
 
 F64 = torch.float64

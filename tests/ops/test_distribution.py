@@ -19,7 +19,7 @@ import torch
 from flowrl import sde_step
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import oracle  # noqa: E402
+from flowrl import oracle  # noqa: E402
 
 STEPS = 250
 BATCH, DIM = 16, 4096  # 65536 scalar samples: the mean's standard error is s / 256

@@ -277,7 +277,7 @@ def test_bad_arguments_are_refused_by_name():
 
 
 # Gaussian data x0 ~ N(M, S^2) per coordinate: x_sigma = (1 - sigma) x0 + sigma eps is Gaussian, and
-# the exact velocity E[eps - x0 | x_sigma] is linear in x_sigma (tests/oracle.py, gaussian_velocity).
+# the exact velocity E[eps - x0 | x_sigma] is linear in x_sigma (flowrl/oracle, gaussian_velocity).
 M, S = 1.5, 0.5
 
 

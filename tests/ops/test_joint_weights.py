@@ -7,7 +7,7 @@ The peer: verl-omni's MiniMax-H3 FlowGRPO recipe (verl-project/verl-omni pull re
 two modalities' mean log densities with ``H3_VIDEO_LOG_PROB_WEIGHT = H3_AUDIO_LOG_PROB_WEIGHT = 0.5``,
 and ``h3_sigma_schedules`` gives the video and the audio their own time-shifted schedules
 (``H3_VIDEO_SHIFT = 12.0``, ``H3_AUDIO_SHIFT = 3.0``). The float64 oracle below is that formula on
-per-element Gaussian log densities (tests/oracle.py, written from the contract).
+per-element Gaussian log densities (flowrl/oracle, written from the contract).
 """
 import copy
 import math
@@ -21,7 +21,7 @@ from flowrl.losses import flow_dppo_loss, grpo_guard_loss, grpo_loss
 from flowrl.rollout.recorder import rollout
 from flowrl.rollout.scheduler import FlowMatchEulerDiscreteScheduler as Sched
 
-import oracle
+from flowrl import oracle
 
 BACKENDS = ["torch", "triton"]
 F64 = torch.float64
@@ -44,7 +44,7 @@ def _streams(seed=3, dtype=torch.float32):
 
 
 def _oracle_mean_log_density(x, v, prev, sigmas, i, eta):
-    """float64 [B]: the mean over elements of log N(x'; mu, std^2) of an sde step (tests/oracle.py)."""
+    """float64 [B]: the mean over elements of log N(x'; mu, std^2) of an sde step (flowrl/oracle)."""
     return oracle.log_prob(x, v, prev, sigmas, i, "sde", eta, reduction="mean")
 
 
@@ -228,7 +228,7 @@ def peer_h3_guard(streams, old_log_prob, advantages, clip, log_prob_weights):
 @pytest.mark.parametrize("weights", [None, H3])
 def test_joint_grpo_guard_matches_verl_omni_h3(weights):
     """grpo_guard_loss on tuples (float64, torch backend) against verl-omni's H3 adapter + GRPOGuardLoss
-    on per-stream float64 oracle values (tests/oracle.py): the video and the audio on their own schedules
+    on per-stream float64 oracle values (flowrl/oracle): the video and the audio on their own schedules
     (shifts 12 and 3), the log-prob weighted by stream_weights (verl-omni: 0.5 / 0.5; None: the element
     count, verl-omni's earlier commit), std, dt and the mean drift averaged by element count."""
     (xv, vv, rv), (xa, va, ra) = [[t.double() for t in stream] for stream in _streams(seed=6)]

@@ -5,7 +5,7 @@ The float64 oracle below is written from the contract per element, not from flow
 element's (sigma, sigma') is its token's, sigma' the largest schedule value strictly below sigma - 1e-6
 (diffusers' FlowMatchEulerDiscreteScheduler.step with per_token_timesteps,
 diffusers/schedulers/scheduling_flow_match_euler_discrete.py), the mode's mean and std come from
-tests/oracle.py's per-row formulas, and the log-prob is a plain float64 sum over the scored elements
+flowrl/oracle's per-row formulas, and the log-prob is a plain float64 sum over the scored elements
 (not frozen, std > 0; a token at sigma 0 is held: x' = x).
 """
 import math
@@ -17,18 +17,18 @@ import flowrl
 from flowrl.contract import CHUNK_SIZE, Mode
 from flowrl.core.step_spec import ShardContext, flat_layout, token_schedule
 
-import oracle
+from flowrl import oracle
 from mode_coverage import every_mode_but, noise_levels
 
 BACKENDS = ["torch", "triton"]
-# every mode but these (a new Mode joins MODES: give it its float64 row in tests/oracle.py)
+# every mode but these (a new Mode joins MODES: give it its float64 row in flowrl/oracle)
 MODES_ELSEWHERE = {
     **{m.label: "MODE_RULES refuses token_sigmas= and frozen= for it (tests/ops/test_per_token.py, "
                 "test_ddim_and_second_order_dpm_sde_refuse_token_sigmas_and_frozen)"
        for m in Mode if not (m.rules.per_token and m.rules.frozen)},
-    "dpm_sde": "tests/oracle.py has no dpm_sde row: its frozen mask only (tests/ops/test_per_token.py, "
+    "dpm_sde": "the per-token oracle below has no dpm_sde row: its frozen mask only (tests/ops/test_per_token.py, "
                "test_ddim_and_second_order_dpm_sde_refuse_token_sigmas_and_frozen)",
-    "flash_sde": "tests/oracle.py has no flash_sde row: its pre-pass records against the torch backend's "
+    "flash_sde": "the per-token oracle below has no flash_sde row: its pre-pass records against the torch backend's "
                  "token coefficients (tests/kernels/test_per_token_runs.py)",
 }
 MODES = list(every_mode_but(MODES_ELSEWHERE))
