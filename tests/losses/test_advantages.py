@@ -400,11 +400,19 @@ def test_compiles_without_graph_breaks():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_matches_cpu():
+def test_on_cuda_matches_cpu_without_a_sync():
     r, ids = layout(12)
     cpu = A.multi_reward_advantages(r, ids)
-    gpu = A.multi_reward_advantages(r.cuda(), ids.cuda())
+    r_gpu, ids_gpu, w_gpu = r.cuda(), ids.cuda(), torch.ones(3, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call raises
+    try:
+        gpu = A.multi_reward_advantages(r_gpu, ids_gpu, weights=w_gpu)
+        one = A.group_advantages(r_gpu[:, 0], ids_gpu, std="global")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     assert gpu.device.type == "cuda" and float((gpu.cpu() - cpu).abs().max()) <= TOL
+    assert float((one.cpu() - A.group_advantages(r[:, 0], ids, std="global")).abs().max()) <= TOL
 
 
 def test_the_package_exposes_the_module_and_the_tree_advantages():
