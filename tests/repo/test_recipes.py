@@ -44,7 +44,7 @@ REGENERATE = _section(CONTRIBUTING, "## Regenerating docs/kernels.md's tables")
 # docs/kernels.md's tables were missing), and the tests that hold each; the suites of mode_coverage run it.
 MODE_FILES = {
     "flowrl/contract.py", "flowrl/backends/reference.py", "kernels/common.py",  # the code
-    "tests/oracle.py", "tests/ops/test_properties.py",  # the float64 formulas the derived suites need
+    "flowrl/oracle/steps.py", "tests/ops/test_contract.py", "tests/ops/test_properties.py",  # the float64 formulas and their tests
     "docs/contract.md", "docs/guide.md", "docs/losses.md", "README.md", "docs/kernels.md",  # the docs
     "tests/repo/test_readme.py", "tests/kernels/test_compile.py", "tests/kernels/test_roofline.py", "tests/repo/test_recipes.py",  # their checks
     "tests/mode_coverage.py", *(_test_file(suite) for suite in mode_coverage.SUITES),
@@ -55,6 +55,7 @@ LOSS_FILES = {
     "kernels/aot.py", "docs/compile.md", "docs/losses.md", "docs/contract.md", "README.md", "docs/kernels.md",
     "tests/ops/test_argument_order.py", "tests/losses/test_losses_distributed.py", "tests/ops/test_torch_compile.py",
     "tests/ops/test_empty_batch.py", "tests/repo/test_readme.py", "tests/kernels/test_compile.py", "tests/kernels/test_roofline.py",
+    "flowrl/oracle/losses.py", "tests/ops/test_contract.py",  # its float64 formula and the test that holds it
     "bench/run.py",
 }
 
