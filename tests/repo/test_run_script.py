@@ -29,7 +29,7 @@ def run(venv, *args):
 def test_help_says_what_each_command_does():
     out = run("unused", "--help")
     assert out.returncode == 0
-    for command in ("demo", "example", "test", "bench"):
+    for command in ("demo", "example", "test", "quick", "bench"):
         assert f"\n  {command} " in out.stdout
     bad = run("unused", "bogus")
     assert bad.returncode == 2 and "usage: ./run COMMAND" in bad.stderr
@@ -59,3 +59,18 @@ def test_the_tests_get_triton_36_and_sglang_and_sglang_once(fake_venv):
     log.write_text("")
     run(venv, "test", "-q")
     assert "sglang==0.5.23" not in log.read_text()  # the stamp: a second ./run test does not reinstall
+
+
+def test_the_quick_loop_spreads_the_tests_not_marked_slow_over_the_cores(fake_venv):
+    venv, log = fake_venv
+    out = run(venv, "quick", "tests/losses")
+    assert out.returncode == 0, out.stderr
+    calls = log.read_text()
+    assert calls.strip().endswith("-m pytest -n auto -m not slow tests/losses")
+    assert "sglang==0.5.23" in calls and "triton==3.6.0" not in calls  # the compile tests are slow ones
+
+
+def test_xdist_is_a_test_dependency_and_the_readme_names_the_quick_loop():
+    """``-n auto`` needs pytest-xdist from the test extra; README's Tests section gives the command."""
+    assert "pytest-xdist" in (ROOT / "setup.cfg").read_text()
+    assert "`./run quick`" in (ROOT / "README.md").read_text()
