@@ -40,6 +40,7 @@ Sharded calls run eagerly (not through the custom ops) under torch.compile, as t
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from numbers import Real
 from typing import Optional, Sequence, Tuple, Union
 
@@ -59,6 +60,7 @@ from ._grpo import GRPOCall, validate
 from ._flow import (AWM_EPS, NFTLossOutput, awm_from_args, awm_from_means, awm_log_prob_from_args, awm_sums,
                     nft_from_args, nft_from_means, nft_sums)
 from ._policy import GRPOLossOutput, grpo_from_spec, policy_loss
+from ._teacher import StepKLExtras as _StepKLExtras
 from ._teacher import teacher_kl as _teacher_kl
 
 ClipRange = Union[float, Tuple[float, float]]
@@ -261,7 +263,8 @@ def teacher_kl_loss(
     # while torch.compile traces (one device, one stream, no per-token inputs): the custom op flowrl::teacher_kl_loss
     if _traced() and shard is None and token_sigmas is None and frozen is None and not joint:
         return _ops.teacher_kl_loss(*args)
-    return _teacher_kl(*args, shard=shard, token_sigmas=token_sigmas, frozen=frozen, stream_weights=stream_weights)
+    return _teacher_kl(*args, extras=_StepKLExtras(shard=shard, token_sigmas=token_sigmas, frozen=frozen,
+                                                   stream_weights=stream_weights))
 
 
 # ----------------------------------------------------------------------------- forward-process losses
@@ -302,6 +305,7 @@ def nft_loss(
     e+-^2, the KL) is ``flowrl.combine_streams`` of the streams' sums and element counts with
     ``stream_weights`` (None: the element-count mean over every stream's elements, verl-omni's MiniMax-H3
     DiffusionNFT on its packed video + audio rows) (docs/losses.md, Joint steps)."""
+    options = _NFTOptions(advantages=advantages, beta=beta, adv_clip_max=adv_clip_max, kl_coef=kl_coef, backend=backend)
     if isinstance(noised_sample, tuple):
         if shard is not None:
             raise ValueError("shard: a joint step (tuples of streams) is not supported under sequence parallelism; "
@@ -309,21 +313,35 @@ def nft_loss(
         streams = [("noised_sample", noised_sample, "tuple"), ("model_output", model_output, "tuple"),
                    ("old_model_output", old_model_output, "tuple"), ("clean_sample", clean_sample, "tuple"),
                    ("sigma", sigma, "shared"), ("ref_model_output", ref_model_output, "optional")]
-        shared = dict(advantages=advantages, beta=beta, adv_clip_max=adv_clip_max, kl_coef=kl_coef, backend=backend)
-        return _joint.flow_loss(_nft_args, nft_sums, nft_from_means, stream_weights, streams, shared,
+        return _joint.flow_loss(_nft_args, nft_sums, nft_from_means, stream_weights, streams, dict(options=options),
                                 empty=_ops.nft_loss)
     _joint.single_stream(stream_weights, "noised_sample, model_output, old_model_output and clean_sample")
     args = _nft_args(noised_sample, model_output, old_model_output, clean_sample, sigma, ref_model_output,
-                     advantages=advantages, beta=beta, adv_clip_max=adv_clip_max, kl_coef=kl_coef, backend=backend,
-                     shard=shard)
+                     options=options, shard=shard)
     if (_traced() and shard is None) or _empty(noised_sample):  # compiling (one device): flowrl::nft_loss; B = 0
         return _ops.nft_loss(*args)
     return nft_from_args(*args, shard=shard)
 
 
-def _nft_args(noised_sample, model_output, old_model_output, clean_sample, sigma, ref_model_output, *, advantages,
-              beta, adv_clip_max, kl_coef, backend, shard=None, stream=""):
-    """``nft_loss``'s arguments validated (``stream``: the joint step's suffix for the names, "[k]")."""
+@dataclass(frozen=True)
+class _NFTOptions:
+    """``nft_loss``'s arguments that are not of the sample's shape, as given (``_nft_args`` validates them):
+    the per-sample ``advantages`` [B], ``beta``, ``adv_clip_max``, ``kl_coef`` and ``backend``; a joint step's
+    streams share them."""
+
+    advantages: torch.Tensor
+    beta: float
+    adv_clip_max: float
+    kl_coef: float
+    backend: str
+
+
+def _nft_args(noised_sample, model_output, old_model_output, clean_sample, sigma, ref_model_output, *,
+              options: _NFTOptions, shard=None, stream=""):
+    """``nft_loss``'s arguments validated (``options``: the ones not of the sample's shape; ``stream``: the
+    joint step's suffix for the names, "[k]")."""
+    advantages, beta, adv_clip_max, kl_coef, backend = (options.advantages, options.beta, options.adv_clip_max,
+                                                        options.kl_coef, options.backend)
     V.check_sample(noised_sample, "noised_sample" + stream)
     elements_per_sample(noised_sample, shard)  # checks shard's type
     batch = noised_sample.shape[0]
