@@ -56,6 +56,7 @@ Flow-GRPO's newer step functions (yifan123/flow_grpo at 54809b5f) are here too, 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from numbers import Real
 from typing import Optional, Union
 
@@ -278,8 +279,9 @@ def flow_grpo_step(
     ``peer_compatible`` (the log-prob of the float32 sample, as Flow-GRPO), ``backend``; ``index`` may
     also be an integer tensor [B]. ``eta=0``: log-prob 0 (Flow-GRPO: NaN)."""
     table, idx, eta, x0, _ = _solver_args(model_output, latents, eta, sigmas, index, prev_sample, peer_compatible)
-    return _solver_step(model_output, latents, table, idx, x0, prev_sample, "sde", eta, "gaussian", generator,
-                        out_dtype, peer_compatible, backend)
+    step = _SolverMode(mode="sde", noise_level=eta, kind="gaussian")
+    return _solver_step(model_output, latents, table, idx, x0, prev_sample, step, generator, out_dtype,
+                        peer_compatible, backend)
 
 
 def dance_grpo_step(
@@ -305,8 +307,9 @@ def dance_grpo_step(
     ``peer_compatible``, ``backend`` as in ``flow_grpo_step``. ``eta=0``: log-prob 0 (Flow-GRPO:
     NaN)."""
     table, idx, eta, x0, _ = _solver_args(model_output, latents, eta, sigmas, index, prev_sample, peer_compatible)
-    return _solver_step(model_output, latents, table, idx, x0, prev_sample, "dance", eta, "kernel", generator,
-                        out_dtype, peer_compatible, backend)
+    step = _SolverMode(mode="dance", noise_level=eta, kind="kernel")
+    return _solver_step(model_output, latents, table, idx, x0, prev_sample, step, generator, out_dtype,
+                        peer_compatible, backend)
 
 
 def ddim_step(
@@ -347,24 +350,37 @@ def ddim_step(
             "score the given prev_sample"
         )
     eta_c = ddim_noise_level(table, int(idx[0]), eta)
-    return _solver_step(model_output, latents, table, idx, x0, prev_sample, "cps", eta_c, "gaussian", generator,
-                        out_dtype, peer_compatible, backend)
+    step = _SolverMode(mode="cps", noise_level=eta_c, kind="gaussian")
+    return _solver_step(model_output, latents, table, idx, x0, prev_sample, step, generator, out_dtype,
+                        peer_compatible, backend)
 
 
-def _solver_step(model_output, latents, table, idx, x0, prev_sample, mode, eta, kind, generator, out_dtype,
+@dataclass(frozen=True)
+class _SolverMode:
+    """The flowrl step a solver function is: ``mode`` at ``noise_level`` (the peer's ``eta``, or
+    ``ddim_step``'s ``ddim_noise_level``), its log-prob of ``kind``."""
+
+    mode: str
+    noise_level: float
+    kind: str
+
+
+def _solver_step(model_output, latents, table, idx, x0, prev_sample, step: _SolverMode, generator, out_dtype,
                  peer_compatible, backend):
     """The solver functions' common body: sample the step (``prev_sample=None``) or score the given one,
-    with flowrl's ``mode`` at noise level ``eta`` and log-prob ``kind``; ``(prev_sample, x0, log_prob)``."""
+    as flowrl's ``step`` (mode, noise level, log-prob kind); ``(prev_sample, x0, log_prob)``."""
     out_dtype = _check_peer_out_dtype(compat_common.check_out_dtype(out_dtype), peer_compatible)
     if prev_sample is None:
         noise = compat_common.draw(latents, generator)
         if out_dtype is None:
             out_dtype = torch.float32 if peer_compatible else model_output.dtype
-        prev, log_prob, _, _ = compat_common.emit(latents, model_output, table, idx, mode=mode, eta=eta, noise=noise, kind=kind,
-                                      out_dtype=out_dtype, peer_compatible=peer_compatible, backend=backend)
+        prev, log_prob, _, _ = compat_common.emit(latents, model_output, table, idx, mode=step.mode,
+                                                  eta=step.noise_level, noise=noise, kind=step.kind,
+                                                  out_dtype=out_dtype, peer_compatible=peer_compatible,
+                                                  backend=backend)
         return prev, x0, log_prob
-    log_prob = step_log_prob(latents, model_output, prev_sample, table, idx, mode=mode, noise_level=eta,
-                             log_prob_kind=kind, backend=backend)
+    log_prob = step_log_prob(latents, model_output, prev_sample, table, idx, mode=step.mode,
+                             noise_level=step.noise_level, log_prob_kind=step.kind, backend=backend)
     return prev_sample, x0, log_prob
 
 
