@@ -617,16 +617,16 @@ def set_bytes(row: Row, numel: int, batch: int, itemsize: int) -> None:
         row.bound_pct = static_bound(row.op, row.mode, row.dtype, triton.__version__)
 
 
-# ---- the static roofline bound (kernels/aot.py; docs/kernels.md's roofline table) ---------------
+# ---- the static roofline bound (flowrl/tools/aot; docs/kernels.md's roofline table) ---------------
 
 DOCS_KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "kernels.md")
 
 
 def roofline_table(path: str = DOCS_KERNELS) -> Dict[Tuple[str, str, str], float]:
     """{(kernel, label without its launch configuration, triton version): bound} from the roofline
-    table ``python -m flowrl.kernels.aot --update-docs docs/kernels.md`` writes (bf16, sm_90a; the
+    table ``python -m flowrl.tools.aot --update-docs docs/kernels.md`` writes (bf16, sm_90a; the
     bound as a fraction of copy bandwidth). Empty when the file or the table is missing."""
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
 
     try:
         with open(path) as f:
@@ -646,7 +646,7 @@ def roofline_table(path: str = DOCS_KERNELS) -> Dict[Tuple[str, str, str], float
 def _op_kernels(op: str, mode: str) -> List[Tuple[str, str]]:
     """(kernel, label prefix) of the element kernels an op launches, as aot labels them."""
     from flowrl.contract import Mode
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
 
     kind = baseline.LOG_PROB_KIND.get(mode, "gaussian")
     # dpm_sde at order 2 (Case.x0_prev); ddim with flowrl's defaults, epsilon-prediction without the clip

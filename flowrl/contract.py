@@ -62,7 +62,7 @@ class Schedule(_Named):
 
 
 class Variants(_Named):
-    """How many kernel specializations kernels/aot.py compiles for a mode: FULL (every op x noise
+    """How many kernel specializations flowrl/tools/aot compiles for a mode: FULL (every op x noise
     source x log-prob kind x reduction), FEW (one per op: a mode whose kernels differ from compiled ones
     in per-sample coefficients only), DDIM (ddim's own list, per prediction type and clip)."""
 
@@ -75,7 +75,7 @@ class Variants(_Named):
 class ModeRules:
     """What a mode allows, read by every place that decides it (docs/contributing.md): the argument
     checks (``flowrl.core._validate``, ``flowrl.core.step_spec``, ``flowrl.ops.functional``), the losses, the step
-    weights, the rollout recorder, the SGLang converter, the demo's CLI and kernels/aot.py.
+    weights, the rollout recorder, the SGLang converter, the demo's CLI and flowrl/tools/aot.
 
     noise_level: the inclusive range [lo, hi] of ``noise_level`` (hi may be inf; lo == hi: fixed).
     fixed_why: why the noise level is fixed, for the error message ("" when it is not).
@@ -85,7 +85,7 @@ class ModeRules:
     per_token, frozen: whether ``token_sigmas=`` / ``frozen=`` are defined for it (first-order steps).
     losses: whether flowrl.losses takes it (the loss kernels fuse a mean ``a x + c v``).
     sglang: SGLang's ``rollout_sde_type`` for it (the wire key), None where SGLang has none.
-    aot: the kernel specializations kernels/aot.py compiles (``Variants``).
+    aot: the kernel specializations flowrl/tools/aot compiles (``Variants``).
     """
 
     noise_level: Tuple[float, float] = (0.0, math.inf)

@@ -1,5 +1,5 @@
 """The full AOT runs that tests/kernels/test_compile.py, tests/kernels/test_roofline.py and tests/losses/test_losses_dpo.py
-check: every kernel specialization compiled for real GPU targets (kernels/aot.py, ``--sass-hot``),
+check: every kernel specialization compiled for real GPU targets (flowrl/tools/aot, ``--sass-hot``),
 with the installed triton for sm_90a (and for sm_80 a spot check, the hot bf16 specializations),
 and with triton 3.6.0 (the GPU machines' image, an H200) for sm_90a.
 
@@ -13,8 +13,8 @@ in a fresh TRITON_CACHE_DIR (a cached build can hide a compile error), removed a
 
 CI's 30-minute line on two cores: triton 3.6.0 for sm_80 (a quarter of the compile time) and the
 installed triton's sm_80 beyond the spot check (538 of its 701 specializations) are compiled on
-demand: ``python -m flowrl.kernels.aot --update-docs docs/kernels.md`` (every specialization, both
-archs, both versions) or ``[PYTHONPATH=.venv/triton-3.6] python -m flowrl.kernels.aot --arch 80``. The compile
+demand: ``python -m flowrl.tools.aot --update-docs docs/kernels.md`` (every specialization, both
+archs, both versions) or ``[PYTHONPATH=.venv/triton-3.6] python -m flowrl.tools.aot --arch 80``. The compile
 runs niced, so that the suite's one thread keeps a core.
 
 Under pytest-xdist (``-n``) the controller, the one process that lives the whole session, runs the
@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TRITON36 = Path(os.environ.get("FLOWRL_TRITON36", ROOT / ".venv" / "triton-3.6"))
 ARCHS_NEWEST = ("90", "80")
-SPOT_NEWEST = ("80",)  # sm_80: a spot check, the hot bf16 specializations (kernels/aot.py --spot-arch)
+SPOT_NEWEST = ("80",)  # sm_80: a spot check, the hot bf16 specializations (flowrl/tools/aot --spot-arch)
 ARCHS_36 = ("90",)
 # triton's CUDA backend wheels (ptxas, nvdisasm) are Linux x86_64
 CAN_COMPILE = sys.platform == "linux" and platform.machine() == "x86_64"
@@ -81,7 +81,7 @@ def _run(pythonpath, archs, spot):
             if _stopping.is_set():
                 return None, "", "the session ended before this run started"
             niced = ["nice", "-n", "10"] if shutil.which("nice") else []  # the suite's one thread keeps its core
-            proc = subprocess.Popen([*niced, sys.executable, "-m", "flowrl.kernels.aot", "--json", "--sass-hot",
+            proc = subprocess.Popen([*niced, sys.executable, "-m", "flowrl.tools.aot", "--json", "--sass-hot",
                                      "--arch", *archs, *(["--spot-arch", *spot] if spot else []),
                                      "--jobs", str(os.cpu_count() or 1)], cwd=tmp,
                                     env=compile_env(tmp, pythonpath), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

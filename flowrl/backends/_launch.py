@@ -55,7 +55,7 @@ UNALIGNED_PHILOX_CONFIG = (1, 2)
 # Elementwise steps (per-token sigmas, frozen masks) run the ordinary step's configuration since their
 # per-token coefficients come from a pre-pass (kernels/token.py) and are loaded once per run of
 # elements (``token_run``): at (1, 1) they fit in 128 registers on sm_90a without a spill
-# (kernels/aot.py). Three launches spill there and take WIDE_CONFIG instead (``element_config``):
+# (flowrl/tools/aot). Three launches spill there and take WIDE_CONFIG instead (``element_config``):
 # one lookup per element (RUN 1) beside Philox noise (the rollout, the loss backward replaying mu_old:
 # 8-400 bytes), float32 latents in the loss pass (16 bytes, triton 3.9 sm_90a, a given mu_old and a
 # mask), and Philox from an unaligned offset (as without the elementwise switches). The backward step
@@ -86,7 +86,7 @@ def tiles_taken(backward: bool, masked_rollout: bool = False, second_order: bool
                 philox_mean: bool = False) -> bool:
     """Whether the step kernels (the backward: ``backward``; a rollout drawing Philox noise: ``philox``)
     run STEP_LAUNCH_TABLE's multi-tile programs when their latents are 16-bit and 16-byte aligned; the
-    others run LAUNCH_TABLE's one tile. Chosen per specialization from the AOT compile (kernels/aot.py;
+    others run LAUNCH_TABLE's one tile. Chosen per specialization from the AOT compile (flowrl/tools/aot;
     no spill on sm_90a or sm_80 with triton 3.6.0 or 3.9.0, tests/kernels/test_compile.py), the same for every
     mode. One tile where 4 spilled under the register cap: a masked rollout (``masked_rollout``: the
     sample size not a multiple of 4,096; with the mean 8-40 bytes), a Philox rollout writing the mean
@@ -127,7 +127,7 @@ def step_switches(group: int, num_warps: int, n_per_sample: int, elementwise: bo
     masks, bfloat16 read and 16-bit results written as 32-bit words, so every 16-bit tensor in
     ``accessed`` (the latents the kernel reads or writes; None skipped) must start on 4 bytes; the
     multi-warp WIDE_CONFIG launches and elementwise steps stay masked, one variant each, as
-    kernels/aot.py compiles them) and register cap (``register_cap``; ``philox_mode``: the mode of a
+    flowrl/tools/aot compiles them) and register cap (``register_cap``; ``philox_mode``: the mode of a
     rollout drawing Philox noise, ``latent_bytes``: its latents' element size) of a launch."""
     tiles = element_tiles(group, num_warps)
     words = all(t.data_ptr() % 4 == 0 for t in accessed if t is not None and t.element_size() == 2)

@@ -176,7 +176,7 @@ def _flow_noise_args(noise_seed, n, tensors, batch):
     where it is 1 or 2 and the last sample's row // noise_div is below 2 noise_mod (one wrap: every
     layout flowrl.losses makes), else 0 (the general modulo). PAIRED (kernels/loss.py: bfloat16 read
     as uint32 pairs): an even element count and 4-byte aligned rows; EVEN: PAIRED and whole blocks.
-    Philox from an unaligned offset is neither (kernels/aot.py lists each launch)."""
+    Philox from an unaligned offset is neither (flowrl/tools/aot lists each launch)."""
     philox = noise_seed is not None
     if philox:
         check_philox_range(int(noise_seed[2]), n)

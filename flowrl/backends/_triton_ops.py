@@ -36,7 +36,7 @@ from flowrl.kernels.step import finalize_kernel, step_backward_kernel, step_part
 from flowrl.kernels.token import RECORD, TABLE_HEADER, token_table_kernel
 
 from . import reference
-# the launch tables and choosers live in _launch.py; re-exported here (``_triton_ops.X``, kernels/aot.py)
+# the launch tables and choosers live in _launch.py; re-exported here (``_triton_ops.X``, flowrl/tools/aot)
 from ._launch import ELEMENTWISE_CONFIG, LAUNCH_TABLE, MAX_TILE_REGISTERS, SLIM_CONFIG, STEP_LAUNCH_TABLE  # noqa: F401
 from ._launch import TOKEN_TABLE_BLOCK, UNALIGNED_PHILOX_CONFIG, WIDE_CONFIG, division_magic  # noqa: F401
 from ._launch import element_tiles, finalize_warps, launch_config, register_cap, step_switches  # noqa: F401

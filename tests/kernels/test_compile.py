@@ -31,7 +31,7 @@ def aot_rows(pythonpath=None):
 
 
 def _expected_count(archs, spot=()):
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
 
     return sum(len(aot.hot_specializations("bf16")) if arch in spot else
                sum(len(list(aot.specializations(storage))) for storage in aot.STORAGES) for arch in archs)
@@ -74,10 +74,10 @@ def _check_rows(rows, version, archs, spot=()):
 
 
 def _check_docs_table(rows, version):
-    """docs/kernels.md's per-kernel table (``python -m flowrl.kernels.aot --update-docs``) holds this run's
+    """docs/kernels.md's per-kernel table (``python -m flowrl.tools.aot --update-docs``) holds this run's
     sm_90 lines for ``version`` as the compile gives them (its sm_80 lines come from --update-docs' whole
     sm_80 compile, which CI does not run; a triton version the table does not list is not checked)."""
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
 
     text = DOCS_KERNELS.read_text()
     if not any(row["triton"] == version for row in aot.markdown_rows(text, aot.TABLE_START, aot.TABLE_END)):
@@ -86,7 +86,7 @@ def _check_docs_table(rows, version):
     stale = [line for line in aot.markdown([r for r in rows if r["arch"] == "sm_90"]).splitlines()[2:]
              if line not in table]
     assert not stale, ("docs/kernels.md's per-kernel table differs from the compile: rerun "
-                       "python -m flowrl.kernels.aot --update-docs docs/kernels.md", stale)
+                       "python -m flowrl.tools.aot --update-docs docs/kernels.md", stale)
 
 
 def _expected_barriers(kernel, label):
@@ -127,7 +127,7 @@ def test_every_kernel_specialization_compiles_with_triton_3_6():
 def test_the_specializations_cover_every_switch_the_launchers_use():
     from flowrl.backends import _triton_ops
     from flowrl.contract import LogProbKind, Mode, NoiseSource, Op
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
 
     specs = [s for storage in aot.STORAGES for s in aot.specializations(storage)]
     partials = [s.constexprs for s in specs if s.kernel == "step_partials_kernel"]
@@ -201,7 +201,7 @@ def test_the_compile_check_catches_what_the_interpreter_accepts(tmp_path):
         import sys
         sys.path.insert(0, ".")
         import bad_kernel
-        from flowrl.kernels.aot import Specialization, compile_specialization
+        from flowrl.tools.aot import Specialization, compile_specialization
         try:
             compile_specialization(Specialization("bad", {"out_ptr": "*fp32"}, {"KIND": 2}, (), 1), kernel=bad_kernel.bad)
         except Exception as exc:
@@ -221,14 +221,14 @@ def test_the_compile_check_catches_what_the_interpreter_accepts(tmp_path):
 
 def _probe_ptx(tmp_path, source: str, name: str, signature: dict) -> str:
     """The sm_90a PTX of the @triton.jit function ``name`` in ``source`` (a module written to
-    ``tmp_path``), compiled by kernels/aot.py's compile_specialization in a fresh process and cache,
+    ``tmp_path``), compiled by flowrl/tools/aot's compile_specialization in a fresh process and cache,
     every pointer 16-byte aligned: how the inline-PTX helpers' tests below see the compiled code."""
     (tmp_path / "probe_kernel.py").write_text(textwrap.dedent(source))
     code = textwrap.dedent(f'''
         import sys
         sys.path.insert(0, ".")
         import probe_kernel
-        from flowrl.kernels.aot import Specialization, compile_specialization
+        from flowrl.tools.aot import Specialization, compile_specialization
         sig = {signature!r}
         spec = Specialization({name!r}, sig, {{}}, tuple(sig), 1)
         print(compile_specialization(spec, kernel=probe_kernel.{name}).asm["ptx"])

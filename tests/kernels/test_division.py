@@ -158,7 +158,7 @@ import sys
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from flowrl.kernels import aot
+from flowrl.tools import aot
 from flowrl.kernels.common import div_rn_tile
 
 @triton.jit

@@ -519,7 +519,7 @@ def test_multi_tile_ddim_and_second_order_kl_give_the_same_bits(device, monkeypa
 
 def test_philox_rollouts_launch_under_the_register_cap(device, monkeypatch):
     """A one-tile rollout drawing Philox noise launches under maxnreg 128 (issue 21; unbounded, ptxas took
-    up to 132 registers with triton 3.6), as kernels/aot.py compiles it (register_cap); ddim's does not
+    up to 132 registers with triton 3.6), as flowrl/tools/aot compiles it (register_cap); ddim's does not
     (its sample-clip rollout spills under the cap), nor a rollout reading its noise or over float32
     latents."""
     caps = {}
@@ -544,11 +544,11 @@ def test_philox_rollouts_launch_under_the_register_cap(device, monkeypatch):
 
 
 def test_the_aot_compile_takes_the_launchers_configurations():
-    """kernels/aot.py compiles each step specialization at the launcher's (chunks per program, warps)
-    (``aot._step_config`` against ``_triton_ops.step_config``) for aligned 16-bit latents, whole and
+    """flowrl/tools/aot compiles each step specialization at the launcher's (chunks per program, warps)
+    (``launches._step_config`` against ``_triton_ops.step_config``) for aligned 16-bit latents, whole and
     masked, every mode, op, noise source, mean switch and second order (an argument shift once made it
     count dpm_sde's second-order forward at one tile, where the launcher runs 4)."""
-    from flowrl.kernels import aot
+    from flowrl.tools.aot import launches
 
     cases = itertools.product((("bf16", torch.bfloat16), ("fp16", torch.float16)), (8 * 1024, 8 * 1024 + 16), Mode,
                               Op, (False, True), NoiseSource, (False, True), (False, True))
@@ -563,8 +563,8 @@ def test_the_aot_compile_takes_the_launchers_configurations():
         want = _triton_ops.step_config(spec, n, (x, x, None, x, None), (None, x.float() if write_mean else None),
                                        backward=backward, second_order=second_order, write_mean=write_mean)
         philox = noise is NoiseSource.PHILOX
-        got = aot._step_config(storage, backward=backward, masked_rollout=rollout and n % 4096 != 0,
-                               second_order=second_order, philox=philox, philox_mean=philox and write_mean)
+        got = launches._step_config(storage, backward=backward, masked_rollout=rollout and n % 4096 != 0,
+                                    second_order=second_order, philox=philox, philox_mean=philox and write_mean)
         assert tuple(got) == tuple(want), (storage, n, mode, op, backward, noise, write_mean, second_order)
 
 
@@ -572,7 +572,7 @@ def test_philox_rollouts_take_tiles_where_they_compile_without_spills():
     """tiles_taken: a rollout drawing Philox noise over 16-bit latents runs 4 tiles above 4,096
     elements (its latents load after the noise, behind a barrier; ddim's in four parts per tile); in
     dpm_sde's second order or writing its mean it keeps one tile (at 4 tiles those spill 8-64 bytes:
-    kernels/aot.py's compile, docs/kernels.md), as kernels/aot.py's hot specializations assume."""
+    flowrl/tools/aot's compile, docs/kernels.md), as flowrl/tools/aot's hot specializations assume."""
     n = 8 * 1024
 
     def config(mode, dtype, write_mean=False, second_order=False):
@@ -590,7 +590,7 @@ def test_philox_rollouts_take_tiles_where_they_compile_without_spills():
     assert config(Mode.DDIM, torch.bfloat16) == tiled and config(Mode.DDIM, torch.float16) == tiled
     assert config(Mode.DDIM, torch.bfloat16, write_mean=True) == one
     assert config(Mode.DPM_SDE, torch.bfloat16, second_order=True) == one
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
 
     for storage in ("bf16", "fp16"):
         labels = {s.label for s in aot.hot_specializations(storage)}
@@ -668,7 +668,7 @@ def test_ddim_backward_launches_in_parts_without_a_register_cap(device, monkeypa
     """ddim's backward of the mean (gaussian) and of the clipped KL runs each tile in four parts
     (step_backward_kernel's PARTS: at most 65 registers on one tile, unbounded, where the clipped
     epsilon backward took 152-160 in one part and launched under the 128 cap); at one tile it launches
-    without a cap, as kernels/aot.py compiles it (register_cap), over 16-bit and float32 latents."""
+    without a cap, as flowrl/tools/aot compiles it (register_cap), over 16-bit and float32 latents."""
     caps = {}
     real_launch = _triton_ops._launch
 

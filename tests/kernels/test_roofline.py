@@ -1,9 +1,9 @@
 """The roofline check (issue 21; docs/kernels.md, "The roofline"): every hot kernel specialization
-(``flowrl.kernels.aot.hot_specializations``), compiled for sm_90a with the installed triton and with
+(``flowrl.tools.aot.hot_specializations``), compiled for sm_90a with the installed triton and with
 triton 3.6.0, issues few enough SASS instructions per byte it moves to reach its target fraction of
 an H200's copy bandwidth (``aot.roofline_target``). Deterministic: a static count of the compiled
 code (loop-free, checked), not a timing; no GPU needed. sm_80 is reported (docs/kernels.md's table,
-``python -m flowrl.kernels.aot --roofline --arch 80``), not asserted.
+``python -m flowrl.tools.aot --roofline --arch 80``), not asserted.
 
 The targets not met yet are listed in NOT_YET_MET with the floor measured today (the lowest bound
 over bf16 / fp16 and both triton versions, rounded down to 0.01): those specializations must stay at
@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 STORAGES = ("bf16", "fp16")
 
 # "kernel: label" -> the floor of its bound (fraction of copy bandwidth), below its target today.
-# Filled from `python -m flowrl.kernels.aot --hot --storage bf16 fp16 --arch 90 --roofline` with both
+# Filled from `python -m flowrl.tools.aot --hot --storage bf16 fp16 --arch 90 --roofline` with both
 # triton versions; docs/kernels.md says why each is not met yet.
 NOT_YET_MET = {
     "step_partials_kernel: ddim[epsilon clip] rollout noise=philox g4w1 even": 0.88,
@@ -46,7 +46,7 @@ def _hot_rows(pythonpath=None):
 
 
 def _check(rows, version):
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
 
     hot = {f"{s.kernel}: {s.label}" for storage in STORAGES for s in aot.hot_specializations(storage)}
     assert len(rows) == sum(len(aot.hot_specializations(storage)) for storage in STORAGES)
@@ -71,7 +71,7 @@ def _check_docs_table(rows, version):
     """docs/kernels.md's roofline table (bf16, ``--update-docs``) states each hot bf16 row's SASS per
     element and bound for ``version`` as the compile gives them (a triton version the table has no
     columns for is not checked)."""
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
 
     documented = {(d["kernel"].strip("`"), d["specialization"]): d
                   for d in aot.markdown_rows(DOCS_KERNELS.read_text(), aot.ROOFLINE_START, aot.ROOFLINE_END)}
@@ -84,7 +84,7 @@ def _check_docs_table(rows, version):
              for key, r in bf16.items()
              if (documented[key][sass], documented[key][bound].split()[0]) != (str(r["sass_per_element"]), str(r["bound"]))]
     assert not stale, ("docs/kernels.md's roofline table differs from the compile: rerun "
-                       "python -m flowrl.kernels.aot --update-docs docs/kernels.md", stale)
+                       "python -m flowrl.tools.aot --update-docs docs/kernels.md", stale)
 
 
 @needs_linux_x86
@@ -112,7 +112,7 @@ def test_hot_specializations_reach_their_roofline_with_triton_3_6():
 def test_the_roofline_arithmetic():
     """The issue's model: 72 SASS instructions per element at 6 bytes per element reach 65% of copy
     bandwidth; 7.8 instructions per byte is the break-even."""
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
 
     assert aot.roofline_bound(72, 6) == pytest.approx(0.65, abs=2e-3)
     assert aot.roofline_bound(33.4 / 4.3 * 6, 6) == pytest.approx(1.0, abs=2e-3)
@@ -121,7 +121,7 @@ def test_the_roofline_arithmetic():
 def test_kernels_that_draw_philox_noise_have_the_noise_target():
     """Rollouts drawing Philox noise, the GRPO family's replayed mu_old and DPO / DGPO's eps drawn in the
     kernel: 1.0 (0.7 unaligned); the same kernels without the noise keep theirs."""
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
 
     targets = {}
     for spec in aot.hot_specializations("bf16"):
@@ -135,24 +135,26 @@ def test_kernels_that_draw_philox_noise_have_the_noise_target():
 
 def test_bytes_per_element_follow_the_element_traffic_table():
     from flowrl.contract import LogProbKind, Mode, NoiseSource, Op
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
+    from flowrl.tools.aot.loss_specs import _grpo_loss
+    from flowrl.tools.aot.steps import Rollout, _backward, _partials
 
     g = (1, 1)
-    assert aot.bytes_per_element(aot._partials("bf16", Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *g)) == 6
-    assert aot.bytes_per_element(aot._partials("bf16", Mode.SDE, Op.KL, NoiseSource.TENSOR, False, False, *g)) == 4
-    assert aot.bytes_per_element(aot._partials("bf16", Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, False, True, *g)) == 6
-    assert aot.bytes_per_element(aot._partials("bf16", Mode.SDE, Op.ROLLOUT, NoiseSource.PHILOX, True, True, *g)) == 10
+    assert aot.bytes_per_element(_partials("bf16", Mode.SDE, Op.LOG_PROB, *g)) == 6
+    assert aot.bytes_per_element(_partials("bf16", Mode.SDE, Op.KL, *g)) == 4
+    assert aot.bytes_per_element(_partials("bf16", Mode.SDE, Op.ROLLOUT, *g, Rollout(NoiseSource.PHILOX, False, True))) == 6
+    assert aot.bytes_per_element(_partials("bf16", Mode.SDE, Op.ROLLOUT, *g, Rollout(NoiseSource.PHILOX, True, True))) == 10
     # given float32 noise and the float32 mean
-    assert aot.bytes_per_element(aot._partials("bf16", Mode.SDE, Op.ROLLOUT, NoiseSource.TENSOR, True, False, *g)) == 14
-    assert aot.bytes_per_element(aot._partials("fp32", Mode.SDE, Op.LOG_PROB, NoiseSource.TENSOR, False, False, *g)) == 12
-    assert aot.bytes_per_element(aot._backward("bf16", Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False), *g)) == 8
-    assert aot.bytes_per_element(aot._backward("bf16", Mode.SDE, LogProbKind.GAUSSIAN, True, (True, True, True), *g)) == 12
-    assert aot.bytes_per_element(aot._grpo_loss("bf16", Mode.SDE, True, 2, *g)) == 8
-    assert aot.bytes_per_element(aot._grpo_loss("bf16", Mode.SDE, True, 1, *g)) == 12
+    assert aot.bytes_per_element(_partials("bf16", Mode.SDE, Op.ROLLOUT, *g, Rollout(NoiseSource.TENSOR, True, False))) == 14
+    assert aot.bytes_per_element(_partials("fp32", Mode.SDE, Op.LOG_PROB, *g)) == 12
+    assert aot.bytes_per_element(_backward("bf16", Mode.SDE, LogProbKind.GAUSSIAN, True, (False, True, False), *g)) == 8
+    assert aot.bytes_per_element(_backward("bf16", Mode.SDE, LogProbKind.GAUSSIAN, True, (True, True, True), *g)) == 12
+    assert aot.bytes_per_element(_grpo_loss("bf16", Mode.SDE, True, 2, *g)) == 8
+    assert aot.bytes_per_element(_grpo_loss("bf16", Mode.SDE, True, 1, *g)) == 12
 
 
 def test_sass_count_drops_padding_and_finds_runtime_loops():
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
 
     straight = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -199,7 +201,8 @@ def test_batched_disassembly_counts_each_kernel_as_its_own_listing(tmp_path):
         import os, re, subprocess, sys, tempfile
         sys.path.insert(0, ".")
         import two_kernels
-        from flowrl.kernels import aot
+        from flowrl.tools import aot
+        from flowrl.tools.aot.compile import _tool
         compiled = [aot.compile_specialization(aot.Specialization(name, {"out_ptr": "*fp32", arg: t}, {}, ("out_ptr",), 1),
                                                kernel=getattr(two_kernels, name))
                     for name, arg, t in (("straight", "a", "fp32"), ("looped", "n", "i32"))] * 2
@@ -209,7 +212,7 @@ def test_batched_disassembly_counts_each_kernel_as_its_own_listing(tmp_path):
             path = os.path.join(tempfile.mkdtemp(), "k.cubin")
             with open(path, "wb") as f:
                 f.write(c.asm["cubin"])
-            listing = subprocess.run([aot._tool("nvdisasm"), "-c", path], capture_output=True, text=True,
+            listing = subprocess.run([_tool("nvdisasm"), "-c", path], capture_output=True, text=True,
                                      check=True).stdout
             at, labels, branches = 0, {}, []
             for line in listing.splitlines():
@@ -236,7 +239,7 @@ def test_docs_state_how_many_hot_specializations_meet_their_targets():
     import pathlib
     import re
 
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
 
     text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "kernels.md").read_text()
     met, hot = map(int, re.search(r"(\d+) of the (\d+) hot specializations meet their targets", text).groups())
@@ -283,7 +286,7 @@ def test_philox_normals_cost_at_most_34_sass_each(tmp_path):
         import sys
         sys.path.insert(0, ".")
         import normals_kernel
-        from flowrl.kernels import aot
+        from flowrl.tools import aot
         sig = {"out_ptr": "*fp32", "seed": "i64", "stream": "u32", "first": "i64"}
         compiled = aot.compile_specialization(aot.Specialization("normals", sig, {}, ("out_ptr",), 1),
                                               kernel=normals_kernel.normals)

@@ -548,10 +548,10 @@ def test_docs_snippet_runs():
 # ------------------------------------------------------------------------------------ AOT compile
 
 def test_aot_lists_every_preference_specialization():
-    """kernels/aot.py lists what dpo_loss / dgpo_loss launch: DPO (one reference, HAS_REF off) and DGPO
+    """flowrl/tools/aot lists what dpo_loss / dgpo_loss launch: DPO (one reference, HAS_REF off) and DGPO
     with one or two references, forward and backward, for every storage dtype, with eps given or drawn
     from Philox (aligned or not) on a tail or on whole blocks (EVEN)."""
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
 
     for storage in aot.STORAGES:
         listed = {(s.kernel, s.constexprs["LOSS"], s.constexprs["HAS_REF"]) for s in aot.loss_specializations(storage)
@@ -579,21 +579,22 @@ def test_aot_lists_every_preference_specialization():
 
 
 def test_the_roofline_counts_the_bytes_the_preference_kernels_move():
-    """kernels/aot.py's ELEMENT_TRAFFIC: DPO reads v, eps, x0 and v_ref (the xt slot), DGPO also its second
+    """flowrl/tools/aot's ELEMENT_TRAFFIC (roofline.py): DPO reads v, eps, x0 and v_ref (the xt slot), DGPO also its second
     reference (the ref slot); eps drawn from Philox is not read; the DPO backward does not read v_ref."""
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
+    from flowrl.tools.aot.loss_specs import _flow_loss
 
     g = (1, 1)
     dpo, dgpo = int(L.FlowLoss.DPO), int(L.FlowLoss.DGPO)
-    assert aot.bytes_per_element(aot._flow_loss("bf16", dpo, False, *g)) == 8
-    assert aot.bytes_per_element(aot._flow_loss("bf16", dgpo, False, *g)) == 8
-    assert aot.bytes_per_element(aot._flow_loss("bf16", dgpo, True, *g)) == 10
-    assert aot.bytes_per_element(aot._flow_loss("bf16", dpo, False, *g, philox=True)) == 6
-    assert aot.bytes_per_element(aot._flow_loss("bf16", dgpo, True, *g, even=True, philox=True)) == 8
-    assert aot.bytes_per_element(aot._flow_loss("bf16", dpo, False, *g, backward=True)) == 8  # v, eps, x0, grad_v
-    assert aot.bytes_per_element(aot._flow_loss("bf16", dgpo, True, *g, backward=True)) == 12
-    assert aot.bytes_per_element(aot._flow_loss("bf16", 0, True, *g)) == 10  # NFT: x_t, v, v_old, x0, v_ref
-    assert aot.bytes_per_element(aot._flow_loss("bf16", 1, False, *g)) == 6  # AWM: v, eps, x0
+    assert aot.bytes_per_element(_flow_loss("bf16", dpo, False, *g)) == 8
+    assert aot.bytes_per_element(_flow_loss("bf16", dgpo, False, *g)) == 8
+    assert aot.bytes_per_element(_flow_loss("bf16", dgpo, True, *g)) == 10
+    assert aot.bytes_per_element(_flow_loss("bf16", dpo, False, *g, philox=True)) == 6
+    assert aot.bytes_per_element(_flow_loss("bf16", dgpo, True, *g, even=True, philox=True)) == 8
+    assert aot.bytes_per_element(_flow_loss("bf16", dpo, False, *g, backward=True)) == 8  # v, eps, x0, grad_v
+    assert aot.bytes_per_element(_flow_loss("bf16", dgpo, True, *g, backward=True)) == 12
+    assert aot.bytes_per_element(_flow_loss("bf16", 0, True, *g)) == 10  # NFT: x_t, v, v_old, x0, v_ref
+    assert aot.bytes_per_element(_flow_loss("bf16", 1, False, *g)) == 6  # AWM: v, eps, x0
 
 
 @pytest.mark.skipif(not (sys.platform == "linux" and __import__("platform").machine() == "x86_64"),
@@ -609,7 +610,7 @@ def test_preference_kernels_compile_without_spills(version):
     from collections import Counter
 
     from aot_runs import ARCHS_36, ARCHS_NEWEST, SPOT_NEWEST, TRITON36, rows as aot_rows
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
 
     if version == "3.6" and not (TRITON36 / "triton").is_dir():
         if os.environ.get("CI"):

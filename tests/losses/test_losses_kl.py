@@ -457,10 +457,11 @@ def test_bad_arguments_name_the_argument():
 
 
 def test_the_aot_list_compiles_the_kl_switches():
-    """kernels/aot.py lists the new switches (tests/kernels/test_compile.py compiles every listed specialization;
+    """flowrl/tools/aot lists the new switches (tests/kernels/test_compile.py compiles every listed specialization;
     tests/kernels/test_roofline.py holds the hot ones to their bound) and counts the conditional branch's bytes."""
     from flowrl.contract import KLSpace
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
+    from flowrl.tools.aot.loss_specs import _grpo_loss
 
     for storage in aot.STORAGES:
         specs = [s for s in aot.loss_specializations(storage) if s.kernel.startswith("grpo")]
@@ -469,6 +470,6 @@ def test_the_aot_list_compiles_the_kl_switches():
             assert {(kernel, int(KLSpace.TRANSITION), False), (kernel, int(KLSpace.VELOCITY), True),
                     (kernel, int(KLSpace.TRANSITION), True)} <= seen
     g = (1, 1)
-    plain = aot._grpo_loss("bf16", flowrl.contract.Mode.SDE, True, 1, *g, kl_space=KLSpace.VELOCITY)
-    guided = aot._grpo_loss("bf16", flowrl.contract.Mode.SDE, True, 1, *g, kl_space=KLSpace.VELOCITY, guided=True)
+    plain = _grpo_loss("bf16", flowrl.contract.Mode.SDE, True, 1, *g, kl=aot.KLReference(KLSpace.VELOCITY))
+    guided = _grpo_loss("bf16", flowrl.contract.Mode.SDE, True, 1, *g, kl=aot.KLReference(KLSpace.VELOCITY, guided=True))
     assert aot.bytes_per_element(guided) == aot.bytes_per_element(plain) + 2

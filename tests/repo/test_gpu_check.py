@@ -138,7 +138,7 @@ def test_every_mode_and_step_op_has_its_static_bound_from_the_docs_table():
     """bench/run.py's static bound beside each measured GB/s (docs/kernels.md's roofline table, bf16):
     every mode of every step op has one (ddim's labels carry its prediction, dpm_sde's its order),
     and it is the lowest of the op's kernels' bounds there."""
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
 
     sys.path.insert(0, os.path.join(REPO, "bench"))
     try:

@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONTRIBUTING = (ROOT / "docs" / "contributing.md").read_text()
 # a file path as the recipes write it, in backticks: no placeholder (tests/test_<name>.py)
 PATH = re.compile(r"`((?:[\w.-]+/)*[\w.-]+\.(?:py|md|cfg|sh))`")
-UPDATE_DOCS = "python -m flowrl.kernels.aot --update-docs docs/kernels.md"
+UPDATE_DOCS = "python -m flowrl.tools.aot --update-docs docs/kernels.md"
 
 
 def _section(text, heading):
@@ -52,7 +52,8 @@ MODE_FILES = {
 LOSS_FILES = {
     "flowrl/losses/__init__.py", "flowrl/losses/_custom_ops.py", "flowrl/losses/distributed.py",
     "flowrl/distributed.py", "flowrl/contract.py", "flowrl/backends/reference_losses.py", "kernels/loss.py",
-    "kernels/aot.py", "docs/compile.md", "docs/losses.md", "docs/contract.md", "README.md", "docs/kernels.md",
+    "flowrl/tools/aot/loss_specs.py", "flowrl/tools/aot/roofline.py",  # its specializations, bytes and target
+    "docs/compile.md", "docs/losses.md", "docs/contract.md", "README.md", "docs/kernels.md",
     "tests/ops/test_argument_order.py", "tests/losses/test_losses_distributed.py", "tests/ops/test_torch_compile.py",
     "tests/ops/test_empty_batch.py", "tests/repo/test_readme.py", "tests/kernels/test_compile.py", "tests/kernels/test_roofline.py",
     "flowrl/oracle/losses.py", "tests/ops/test_contract.py",  # its float64 formula and the test that holds it
@@ -80,9 +81,9 @@ def test_the_loss_recipe_names_every_file_a_loss_changes():
 
 
 def test_the_recipes_regenerate_the_tables_with_the_tools_own_command():
-    from flowrl.kernels import aot
+    from flowrl.tools import aot
 
-    assert UPDATE_DOCS in aot.__doc__  # the command kernels/aot.py documents
+    assert UPDATE_DOCS in aot.__doc__  # the command flowrl/tools/aot documents
     assert UPDATE_DOCS in REGENERATE
     for marker in (aot.TABLE_START, aot.TABLE_END, aot.ROOFLINE_START, aot.ROOFLINE_END):
         assert marker in REGENERATE and marker in (ROOT / "docs" / "kernels.md").read_text(), marker
