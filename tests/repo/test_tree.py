@@ -1,6 +1,7 @@
 """The tree is self-contained and current: the flat module paths of before the layers (docs/contributing.md,
-"The layers") are gone, each raising ModuleNotFoundError, and no file in the repository names one; no
-file cites a document outside the repository (the contract is docs/contract.md)."""
+"The layers") and the compile and roofline tool's place inside the kernels' package are gone, each
+raising ModuleNotFoundError, and no file in the repository names one; no file cites a document outside
+the repository (the contract is docs/contract.md)."""
 import importlib
 import importlib.util
 import pathlib
@@ -36,6 +37,8 @@ MOVED = {
     "flowrl.timestep_lookup": "flowrl.rollout.timestep_lookup",
     "flowrl.demo": "flowrl.apps.demo",
     "flowrl.example": "flowrl.apps.example",
+    # the compile and roofline tool, out of the kernels' package (kernels/ imports no flowrl.backends)
+    "flowrl.kernels.aot": "flowrl.tools.aot",
 }
 
 _NAMES = "|".join(sorted((re.escape(old.split(".", 1)[1]) for old in MOVED), key=len, reverse=True))
@@ -113,10 +116,12 @@ def test_no_file_cites_a_document_outside_the_repository():
 
 def test_the_patterns_find_what_they_look_for():
     for text in ("import flowrl.scheduler", "flowrl.reference.philox_normal", "(flowrl/recorder.py)",
-                 "from flowrl import losses, _dispatch", "``flowrl._triton_losses``"):
+                 "from flowrl import losses, _dispatch", "``flowrl._triton_losses``",
+                 "python -m flowrl.kernels.aot --update-docs"):
         assert OLD_PATH.search(text), text
     for text in ("flowrl.rollout.scheduler", "flowrl.backends.reference_losses", "flowrl/rollout/recorder.py",
-                 "from flowrl import losses", "flowrl.sde_step", "flowrl.references", "flowrl.DDIMScheduler"):
+                 "from flowrl import losses", "flowrl.sde_step", "flowrl.references", "flowrl.DDIMScheduler",
+                 "flowrl.kernels.step", "flowrl.tools.aot", "python -m flowrl.tools.aot --update-docs"):
         assert not OLD_PATH.search(text), text
     for text in ("(SPEC, Modes)", "../shared/SPEC.md"):
         assert OUTSIDE.search(text), text
