@@ -22,7 +22,8 @@ from .tree import BranchTree
 # identifies the wire dict and the safetensors file; bump the version when the layout changes.
 # /2 adds token_sigmas, frozen, counts and streams (all optional); /1 payloads and files still load.
 # A branching rollout's tree (flowrl.data.tree) adds the key "tree" (files: tensors "tree.<field>"),
-# present only when there is a tree, so a /2 payload without one is unchanged.
+# present only when there is a tree, so a /2 payload without one is unchanged. Per-sample SDE windows add the
+# tensor "sde_mask" (bool [B, T]; docs/wire_and_sp.md) the same way: present only when recorded.
 FORMAT = "flowrl.RolloutTrajectory/2"
 FORMAT_V1 = "flowrl.RolloutTrajectory/1"
 # files only: /2 plus the metadata key "checksums" (a digest of every tensor's bytes, dtype and shape, and
@@ -98,6 +99,8 @@ def trajectory_from_wire(cls, wire: Any, *, max_bytes: Optional[int], device, wh
     expected = set(_TENSOR_FIELDS) | set(_SETTING_FIELDS) | set(optional) | {"format"}
     if version == FORMAT:
         expected.add("streams")
+        if "sde_mask" in wire:
+            expected.add("sde_mask")
         if "tree" in wire and not nested:
             expected.add("tree")
         if "stream_weights" in wire and not nested:
@@ -109,6 +112,8 @@ def trajectory_from_wire(cls, wire: Any, *, max_bytes: Optional[int], device, wh
             f"{where}: missing keys {sorted(expected - set(wire))}, unexpected keys {sorted(set(wire) - expected)}"
         )
     tensor_names = list(_TENSOR_FIELDS) + [name for name in optional if wire[name] is not None]
+    if "sde_mask" in expected:
+        tensor_names.append("sde_mask")
     for name in tensor_names:
         if not isinstance(wire[name], dict) or wire[name].get("__tensor__") is not True:
             raise ValueError(f"{where}: {name} must be a tensor envelope")
@@ -183,7 +188,7 @@ def load_trajectory(cls, path, *, max_bytes: Optional[int], device):
             raise ValueError(f"{where}: metadata streams must be 0 or a count in [2, 64]; got {metadata['streams']!r}")
         num_streams = int(metadata["streams"])
     optional = {"sde_steps"} if version == FORMAT_V1 else set(_OPTIONAL_TENSORS)
-    allowed = set(_TENSOR_FIELDS) | optional
+    allowed = set(_TENSOR_FIELDS) | optional | ({"sde_mask"} if version == FORMAT else set())
     groups: List[Dict[str, torch.Tensor]] = [dict() for _ in range(num_streams + 1)]
     tree = None
     if version == FORMAT and any(name.startswith("tree.") for name in tensors):
@@ -303,6 +308,12 @@ def checked_trajectory(cls, tensors: Dict[str, torch.Tensor], settings: Dict[str
     steps = check_index("latent_step_indices", steps, kept, num_steps)
     if sde_steps is not None:
         sde_steps = check_index("sde_steps", sde_steps, None, num_steps - 1)
+    sde_mask = tensors.get("sde_mask")
+    if sde_mask is not None:
+        if sde_mask.dtype != torch.bool or tuple(sde_mask.shape) != (batch, num_steps):
+            fail(f"sde_mask must be bool [B, T] = [{batch}, {num_steps}]; got {sde_mask.dtype} {tuple(sde_mask.shape)}")
+        if sde_steps is not None:
+            fail("sde_mask (per-sample SDE steps) and sde_steps (one set for the batch) are exclusive")
     prev_x0_preds = tensors.get("prev_x0_preds")
     if prev_x0_preds is not None and (
             prev_x0_preds.dtype not in (torch.float32, torch.float64)
@@ -330,6 +341,7 @@ def checked_trajectory(cls, tensors: Dict[str, torch.Tensor], settings: Dict[str
     fields = dict(
         latents=latents, log_probs=log_probs, timesteps=timesteps, sigmas=sigmas, latent_step_indices=steps,
         sde_steps=sde_steps, token_sigmas=token_sigmas, frozen=frozen, counts=counts, prev_x0_preds=prev_x0_preds,
+        sde_mask=sde_mask,
     )
     if device is not None:
         fields = {k: (v.to(device) if v is not None else None) for k, v in fields.items()}

@@ -125,7 +125,10 @@ def replay_plan(traj, batch_size: int, *, steps: Optional[Sequence[int]] = None,
     when all were stochastic); each needs latents j and j + 1 kept. ``order``: "step" enumerates the
     pairs step by step (all samples of step 0, then of step 1, ...), "sample" sample by sample; the
     enumeration is cut into consecutive chunks of ``batch_size``. Stochastic and ode steps (``sde_steps``)
-    never share a chunk (their modes differ). ``batch_size = B`` with ``order="step"`` is the
+    never share a chunk (their modes differ). Per-sample SDE windows (``traj.sde_mask``): the default
+    replays the stochastic (sample, step) pairs only, every pair whose step the sample ran stochastic and
+    no other; with ``steps=`` every pair of those steps, the stochastic and the ode pairs in separate
+    chunks. ``batch_size = B`` with ``order="step"`` is the
     step-by-step recompute. A joint rollout (``streams``) is refused: replay it step by step."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, Integral) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
@@ -135,6 +138,7 @@ def replay_plan(traj, batch_size: int, *, steps: Optional[Sequence[int]] = None,
         raise ValueError("replay_plan: a joint rollout (streams) is replayed step by step (traj.step_inputs(j))")
     num_steps, batch = traj.num_steps, traj.batch_size
     sde = None if traj.sde_steps is None else set(traj.sde_steps.tolist())
+    default_steps = steps is None
     if steps is None:
         steps = sorted(sde) if sde is not None else list(range(num_steps))
     else:
@@ -146,21 +150,39 @@ def replay_plan(traj, batch_size: int, *, steps: Optional[Sequence[int]] = None,
         steps = sorted(set(int(s) for s in steps))
     if not steps:
         raise ValueError("steps is empty: nothing to replay")
+    mask = None if traj.sde_mask is None else traj.sde_mask.cpu()
+    if mask is not None and default_steps:
+        steps = [s for s in range(num_steps) if bool(mask[:, s].any())]
+        if not steps:
+            raise ValueError("sde_mask has no stochastic (sample, step) pair: nothing to replay")
     for s in steps:  # the same checks as step_inputs (range, kept latents)
-        traj._check_loop_steps(s)
+        traj._check_steps_kept(s)
     device = traj.latents.device
     chunks: List[ReplayChunk] = []
     for stochastic in (True, False):
-        group = [s for s in steps if (sde is None or s in sde) == stochastic]
-        if not group:
-            continue
-        g = torch.tensor(group, dtype=torch.int64)
-        if order == "step":
-            pair_steps = g.repeat_interleave(batch)
-            pair_samples = torch.arange(batch, dtype=torch.int64).repeat(len(group))
-        else:
-            pair_samples = torch.arange(batch, dtype=torch.int64).repeat_interleave(len(group))
-            pair_steps = g.repeat(batch)
+        if mask is None:
+            group = [s for s in steps if (sde is None or s in sde) == stochastic]
+            if not group:
+                continue
+            g = torch.tensor(group, dtype=torch.int64)
+            if order == "step":
+                pair_steps = g.repeat_interleave(batch)
+                pair_samples = torch.arange(batch, dtype=torch.int64).repeat(len(group))
+            else:
+                pair_samples = torch.arange(batch, dtype=torch.int64).repeat_interleave(len(group))
+                pair_steps = g.repeat(batch)
+        else:  # per-sample windows: the pairs of this kind, in the same enumeration order
+            if not stochastic and default_steps:
+                continue
+            g = torch.tensor(steps, dtype=torch.int64)
+            if order == "step":
+                all_steps, all_samples = g.repeat_interleave(batch), torch.arange(batch).repeat(len(steps))
+            else:
+                all_samples, all_steps = torch.arange(batch).repeat_interleave(len(steps)), g.repeat(batch)
+            keep = mask[all_samples, all_steps] == stochastic
+            pair_steps, pair_samples = all_steps[keep], all_samples[keep].to(torch.int64)
+            if not pair_steps.numel():
+                continue
         for start in range(0, pair_steps.numel(), int(batch_size)):
             chunks.append(ReplayChunk(pair_samples[start:start + batch_size].to(device),
                                       pair_steps[start:start + batch_size].to(device), stochastic))

@@ -34,6 +34,10 @@ class RolloutTrajectory:
         ``arange(T + 1)``; a filtered K must pass it.
     mode, noise_level, log_prob_kind, reduction: the rollout settings, to recompute with the same ones.
     sde_steps: int64 [S] loop steps that were stochastic (the others ran as ``ode``), or None for all.
+    sde_mask: bool [B, T] or None: per-sample SDE windows (``rollout(sde_steps=)`` given one step set
+        per sample, docs/scheduler.md): True where sample b's loop step j was stochastic, False where it
+        ran as ``ode`` (log-prob 0, no noise drawn). Set only when the samples' sets differ (equal sets
+        are recorded as ``sde_steps``); ``sde_steps`` is then None. ``step_mask()`` gives either as [B, T].
     token_sigmas: float32 [B, T, ...] or None: each step's per-token sigmas (``per_token_timesteps /
         1000`` with a trailing 1, e.g. [B, T, S, 1] for [B, S, C] tokens), when the pipeline passed
         ``per_token_timesteps``. Tokens at sigma 0 were held (x' = x) and are not in the log-prob.
@@ -86,8 +90,17 @@ class RolloutTrajectory:
     denoising_env: Optional[Any] = None
     debug_tensors: Optional[Any] = None
     stream_weights: Optional[Tuple[float, ...]] = None
+    sde_mask: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
+        if self.sde_mask is not None:
+            if self.sde_steps is not None:
+                raise ValueError("sde_mask (per-sample SDE steps) and sde_steps (one set for the batch) are exclusive; "
+                                 "pass one of them")
+            m = self.sde_mask
+            if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or m.dim() != 2:
+                raise ValueError(f"sde_mask must be a bool tensor [B, T]; got "
+                                 f"{type(m).__name__ if not isinstance(m, torch.Tensor) else (m.dtype, tuple(m.shape))}")
         if self.stream_weights is not None:
             if self.streams is None:
                 raise ValueError("stream_weights weights a joint rollout's streams; this trajectory has no streams")
@@ -157,6 +170,17 @@ class RolloutTrajectory:
         trajectory's tensors moved to ``model_output``'s device (for a joint rollout, a tuple in stream
         order: the first entry's device)."""
         device = (model_output[0] if isinstance(model_output, tuple) else model_output).device
+        split = self._mode_split(j)
+        if split is not None:  # per-sample windows: the stochastic and the ode samples of j, as two calls
+            out = None
+            for idx in split:
+                idx = idx.to(device)
+                part = model_output[idx] if not isinstance(model_output, tuple) else tuple(m[idx] for m in model_output)
+                jj = j[idx.to(j.device)] if isinstance(j, torch.Tensor) else j
+                lp = self._rows(idx).step_log_prob(jj, part, **kwargs)
+                out = lp.new_empty((self.batch_size, *lp.shape[1:])) if out is None else out
+                out[idx.to(out.device)] = lp
+            return out
 
         def to(v):
             if isinstance(v, tuple):
@@ -165,6 +189,19 @@ class RolloutTrajectory:
 
         inputs = {k: to(v) for k, v in self.step_inputs(j).items()}
         return step_log_prob(model_output=model_output, **{**inputs, **kwargs})
+
+    def step_mask(self) -> torch.Tensor:
+        """bool [B, T] (on the log-probs' device): True where sample b's loop step j was stochastic (its
+        log-prob is a transition's, to recompute and train on), False where it ran as ``ode`` (log-prob 0).
+        From ``sde_mask`` (per-sample windows), else ``sde_steps`` (one set for the batch), else all True."""
+        device = self.log_probs.device
+        if self.sde_mask is not None:
+            return self.sde_mask.to(device)
+        mask = torch.ones(self.batch_size, self.num_steps, dtype=torch.bool, device=device)
+        if self.sde_steps is not None:
+            mask[:] = False
+            mask[:, self.sde_steps.to(device)] = True
+        return mask
 
     def replay_plan(self, batch_size: int, **kwargs):
         """The recompute as forwards of at most ``batch_size`` (sample, step) pairs, each with its own
@@ -194,7 +231,20 @@ class RolloutTrajectory:
             self, latents=self.latents[i:i + 1], log_probs=self.log_probs[i:i + 1], token_sigmas=cut(self.token_sigmas),
             frozen=cut(self.frozen), counts=cut(self.counts), prev_x0_preds=cut(self.prev_x0_preds),
             streams=None if self.streams is None else tuple(s._sample(i) for s in self.streams),
-            tree=None if self.tree is None else self.tree.select_row(i),
+            tree=None if self.tree is None else self.tree.select_row(i), sde_mask=cut(self.sde_mask),
+        )
+
+    def _rows(self, rows: torch.Tensor) -> "RolloutTrajectory":
+        """The samples ``rows`` (int64 [N]) as a trajectory (copies); a branching rollout's tree is dropped
+        (it is the whole batch's)."""
+        def cut(t):
+            return None if t is None else (t if t.shape[0] == 1 else t[rows.to(t.device)])
+
+        return replace(
+            self, latents=cut(self.latents), log_probs=cut(self.log_probs), token_sigmas=cut(self.token_sigmas),
+            frozen=cut(self.frozen), counts=cut(self.counts), prev_x0_preds=cut(self.prev_x0_preds),
+            streams=None if self.streams is None else tuple(s._rows(rows) for s in self.streams),
+            tree=None, sde_mask=cut(self.sde_mask), denoising_env=None, debug_tensors=None,
         )
 
     # ----------------------------------------------------------------------------------------------
@@ -244,6 +294,12 @@ class RolloutTrajectory:
         return out if device is None else {k: move(v, device) for k, v in out.items()}
 
     def _check_loop_steps(self, j):
+        """The loop steps ``j`` names (checked by ``_check_steps_kept``) and the one mode they ran in."""
+        return self._check_loop_steps_mode(j, self._check_steps_kept(j))
+
+    def _check_steps_kept(self, j):
+        """The sorted loop steps ``j`` names (an int, or an integer tensor [B]), each in range with its
+        latents j and j + 1 kept."""
         num_steps = self.num_steps
         if isinstance(j, torch.Tensor):
             if j.dtype.is_floating_point or j.dtype == torch.bool or j.dim() != 1 or j.numel() != self.batch_size:
@@ -264,6 +320,16 @@ class RolloutTrajectory:
                 "step j needs latents[:, j] and latents[:, j + 1]; this trajectory did not keep loop step(s) "
                 f"{missing} (latent_step_indices = {sorted(kept)})"
             )
+        return values
+
+    def _check_loop_steps_mode(self, j, values):
+        if self.sde_mask is not None:
+            flags = set(self._pair_flags(j).tolist())
+            if len(flags) > 1:
+                raise ValueError("at these loop steps some samples were stochastic and others ode (sde_mask, per-sample "
+                                 "SDE windows): traj.step_log_prob(j, v) splits them, traj.replay_plan groups them; or "
+                                 "take the samples of one kind")
+            return values, self.mode if flags.pop() else "ode"
         if self.sde_steps is None:
             return values, self.mode
         sde = set(self.sde_steps.tolist())
@@ -271,6 +337,29 @@ class RolloutTrajectory:
         if len(stochastic) > 1:
             raise ValueError("j mixes sde steps and ode steps (sde_steps); recompute them in separate calls")
         return values, self.mode if stochastic.pop() else "ode"
+
+    def _pair_flags(self, j) -> torch.Tensor:
+        """bool [B]: whether each sample's loop step ``j`` (an int, or a step per sample) was stochastic
+        (``sde_mask`` set)."""
+        mask = self.sde_mask.cpu()
+        if isinstance(j, torch.Tensor):
+            return mask[torch.arange(mask.shape[0]), j.cpu()]
+        return mask[:, int(j)]
+
+    def _mode_split(self, j) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """(stochastic rows, ode rows) of step ``j`` when ``sde_mask`` makes them differ, else None."""
+        if self.sde_mask is None or self.sde_mask.shape[0] != self.batch_size:
+            return None
+        if not (isinstance(j, torch.Tensor) or (isinstance(j, Integral) and not isinstance(j, bool))):
+            return None
+        if isinstance(j, torch.Tensor) and (j.dim() != 1 or j.numel() != self.batch_size):
+            return None  # _check_loop_steps names it
+        if isinstance(j, Integral) and not 0 <= j < self.sde_mask.shape[1]:
+            return None
+        flags = self._pair_flags(j)
+        if bool(flags.all()) or not bool(flags.any()):
+            return None
+        return flags.nonzero().flatten(), (~flags).nonzero().flatten()
 
     def _stream_inputs(self, j) -> Dict[str, Any]:
         """This stream's tensors for loop step(s) ``j`` (checked by ``_check_loop_steps``)."""
@@ -300,6 +389,8 @@ class RolloutTrajectory:
         for name in _OPTIONAL_TENSORS:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        if self.sde_mask is not None:  # the key only when set: a trajectory without one writes what it did before
+            out["sde_mask"] = self.sde_mask
         return out
 
     def to_wire(self) -> Dict[str, Any]:

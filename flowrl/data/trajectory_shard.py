@@ -7,8 +7,10 @@ elements, ranks in order) when the sample's dims between the batch and ``dim`` h
 checked; the shard's ``offset`` and ``numel`` are the ``ShardContext`` values of that range.
 
 The shard holds the rank's slices of the latents, per-token sigmas, the frozen mask and dpm_sde's
-previous x0; the schedule, the settings and the log-probs (full-sample values, the same on every
-rank) are the trajectory's. ``shard.step_inputs(j)`` gives this rank's inputs of
+previous x0; the schedule, the settings, the log-probs (full-sample values, the same on every
+rank) and the per-sample SDE mask (``sde_mask``: per sample, not per element) are the trajectory's.
+On a step where the mask makes some samples stochastic and others ode, ``shard.step_log_prob`` runs
+the two groups as two collectives, stochastic first, on every rank alike. ``shard.step_inputs(j)`` gives this rank's inputs of
 ``flowrl.distributed.step_log_prob``, and ``shard.step_log_prob(j, v_shard, group=...)`` calls it:
 with every rank's shard boundary on a chunk boundary (``CHUNK_SIZE`` elements; docs/wire_and_sp.md)
 the result is the single-device log-prob bit for bit (the per-token gaussian log term: to float32
@@ -76,6 +78,16 @@ class ShardedRolloutTrajectory(RolloutTrajectory):
         the recompute, a collective over ``group`` (every rank calls it); the full-sample [B] log-prob."""
         if not isinstance(model_output, torch.Tensor):
             raise TypeError(f"model_output must be this rank's velocity shard (a tensor); got {type(model_output).__name__}")
+        split = self._mode_split(j)
+        if split is not None:  # per-sample windows (sde_mask, the same on every rank): two collectives, in this order
+            out = None
+            for idx in split:
+                jj = j[idx.to(j.device)] if isinstance(j, torch.Tensor) else j
+                lp = self._rows(idx).step_log_prob(jj, model_output[idx.to(model_output.device)], group=group,
+                                                   shard_numels=shard_numels, **kwargs)
+                out = lp.new_empty((self.batch_size, *lp.shape[1:])) if out is None else out
+                out[idx.to(out.device)] = lp
+            return out
         inputs = self.step_inputs(j, device=model_output.device)
         return distributed.step_log_prob(model_output=model_output, **{**inputs, **kwargs}, group=group,
                                          shard_numels=shard_numels)
