@@ -1,0 +1,90 @@
+"""``nft_loss`` with per-stream advantages on a joint step (OmniNFT's modality-wise advantages; docs/losses.md,
+Joint steps, "Per-stream advantages").
+
+Given ``advantages`` as a tuple of [B] tensors, one per stream (in the order of the stream tuples), each
+stream's DiffusionNFT loss is computed on its own (its own per-sample means over its own elements, its
+own adaptive weights w+- and its own r from its own advantage) and the streams' results are added with
+``stream_weights``:
+
+    loss = sum_k w_k nft_loss(stream k, advantages=A_k)  (every field of NFTLossOutput the same sum),
+
+w = ``stream_weights`` as given (None: 1/n each, OmniNFT's default of equal modality weights). This is
+verl-omni's OmniNFT loss (``OmniNFTLoss``, verl-project/verl-omni commit
+dc5e74928099d526f318096a3f93b3a44d45b5e8, verl_omni/trainer/diffusion/diffusion_algos.py): per modality
+``_compute_modality_loss``, then (w_v (P_v + c_v K_v) + w_a (P_a + c_a K_a)) / (w_v + w_a); flowrl takes the
+weights as given (pass w / sum(w) for theirs) and one ``kl_coef`` for every stream.
+
+Each stream's term is the single-stream ``nft_loss`` bit for bit: one fused pass per stream (the backend's
+``flow_sums``), through the custom op ``flowrl::nft_loss`` once per stream while ``torch.compile`` traces and
+on an empty batch (B = 0: its zeros, on every stream's graph). This is not the shared-advantage joint step's
+definition (one per-sample mean over every stream's elements, one w+- per sample): the two coincide only
+for one stream.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..ops._custom_ops import is_empty, traced
+from ..ops.functional import check_stream_weights
+from . import _custom_ops as _ops
+from ._common import _check_per_sample
+from ._flow import NFTLossOutput, nft_from_args
+from ._joint import _shared, _streams
+
+
+def nft_loss(stream_args, tensors, options, stream_weights, shard) -> NFTLossOutput:
+    """``nft_loss`` of a joint step with a tuple of per-stream advantages (``options.advantages``).
+    ``stream_args``: ``flowrl.losses._nft_args`` (one stream's validation); ``tensors``: nft_loss's
+    (noised_sample, model_output, old_model_output, clean_sample, sigma, ref_model_output) as given."""
+    noised_sample, model_output, old_model_output, clean_sample, sigma, ref_model_output = tensors
+    advantages = options.advantages
+    if not isinstance(noised_sample, tuple):
+        raise ValueError("advantages: a tuple of per-stream advantages needs a joint step (noised_sample, "
+                         "model_output, old_model_output and clean_sample as tuples of streams); pass one [B] "
+                         "tensor for one stream")
+    if shard is not None:
+        raise ValueError("shard: a joint step (tuples of streams) is not supported under sequence parallelism; "
+                         "pass one stream's shards, or shard=None")
+    n = len(noised_sample)
+    if n == 0:
+        raise ValueError("noised_sample must hold at least one stream when given as a tuple")
+    if len(advantages) != n:
+        raise ValueError(f"advantages must hold one [B] tensor per stream ({n}), in the streams' order, or be one "
+                         f"[B] tensor shared by every stream; got {len(advantages)} entries")
+    columns = [list(noised_sample), _streams("model_output", model_output, n, False),
+               _streams("old_model_output", old_model_output, n, False),
+               _streams("clean_sample", clean_sample, n, False), _shared("sigma", sigma, n),
+               _streams("ref_model_output", ref_model_output, n, True)]
+    if isinstance(ref_model_output, tuple) and any(u is None for u in ref_model_output):
+        raise ValueError("ref_model_output: give every stream's reference output, or ref_model_output=None")
+    weights = check_stream_weights(stream_weights, n)
+    if weights is None:
+        weights = (1.0 / n,) * n
+    per_stream = []
+    for k in range(n):
+        x = columns[0][k]
+        if isinstance(x, torch.Tensor) and x.dim() >= 1:  # named here; the rest by stream_args
+            _check_per_sample(f"advantages[{k}]", advantages[k], x.shape[0], x.device)
+        args = stream_args(*(column[k] for column in columns), options=replace(options, advantages=advantages[k]),
+                           stream=f"[{k}]")
+        if per_stream and args[0].name != per_stream[0][0].name:
+            raise ValueError("the streams of a joint step must run on one backend; got tensors for two backends")
+        per_stream.append(args)
+    batches = [args[1].shape[0] for args in per_stream]
+    if any(b != batches[0] for b in batches):
+        raise ValueError(f"the streams of a joint step must have one batch size; got {batches}")
+    # each stream: the single-stream nft_loss (eager, or the custom op while compiling and on B = 0)
+    outs = [_ops.nft_loss(*args) if traced() or is_empty(args[1]) else nft_from_args(*args) for args in per_stream]
+    fields = []
+    for j in range(len(NFTLossOutput._fields)):
+        if outs[0][j] is None:
+            fields.append(None)
+            continue
+        total = None
+        for out, w in zip(outs, weights):
+            term = out[j] * w
+            total = term if total is None else total + term
+        fields.append(total)
+    return NFTLossOutput(*fields)
