@@ -161,8 +161,30 @@ def _unknown_keys(obj: Dict[str, Any], known, group: str, where: str) -> None:
               f"{list(known)}, ignores {list(IGNORED_KEYS[group])} and accepts any other key only when null)")
 
 
-def _settings(samples: List[Dict[str, Any]], request: Optional[Dict[str, Any]]):
-    """(settings, origin): the rollout settings and, per setting, the field it came from (for messages)."""
+# the one setting that may differ between a batch's samples: each request's SDE steps (per-sample windows)
+PER_SAMPLE_FIELD = "rollout_sde_step_indices"
+
+
+def _settings(samples: List[Dict[str, Any]], request):
+    """(settings, origin): the rollout settings and, per setting, the field it came from (for messages).
+    ``settings[PER_SAMPLE_FIELD]`` is a list of one entry per sample when the samples' requests give
+    different step sets (``request`` a list of per-sample requests, or responses carrying them)."""
+    if isinstance(request, (list, tuple)):
+        if len(request) != len(samples):
+            raise ValueError(f"request as a list must hold one request per sample ({len(samples)}); got "
+                             f"{len(request)}")
+        parts = [_settings([s], r) for s, r in zip(samples, request)]
+        settings, origin = dict(parts[0][0]), {k: v.replace("request[", "request[0][", 1) for k, v in parts[0][1].items()}
+        for i, (other, _) in enumerate(parts[1:], 1):
+            for k in SETTING_FIELDS:
+                if k != PER_SAMPLE_FIELD and other[k] != settings[k]:
+                    _fail(f"[{i}] {k}", f"{other[k]!r} (from request[{i}]) disagrees with request[0]'s {settings[k]!r}: "
+                          f"of the rollout settings only {PER_SAMPLE_FIELD} may differ between a batch's requests")
+        per = [other[PER_SAMPLE_FIELD] for other, _ in parts]
+        if any(p != per[0] for p in per):
+            settings[PER_SAMPLE_FIELD] = _PerSample(per)
+            origin[PER_SAMPLE_FIELD] = f"request[b]['{PER_SAMPLE_FIELD}']"
+        return settings, origin
     carried = [{k: s[k] for k in SETTING_FIELDS if k in s} for s in samples]
     if request is not None:
         if not isinstance(request, dict):
@@ -189,13 +211,25 @@ def _settings(samples: List[Dict[str, Any]], request: Optional[Dict[str, Any]]):
             "SGLang's responses do not carry the sampling settings; pass request= (the /rollout/generate request "
             "dict) so the trajectory recomputes with the settings the rollout used"
         )
+    def shared(c):
+        return {k: v for k, v in c.items() if k != PER_SAMPLE_FIELD}
+
     for i, c in enumerate(carried):
-        if c != carried[0]:
+        if shared(c) != shared(carried[0]):
             _fail(f"[{i}]", f"settings {c} disagree with sample 0's {carried[0]}")
     missing = [k for k in SETTING_FIELDS[:3] if k not in carried[0]]
     if missing:
         _fail("", f"missing {missing[0]}")
-    return {k: carried[0].get(k) for k in SETTING_FIELDS}, {k: k for k in SETTING_FIELDS}
+    settings, origin = {k: carried[0].get(k) for k in SETTING_FIELDS}, {k: k for k in SETTING_FIELDS}
+    per = [c.get(PER_SAMPLE_FIELD) for c in carried]
+    if any(p != per[0] for p in per):  # each response carries its own request's steps
+        settings[PER_SAMPLE_FIELD] = _PerSample(per)
+        origin[PER_SAMPLE_FIELD] = f"[b]['{PER_SAMPLE_FIELD}']"
+    return settings, origin
+
+
+class _PerSample(list):
+    """One value per sample (a setting that differs between the samples' requests)."""
 
 
 def _index_list(value, name: str) -> Optional[List[int]]:
@@ -239,7 +273,11 @@ def from_sglang(response: Any, *, request: Optional[Dict[str, Any]] = None, num_
     server sent it (msgpack bytes), one per-sample response dict, its JSON text, or the list of
     per-sample responses (batch order; tensor envelopes with raw-bytes or base64 ``data``). Strict: anything
     missing, inconsistent or malformed raises ``ValueError`` naming the field. ``request``: the request
-    dict whose ``rollout_*`` settings the rollout used (needed unless the responses carry them).
+    dict whose ``rollout_*`` settings the rollout used (needed unless the responses carry them), or a
+    list of one request per sample (the batch gathered from several requests). Per-request SDE steps:
+    when the samples' ``rollout_sde_step_indices`` differ (per-sample requests, or responses carrying
+    their own, as ``to_sglang`` writes them), the trajectory records them as its per-sample
+    ``sde_mask`` (a null entry: every step); every other setting must agree.
     ``reduction``: SGLang averages the per-element log-prob ("mean")."""
     samples = _parse(response, DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
     settings, origin = _settings(samples, request)
@@ -252,7 +290,10 @@ def from_sglang(response: Any, *, request: Optional[Dict[str, Any]] = None, num_
     if not isinstance(settings["rollout_log_prob_no_const"], bool):
         _fail(origin["rollout_log_prob_no_const"], f"must be a bool; got {settings['rollout_log_prob_no_const']!r}")
     log_prob_kind = "sq_err" if settings["rollout_log_prob_no_const"] else "gaussian"
-    sde_steps = _index_list(settings["rollout_sde_step_indices"], origin["rollout_sde_step_indices"])
+    per_sample = settings[PER_SAMPLE_FIELD] if isinstance(settings[PER_SAMPLE_FIELD], _PerSample) else None
+    sde_steps = None if per_sample is not None else _index_list(settings[PER_SAMPLE_FIELD], origin[PER_SAMPLE_FIELD])
+    sde_rows = None if per_sample is None else [
+        _index_list(v, origin[PER_SAMPLE_FIELD].replace("[b]", f"[{b}]")) for b, v in enumerate(per_sample)]
     return_steps = _index_list(settings["rollout_return_step_indices"], origin["rollout_return_step_indices"])
 
     latents, log_probs, envs, debug_rows = [], [], [], []
@@ -322,6 +363,11 @@ def from_sglang(response: Any, *, request: Optional[Dict[str, Any]] = None, num_
             if v < 0 or v > upper:
                 _fail(origin[name], f"entry {v} is outside [0, {upper}]: the response's schedule (dit_trajectory.sigmas, "
                       f"T + 1 = {num_steps + 1} values) has T = {num_steps} steps, and the entries name {what}")
+    for b, row in enumerate(sde_rows or ()):
+        for v in row or ():
+            if v < 0 or v > num_steps - 1:
+                _fail(origin[PER_SAMPLE_FIELD].replace("[b]", f"[{b}]"), f"entry {v} is outside [0, {num_steps - 1}]: "
+                      f"the response's schedule has T = {num_steps} steps")
     if given_steps is not None:
         steps = _tensor(given_steps, "[0]['dit_trajectory']['latent_step_indices']")
         for i, s in enumerate(samples[1:], 1):
@@ -358,6 +404,14 @@ def from_sglang(response: Any, *, request: Optional[Dict[str, Any]] = None, num_
                "sigmas": sigmas, "latent_step_indices": steps}
     if sde_steps is not None:
         tensors["sde_steps"] = torch.tensor(sorted(set(sde_steps)), dtype=torch.int64)
+    if sde_rows is not None:  # per-request steps (None: every step, SGLang's default) as the per-sample mask
+        mask = torch.zeros(len(sde_rows), num_steps, dtype=torch.bool)
+        for b, row in enumerate(sde_rows):
+            mask[b, list(range(num_steps)) if row is None else row] = True
+        if bool((mask == mask[:1]).all()):  # one set written two ways (null, every step): the batch-wide form
+            tensors["sde_steps"] = mask[0].nonzero().flatten()
+        else:
+            tensors["sde_mask"] = mask
     traj = RolloutTrajectory._checked(
         tensors, {"mode": SDE_TYPES[sde_type], "noise_level": float(noise_level), "log_prob": log_prob_kind,
                   "reduction": reduction}, "SGLang response", device)
@@ -398,6 +452,8 @@ def to_sglang(traj, *, server: str = SERVERS[0], wire: bool = True, **fields) ->
     for i in range(traj.batch_size):
         response = dict(fields)
         response.update(settings)
+        if traj.sde_mask is not None:  # per-sample windows: each sample's request steps
+            response[PER_SAMPLE_FIELD] = traj.sde_mask[i].nonzero().flatten().tolist()
         response["rollout_log_probs"] = traj.log_probs[i]
         response["dit_trajectory"] = {"latents": traj.latents[i], **dit, "sigmas": traj.sigmas}
         # flowrl's recorded per-step calls (DenoisingEnv) have no SGLang counterpart: null (docs/replay.md)

@@ -68,6 +68,7 @@ class Stream:
         self.batch: Optional[int] = None
         self.x0_pred: Optional[torch.Tensor] = None  # dpm_sde order 2: the last step's data prediction
         self.prev_x0_preds: List[torch.Tensor] = []
+        self.sde_rows = None  # per-sample sde_steps: each loop step's (sde rows, ode rows), when the samples differ
 
     @property
     def steps_recorded(self) -> int:
@@ -210,6 +211,7 @@ def stream_trajectory(recorder, stream: Stream, log_probs: torch.Tensor) -> Roll
         reduction=recorder.reduction,
         sde_steps=(None if recorder.sde_steps is None
                    else torch.tensor(recorder.sde_steps, dtype=torch.int64, device=device)),
+        sde_mask=None if recorder.sde_mask is None else recorder.sde_mask.to(device),
         token_sigmas=torch.stack(stream.token_sigmas, dim=1) if stream.token_sigmas else None,
         frozen=recorder._host.to_host(stream.frozen_full),
         prev_x0_preds=torch.stack(stream.prev_x0_preds, dim=1) if stream.prev_x0_preds else None,

@@ -37,11 +37,12 @@ from ..core import _validate as V
 from ..backends._dispatch import BACKENDS
 from ..contract import Mode, Schedule
 from ..data.denoising_env import check_env_options, finish_env, start_env
-from ..ops.functional import GeneratorArg, check_stream_weights, combine_streams, sde_step
+from ..ops.functional import GeneratorArg, SDEStepOutput, check_stream_weights, combine_streams, sde_step
 from .step_output import STEP_SIGNATURE as _STEP_SIGNATURE
 from .step_output import FlowMatchEulerDiscreteSchedulerOutput, check_step_timestep
 from .timestep_lookup import index_for_timestep
 from ._streams import Stream, attach, detach, joint_trajectory, stream_trajectory
+from .windows import is_per_sample, mask_from_rows, per_sample_rows
 from ..data.trajectory import RolloutTrajectory
 from ..data.tree import BranchSpec
 from ..data.trajectory_store import StepStore, check_store
@@ -156,7 +157,11 @@ class RolloutRecorder:
     ``scheduler``: a ``FlowMatchEulerDiscreteScheduler`` instance, diffusers' or flowrl's (see
     ``check_scheduler``). ``generator``: None (global RNG), one generator, or a list of B (sample i's
     noise comes from generator i only, so it does not depend on the batch); when None, ``step``'s own
-    generator is used. ``sde_steps``: loop steps that are stochastic (None: all).
+    generator is used. ``sde_steps``: loop steps that are stochastic (None: all); or one set per sample,
+    a list of B index sets or a bool tensor [B, T] (per-sample SDE windows, ``flowrl.rollout.sde_windows``):
+    a step where the samples differ runs the stochastic rows in ``mode`` and the others as ``ode``, two
+    ``sde_step`` calls scattered back (the ops are batch-invariant, so each sample's bits are its own);
+    the trajectory stores the sets as ``sde_mask`` [B, T], or as ``sde_steps`` when they are all equal.
     ``return_step_indices``: which latents to keep, index T being the final output (None: all T + 1).
 
     ``frozen``: a bool mask with the latents' ndim, broadcastable to them (dim 0 is 1 or B): True marks
@@ -249,7 +254,23 @@ class RolloutRecorder:
         self.generator = list(generator) if isinstance(generator, (list, tuple)) else generator
         self.frozen = frozen
         self.solver_order = _solver_order(mode, solver_order)
-        self.sde_steps = _index_set("sde_steps", sde_steps)
+        self._sde_rows = self._sde_width = None  # the per-sample form, as given (checked against the loop in _start)
+        self.sde_mask: Optional[torch.Tensor] = None  # bool [B, T] when the samples' step sets differ
+        if is_per_sample(sde_steps):
+            self._sde_rows = per_sample_rows("sde_steps", sde_steps)
+            self._sde_width = int(sde_steps.shape[1]) if isinstance(sde_steps, torch.Tensor) else None
+            # equal rows are the batch-wide set, recorded exactly as sde_steps= that set
+            uniform = all(r == self._sde_rows[0] for r in self._sde_rows)
+            self.sde_steps = self._sde_rows[0] if uniform else None
+            if not uniform and debug:
+                raise ValueError("sde_steps per sample: debug tensors are recorded for a batch-wide step set only; "
+                                 "pass debug=None")
+            if not uniform and branch is not None:
+                raise ValueError("sde_steps per sample and branch are not combined (a branching rollout's forks need "
+                                 "every row of a node stochastic at the fork); pass one step set for the batch")
+            self._sde_uniform = uniform
+        else:
+            self.sde_steps = _index_set("sde_steps", sde_steps)
         self.return_step_indices = _index_set("return_step_indices", return_step_indices)
         self._streams: List[Stream] = []
         # the denoising environment and debug tensors (flowrl.data.denoising_env, flowrl.data.debug): checked here,
@@ -423,6 +444,18 @@ class RolloutRecorder:
         stream.timesteps = sched.timesteps[stream.begin:].to(sample.device, copy=True)
         stream.batch = sample.shape[0]
         t = stream.num_steps
+        if self._sde_rows is not None:
+            if len(self._sde_rows) != stream.batch:
+                raise ValueError(f"sde_steps per sample has {len(self._sde_rows)} rows; this rollout's batch is B = "
+                                 f"{stream.batch}")
+            if self._sde_width is not None and self._sde_width != t:
+                raise ValueError(f"sde_steps as a bool mask must be [B, T] = [{stream.batch}, {t}] for this {t}-step "
+                                 f"loop; got {self._sde_width} columns")
+            mask = mask_from_rows(self._sde_rows, t)
+            if not self._sde_uniform:
+                self.sde_mask = mask
+                stream.sde_rows = [(mask[:, j].nonzero().flatten().to(sample.device),
+                                    (~mask[:, j]).nonzero().flatten().to(sample.device)) for j in range(t)]
         for name, values, upper in (("sde_steps", self.sde_steps, t - 1),
                                     ("return_step_indices", self.return_step_indices, t)):
             if values is not None and values and values[-1] > upper:
@@ -473,7 +506,14 @@ class RolloutRecorder:
                     f"input, so recomputing step {i - 1}'s log-prob from latents[:, {i}] will not reproduce it. If "
                     "the pipeline keeps those elements fixed (conditioning), pass their mask as rollout(frozen=...)"
                 )
-        stochastic = self.sde_steps is None or i in self.sde_steps
+        split = None  # per sample: (sde rows, ode rows) on a step where the samples differ
+        if self.sde_mask is not None:
+            sde_rows, ode_rows = stream.sde_rows[i]
+            stochastic = ode_rows.numel() == 0
+            if sde_rows.numel() and ode_rows.numel():
+                split = sde_rows, ode_rows
+        else:
+            stochastic = self.sde_steps is None or i in self.sde_steps
         joint = len(self._streams) > 1
         velocity, out_dtype = model_output, None
         if token_sigmas is not None:
@@ -495,11 +535,15 @@ class RolloutRecorder:
         noise_seed = None
         if self.branch is not None and stochastic:
             noise_seed, generator = self._branch_noise_seed(stream, sample, i, noise), None
-        out = sde_step(
-            sample, velocity, stream.sigmas, i, **options, log_prob_kind=self.log_prob_kind,
-            reduction="sum" if joint else self.reduction, backend=self.backend, out_dtype=out_dtype, **masks,
-            generator=generator, noise=noise, prev_x0_pred=prev_x0 if stochastic else None, noise_seed=noise_seed,
-        )
+        if split is not None:
+            out = self._record_split(stream, split, sample, velocity, i, joint, out_dtype, masks,
+                                     stream.generator_for(step_generator), prev_x0)
+        else:
+            out = sde_step(
+                sample, velocity, stream.sigmas, i, **options, log_prob_kind=self.log_prob_kind,
+                reduction="sum" if joint else self.reduction, backend=self.backend, out_dtype=out_dtype, **masks,
+                generator=generator, noise=noise, prev_x0_pred=prev_x0 if stochastic else None, noise_seed=noise_seed,
+            )
         if debug is not None:
             debug.record(out, noise, model_output, sample)
         if self._env is not None and stream.index == 0:
@@ -530,6 +574,45 @@ class RolloutRecorder:
         if i + 1 == stream.num_steps and self._keep(i + 1):
             stream.latents[i + 1] = self._host.keep(prev_sample)
         return FlowMatchEulerDiscreteSchedulerOutput(prev_sample, log_prob, out.prev_sample_mean, out.std_dev)
+
+    def _record_split(self, stream: Stream, split, sample, velocity, i: int, joint: bool, out_dtype, masks: dict,
+                      generator, prev_x0) -> SDEStepOutput:
+        """Loop step ``i`` where some samples are stochastic (``split[0]``, the rollout's mode) and the others
+        not (``split[1]``, ode, drawing no noise): two ``sde_step`` calls on the row subsets, scattered
+        back. The ops are batch-invariant (docs/contract.md, Reduction order), so each sample's bits are
+        those it gets alone. Noise: a list of B generators gives each stochastic sample its own
+        generator's draw; one generator (or the global RNG) draws for the stochastic subset only, in
+        its row order, so its stream depends on the windows."""
+        batch = sample.shape[0]
+
+        def rows(t, idx):
+            return None if t is None else (t if t.shape[0] == 1 else t[idx.to(t.device)])
+
+        outs = []
+        for stochastic, idx in zip((True, False), split):
+            options = self._step_options(stochastic)
+            noise = options.pop("noise", None)
+            gen = None
+            if stochastic and noise is None:
+                gen = [generator[k] for k in idx.tolist()] if isinstance(generator, list) else generator
+            outs.append((idx, sde_step(
+                sample[idx], velocity[idx], stream.sigmas, i, **options, log_prob_kind=self.log_prob_kind,
+                reduction="sum" if joint else self.reduction, backend=self.backend, out_dtype=out_dtype,
+                **{k: rows(v, idx) for k, v in masks.items()}, generator=gen, noise=rows(noise, idx),
+                prev_x0_pred=rows(prev_x0, idx) if stochastic else None,
+            )))
+
+        def scatter(field):
+            first = getattr(outs[0][1], field)
+            if first is None:
+                return None
+            full = first.new_empty((batch, *first.shape[1:]))
+            for idx, out in outs:
+                full[idx.to(full.device)] = getattr(out, field)
+            return full
+
+        return SDEStepOutput(*(scatter(f) for f in ("prev_sample", "log_prob", "prev_sample_mean", "std_dev",
+                                                    "count")))
 
     # ------------------------------------------------------------------ the result
     def trajectory(self) -> RolloutTrajectory:
