@@ -54,7 +54,6 @@ from ..ops._custom_ops import is_empty as _empty
 from ..ops._custom_ops import traced as _traced
 from . import _custom_ops as _ops
 from . import _joint
-from . import _stream_advantages
 from ._common import _check_no_grad, _check_per_sample, _check_scalar, _flow_backend, check_clip_range
 from ._custom_ops import grpo_family_loss
 from ._grpo import GRPOCall, validate
@@ -62,6 +61,8 @@ from ._flow import (AWM_EPS, NFTLossOutput, awm_from_args, awm_from_means, awm_l
                     nft_from_args, nft_from_means, nft_sums)
 from ._policy import GRPOLossOutput, grpo_from_spec, policy_loss
 from ._teacher import StepKLExtras as _StepKLExtras
+from ._teacher import multi_teacher_loss as _multi_teacher_loss
+from ._teacher import several_teachers as _several_teachers
 from ._teacher import teacher_kl as _teacher_kl
 
 ClipRange = Union[float, Tuple[float, float]]
@@ -245,6 +246,8 @@ def teacher_kl_loss(
     token_sigmas: Optional[torch.Tensor] = None,
     frozen: Optional[torch.Tensor] = None,
     stream_weights: Optional[Sequence[float]] = None,
+    teacher_weights: Optional[Sequence[float]] = None,
+    teacher_index: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Diffusion-OPD's teacher KL: the batch mean of ||mu_theta - mu_teacher||^2 / (2 std^2) reduced per
     sample (the exact Gaussian KL of docs/contract.md, ``flowrl.step_kl`` with the teacher as the
@@ -252,7 +255,14 @@ def teacher_kl_loss(
     ``shard``, ``token_sigmas``, ``frozen``: step_kl's (sequence parallelism; per-token schedules and frozen
     masks, docs/contract.md), the KL is step_kl's with them bit for bit. Joint steps: ``sample``,
     ``model_output``, ``teacher_model_output`` as tuples (one tensor per stream) and ``stream_weights``,
-    as ``step_kl`` takes them: the KL is ``step_kl``'s on the tuples bit for bit."""
+    as ``step_kl`` takes them: the KL is ``step_kl``'s on the tuples bit for bit.
+
+    Several teachers (docs/losses.md, Several teachers): ``teacher_model_output`` a tuple of K teachers'
+    outputs (a joint step's: a tuple of K tuples of streams). With ``teacher_weights`` (K numbers >= 0,
+    normalised to p_k = w_k / sum w; None: 1/K each) the KL is sum_k p_k KL(v, v_k), computed as
+    KL(v, v_bar) + sum_k p_k KL(v_k, v_bar) with v_bar = sum_k p_k v_k (one fused pass with gradient);
+    with ``teacher_index`` (an integer [B] tensor, each sample's teacher in [0, K)) it is each sample's KL
+    to its own teacher, one pass (verl-omni's multi-teacher routing)."""
     joint = isinstance(sample, tuple)
     data = {}
     for name, value in (("sample", sample), ("teacher_model_output", teacher_model_output)):
@@ -260,12 +270,18 @@ def teacher_kl_loss(
         data.update({f"{name}[{k}]" if joint else name: t
                      for k, t in enumerate(streams) if isinstance(t, torch.Tensor)})
     _check_no_grad(**data)  # the tuples' other checks are step_kl's
-    args = (sample, model_output, teacher_model_output, sigmas, step_index, mode, noise_level, reduction, backend)
-    # while torch.compile traces (one device, one stream, no per-token inputs): the custom op flowrl::teacher_kl_loss
-    if _traced() and shard is None and token_sigmas is None and frozen is None and not joint:
-        return _ops.teacher_kl_loss(*args)
-    return _teacher_kl(*args, extras=_StepKLExtras(shard=shard, token_sigmas=token_sigmas, frozen=frozen,
-                                                   stream_weights=stream_weights))
+    extras = _StepKLExtras(shard=shard, token_sigmas=token_sigmas, frozen=frozen, stream_weights=stream_weights)
+
+    def run(v, teacher):
+        args = (sample, v, teacher, sigmas, step_index, mode, noise_level, reduction, backend)
+        # while torch.compile traces (one device, one stream, no per-token inputs): flowrl::teacher_kl_loss
+        if _traced() and shard is None and token_sigmas is None and frozen is None and not joint:
+            return _ops.teacher_kl_loss(*args)
+        return _teacher_kl(*args, extras=extras)
+
+    if _several_teachers(teacher_model_output, joint) or teacher_weights is not None or teacher_index is not None:
+        return _multi_teacher_loss(run, model_output, teacher_model_output, joint, teacher_weights, teacher_index)
+    return run(model_output, teacher_model_output)
 
 
 # ----------------------------------------------------------------------------- forward-process losses
@@ -284,7 +300,7 @@ def nft_loss(
     clean_sample: torch.Tensor,
     sigma: Union[float, torch.Tensor],
     *,
-    advantages: Union[torch.Tensor, Tuple[torch.Tensor, ...]],
+    advantages: torch.Tensor,
     beta: float,
     adv_clip_max: float,
     kl_coef: float = 0.0,
@@ -305,17 +321,8 @@ def nft_loss(
     too when given), ``sigma`` one shared value or a tuple per stream; each per-sample mean (|e+-|,
     e+-^2, the KL) is ``flowrl.combine_streams`` of the streams' sums and element counts with
     ``stream_weights`` (None: the element-count mean over every stream's elements, verl-omni's MiniMax-H3
-    DiffusionNFT on its packed video + audio rows) (docs/losses.md, Joint steps).
-
-    Per-stream advantages (a joint step only): ``advantages`` a tuple of [B] tensors, one per stream in the
-    streams' order (OmniNFT's video / audio advantages): each stream's loss is ``nft_loss`` on that stream
-    alone with its own advantage (its own means, w+- and r), and every output field is sum_k w_k (stream
-    k's), w = ``stream_weights`` as given (None: 1/n each): verl-omni's OmniNFT loss
-    (flowrl/losses/_stream_advantages.py; docs/losses.md, Joint steps, Per-stream advantages)."""
+    DiffusionNFT on its packed video + audio rows) (docs/losses.md, Joint steps)."""
     options = _NFTOptions(advantages=advantages, beta=beta, adv_clip_max=adv_clip_max, kl_coef=kl_coef, backend=backend)
-    if isinstance(advantages, tuple):  # per-stream advantages (OmniNFT): each stream's own NFT loss, weighted
-        return _stream_advantages.nft_loss(_nft_args, (noised_sample, model_output, old_model_output, clean_sample,
-                                                       sigma, ref_model_output), options, stream_weights, shard)
     if isinstance(noised_sample, tuple):
         if shard is not None:
             raise ValueError("shard: a joint step (tuples of streams) is not supported under sequence parallelism; "
