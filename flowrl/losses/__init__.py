@@ -54,6 +54,7 @@ from ..ops._custom_ops import is_empty as _empty
 from ..ops._custom_ops import traced as _traced
 from . import _custom_ops as _ops
 from . import _joint
+from . import _stream_advantages
 from ._common import _check_no_grad, _check_per_sample, _check_scalar, _flow_backend, check_clip_range
 from ._custom_ops import grpo_family_loss
 from ._grpo import GRPOCall, validate
@@ -300,7 +301,7 @@ def nft_loss(
     clean_sample: torch.Tensor,
     sigma: Union[float, torch.Tensor],
     *,
-    advantages: torch.Tensor,
+    advantages: Union[torch.Tensor, Tuple[torch.Tensor, ...]],
     beta: float,
     adv_clip_max: float,
     kl_coef: float = 0.0,
@@ -321,8 +322,17 @@ def nft_loss(
     too when given), ``sigma`` one shared value or a tuple per stream; each per-sample mean (|e+-|,
     e+-^2, the KL) is ``flowrl.combine_streams`` of the streams' sums and element counts with
     ``stream_weights`` (None: the element-count mean over every stream's elements, verl-omni's MiniMax-H3
-    DiffusionNFT on its packed video + audio rows) (docs/losses.md, Joint steps)."""
+    DiffusionNFT on its packed video + audio rows) (docs/losses.md, Joint steps).
+
+    Per-stream advantages (a joint step only): ``advantages`` a tuple of [B] tensors, one per stream in the
+    streams' order (OmniNFT's video / audio advantages): each stream's loss is ``nft_loss`` on that stream
+    alone with its own advantage (its own means, w+- and r), and every output field is sum_k w_k (stream
+    k's), w = ``stream_weights`` as given (None: 1/n each): verl-omni's OmniNFT loss
+    (flowrl/losses/_stream_advantages.py; docs/losses.md, Joint steps, Per-stream advantages)."""
     options = _NFTOptions(advantages=advantages, beta=beta, adv_clip_max=adv_clip_max, kl_coef=kl_coef, backend=backend)
+    if isinstance(advantages, tuple):  # per-stream advantages (OmniNFT): each stream's own NFT loss, weighted
+        return _stream_advantages.nft_loss(_nft_args, (noised_sample, model_output, old_model_output, clean_sample,
+                                                       sigma, ref_model_output), options, stream_weights, shard)
     if isinstance(noised_sample, tuple):
         if shard is not None:
             raise ValueError("shard: a joint step (tuples of streams) is not supported under sequence parallelism; "
