@@ -38,6 +38,9 @@ class GRPOInputs(NamedTuple):
     ref_cond: the reference's conditional branch, guided inside the pass at ``GRPOLossSpec.ref_scale``.
     old_prev_sample_mean: the rollout's mean mu_old (``TrustSource.GIVEN``).
     rollout_is_weights: [B] rollout-correction weights on each sample's surrogate.
+    kl_coef: [B] per-sample KL coefficients (the call's ``kl_coef`` given as a tensor: the KL term is then
+        mean(kl_coef * kl), GARDO's gated KL; ``flowrl.advantages.gardo_kl_coef``), else None (the
+        scalar ``GRPOLossSpec.kl_coef``).
     """
 
     sample: torch.Tensor
@@ -49,6 +52,7 @@ class GRPOInputs(NamedTuple):
     ref_cond: Optional[torch.Tensor] = None
     old_prev_sample_mean: Optional[torch.Tensor] = None
     rollout_is_weights: Optional[torch.Tensor] = None
+    kl_coef: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,8 @@ class GRPOLossSpec:
     trust: where mu_old comes from (NONE for GRPO; GIVEN: ``old_prev_sample_mean``; REPLAY: Philox ``seed``).
     seed: the rollout's validated noise seed (REPLAY), else None.
     clip: (eps_low, eps_high), None for Flow-DPPO (no ratio clip).
-    kl_coef, kl_space: the KL term's weight and where the KL is measured.
+    kl_coef, kl_space: the KL term's weight and where the KL is measured (``kl_coef`` 0.0 when the call's
+        is a per-sample [B] tensor, which travels as ``GRPOInputs.kl_coef``).
     kl_threshold: Flow-DPPO's divergence bound, else None.
     ref_scale: the reference's guidance scale when its two branches are given, else None.
     backend: the resolved backend's name ("torch" or "triton").

@@ -102,7 +102,7 @@ def grpo_loss(
     noise_level: float = 0.7,
     log_prob_kind: str = "gaussian",
     reduction: str = "mean",
-    kl_coef: float = 0.0,
+    kl_coef: Union[float, torch.Tensor] = 0.0,
     ref_model_output: RefOutput = None,
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
@@ -123,6 +123,9 @@ def grpo_loss(
     writing d loss / d model_output. ``rollout_is_weights``: [B] rollout-correction weights (detached;
     ``flowrl.consistency.correction_weights``' column of this step) multiplying each sample's surrogate
     before the batch mean, as verl-omni applies them; not the KL term (docs/consistency.md).
+    ``kl_coef`` may also be a float tensor [B] (per-sample coefficients, detached, >= 0): the KL term is
+    then mean_b(kl_coef_b KL_b), GARDO's gated KL with ``flowrl.advantages.gardo_kl_coef``'s weights
+    (docs/losses.md, Per-sample and gated KL (GARDO)); a float is the same as before.
 
     Joint steps (LTX-2's video and audio): ``sample``, ``model_output``, ``prev_sample`` (and
     ``ref_model_output``) as tuples, one tensor per stream, ``sigmas`` / ``step_index`` a tuple or one
@@ -165,7 +168,7 @@ def grpo_guard_loss(
     noise_level: float = 0.7,
     log_prob_kind: str = "gaussian",
     reduction: str = "mean",
-    kl_coef: float = 0.0,
+    kl_coef: Union[float, torch.Tensor] = 0.0,
     ref_model_output: RefOutput = None,
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
@@ -183,9 +186,10 @@ def grpo_guard_loss(
     are each sample's own (the peers use the batch's shared step). mu_old: ``old_prev_sample_mean``
     (the rollout's ``prev_sample_mean``), or replayed from ``prev_sample`` and the rollout's
     ``noise_seed`` (docs/losses.md, Replaying mu_old). ``rollout_is_weights``: as ``grpo_loss``'s (on
-    the surrogate after its 1/D scale); ``shard``, ``kl_space``, ``ref_model_output``, ``ref_guidance_scale``:
-    as ``grpo_loss``'s. ``frozen``: as ``grpo_loss``'s; ``token_sigmas`` is refused (a ValueError): the
-    ratio's std and the loss's 1/D are one step's, and per-token sigmas give each token its own.
+    the surrogate after its 1/D scale); ``kl_coef`` (a float or a per-sample [B] tensor), ``shard``,
+    ``kl_space``, ``ref_model_output``, ``ref_guidance_scale``: as ``grpo_loss``'s. ``frozen``: as
+    ``grpo_loss``'s; ``token_sigmas`` is refused (a ValueError): the ratio's std and the loss's 1/D are
+    one step's, and per-token sigmas give each token its own.
 
     Joint steps (tuples, as ``grpo_loss`` takes them, ``stream_weights`` weighting the log-prob and the
     KL): std, D and D_s are the streams' element-count averages of verl-omni's MiniMax-H3 adapter,
@@ -211,7 +215,7 @@ def flow_dppo_loss(
     noise_level: float = 0.7,
     log_prob_kind: str = "gaussian",
     reduction: str = "mean",
-    kl_coef: float = 0.0,
+    kl_coef: Union[float, torch.Tensor] = 0.0,
     ref_model_output: RefOutput = None,
     backend: str = "auto",
     rollout_is_weights: Optional[torch.Tensor] = None,
@@ -225,9 +229,9 @@ def flow_dppo_loss(
     """Flow-DPPO (verl-omni ``FlowDPPOLoss``): per sample -rho A, masked (0) when D_s = mean ||mu_theta -
     mu_old||^2 / (2 std^2) >= ``kl_threshold`` and the ratio moves in the advantage's direction (rho > 1
     with A > 0, or rho < 1 with A < 0); no ratio clipping; batch mean. mu_old as in
-    ``grpo_guard_loss``. ``rollout_is_weights``, ``shard``, ``kl_space``, ``ref_model_output``,
-    ``ref_guidance_scale``, ``token_sigmas``, ``frozen``: as ``grpo_loss``'s (D_s then per element with each
-    token's std, over the scored elements)."""
+    ``grpo_guard_loss``. ``rollout_is_weights``, ``kl_coef`` (a float or a per-sample [B] tensor), ``shard``,
+    ``kl_space``, ``ref_model_output``, ``ref_guidance_scale``, ``token_sigmas``, ``frozen``: as
+    ``grpo_loss``'s (D_s then per element with each token's std, over the scored elements)."""
     kl_threshold = _check_scalar("kl_threshold", kl_threshold)
     return _grpo_family(_Variant.DPPO, GRPOCall(**locals()))  # the call as given, by name
 

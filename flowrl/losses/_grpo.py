@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple
+from numbers import Real
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -37,7 +38,7 @@ class GRPOCall:
     noise_level: float = 0.7
     log_prob_kind: str = "gaussian"
     reduction: str = "mean"
-    kl_coef: float = 0.0
+    kl_coef: Union[float, torch.Tensor] = 0.0
     kl_space: str = "transition"
     kl_threshold: Optional[float] = None
     ref_model_output: Any = None
@@ -94,6 +95,23 @@ def _trust(variant: Variant, call: GRPOCall, sample) -> Tuple[TrustSource, Optio
     return TrustSource.REPLAY, seed._replace(elem_offset=0 if call.shard is None else call.shard.offset)
 
 
+def _kl_coef(value, batch: int, device) -> Tuple[float, Optional[torch.Tensor]]:
+    """``kl_coef``: a real number >= 0 (the scalar weight, as it has always been), or a float tensor [B]
+    (per-sample weights, GARDO's gated KL: ``flowrl.advantages.gardo_kl_coef``) with no grad, whose values
+    (finite, >= 0) are asserted on the device in the checked mode only (flowrl.checks: no host sync).
+    Returns (the scalar, 0.0 for a tensor; the tensor or None)."""
+    if isinstance(value, torch.Tensor):
+        t = _check_per_sample("kl_coef", value, batch, device)
+        _check_no_grad(kl_coef=t)
+        if V.checks._enabled and t.device.type != "meta" and not torch.compiler.is_compiling():
+            torch._assert_async((t >= 0).all(), "flowrl.checks: kl_coef holds a negative value")
+        return 0.0, t
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError("kl_coef must be a finite real number >= 0 or a float tensor of shape [B] = "
+                        f"[{batch}] (per-sample weights); got {type(value).__name__}")
+    return _check_scalar("kl_coef", value), None
+
+
 def _refuse_elementwise(variant: Variant, call: GRPOCall, kl_space: KLSpace) -> None:
     if call.token_sigmas is not None and variant is Variant.GUARD:
         raise ValueError("token_sigmas is not supported by grpo_guard_loss: its ratio exp((dlogp + D_s) * std) and "
@@ -132,7 +150,10 @@ def validate(variant: Variant, call: GRPOCall) -> Tuple[GRPOLossSpec, GRPOInputs
     if weights is not None:
         weights = _check_per_sample("rollout_is_weights", weights, batch, sample.device)
     clip = check_clip_range(call.clip_range) if variant is not Variant.DPPO else None
-    kl_coef = _check_scalar("kl_coef", call.kl_coef)
+    kl_coef, kl_per_sample = _kl_coef(call.kl_coef, batch, sample.device)
+    if kl_per_sample is not None and ref_model_output is None:
+        raise ValueError("kl_coef is a per-sample tensor but ref_model_output is None: pass the reference "
+                         "policy's model_output")
     if kl_coef != 0 and ref_model_output is None:
         raise ValueError("kl_coef is nonzero but ref_model_output is None: pass the reference policy's model_output")
     _check_no_grad(sample=sample, prev_sample=prev_sample, ref_model_output=ref_model_output,
@@ -144,7 +165,8 @@ def validate(variant: Variant, call: GRPOCall) -> Tuple[GRPOLossSpec, GRPOInputs
                     reduction=Reduction.parse("reduction", call.reduction),
                     numel=numel, shard=call.shard, **elementwise)
     inputs = GRPOInputs(sample, model_output, prev_sample, old_log_prob, advantages, ref_model_output=ref_model_output,
-                        ref_cond=ref_cond, old_prev_sample_mean=call.old_prev_sample_mean, rollout_is_weights=weights)
+                        ref_cond=ref_cond, old_prev_sample_mean=call.old_prev_sample_mean, rollout_is_weights=weights,
+                        kl_coef=kl_per_sample)
     ops = _dispatch.select(call.backend, *(t for t in (sample, model_output, prev_sample, ref_model_output,
                                                        call.old_prev_sample_mean, ref_cond) if t is not None))
     spec = GRPOLossSpec(variant, step, trust=trust, seed=seed, clip=clip, kl_coef=kl_coef, kl_space=kl_space,

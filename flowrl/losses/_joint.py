@@ -28,7 +28,7 @@ from ..ops.weights import scheme_weights
 from ..ops._custom_ops import is_empty
 from ._custom_ops import empty_joint, grpo_family_loss
 from ._grpo import GRPOCall, validate
-from ._policy import GRPOLossOutput, policy_loss
+from ._policy import GRPOLossOutput, kl_coef_of, policy_loss
 
 
 def _streams(name: str, value, n: int, optional: bool) -> list:
@@ -115,7 +115,7 @@ def grpo_family(variant: Variant, call: GRPOCall) -> GRPOLossOutput:
     dtype = lp.dtype
     weights_is = inputs.rollout_is_weights
     return policy_loss(variant, lp, kl, tr, inputs.old_log_prob.to(dtype), inputs.advantages.to(dtype), spec.clip,
-                       spec.kl_coef, guard_weights, spec.kl_threshold,
+                       kl_coef_of(spec, inputs, dtype), guard_weights, spec.kl_threshold,
                        None if weights_is is None else weights_is.to(dtype))
 
 

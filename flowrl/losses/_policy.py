@@ -21,7 +21,8 @@ class GRPOLossOutput(NamedTuple):
     detached: per-sample [B] values and 0-d batch statistics (no host sync: ``.item()`` them when
     logging). Fields a variant does not compute are None.
 
-    loss: policy_loss + kl_coef * mean(kl).
+    loss: policy_loss + kl_coef * mean(kl); with ``kl_coef`` a per-sample [B] tensor, policy_loss +
+        mean(kl_coef * kl) (GARDO's gated KL, docs/losses.md).
     policy_loss: the batch mean of the per-sample surrogate (GRPO-Guard: each divided by its step's D;
         times ``rollout_is_weights`` when given).
     log_prob: [B] the recomputed log-prob, bit for bit ``flowrl.step_log_prob``'s on the same backend.
@@ -57,7 +58,9 @@ def policy_loss(variant, lp, kl, tr, old_lp, adv, clip, kl_coef, guard_weights, 
     """The per-sample [B] arithmetic after the reductions, shared by both backends. ``guard_weights``:
     GRPO-Guard's (log_ratio, loss) weights, (std, 1/D) from flowrl.ops.weights.scheme_weights.
     ``is_weights``: rollout-correction weights [B] multiplying the per-sample policy loss before the
-    batch mean (verl-omni's ``rollout_is_weights``; flowrl.consistency), not the KL term."""
+    batch mean (verl-omni's ``rollout_is_weights``; flowrl.consistency), not the KL term.
+    ``kl_coef``: a float (the KL term kl_coef * mean(kl), none when 0) or a [B] tensor in the KL's dtype
+    (the KL term mean(kl_coef * kl), always formed)."""
     log_ratio = lp - old_lp
     if variant is Variant.GUARD:  # GRPO-Guard: rho = exp((dlogp + D_s) * std)
         ratio = torch.exp((log_ratio + tr) * guard_weights[0])
@@ -83,13 +86,24 @@ def policy_loss(variant, lp, kl, tr, old_lp, adv, clip, kl_coef, guard_weights, 
     if is_weights is not None:  # rollout correction: per sample, before the batch mean (verl-omni)
         per_sample = per_sample * is_weights
     policy_loss = per_sample.mean()
-    loss = policy_loss + kl_coef * kl.mean() if kl is not None and kl_coef != 0 else policy_loss
+    if kl is None:
+        loss = policy_loss
+    elif isinstance(kl_coef, torch.Tensor):  # per sample (GARDO), before the batch mean
+        loss = policy_loss + (kl_coef * kl).mean()
+    else:
+        loss = policy_loss + kl_coef * kl.mean() if kl_coef != 0 else policy_loss
     with torch.no_grad():
         r = ratio.detach()
         return GRPOLossOutput(
             loss, policy_loss.detach(), lp.detach(), r, None if kl is None else kl.detach(),
             None if tr is None else tr.detach(), clip_fraction, clip_low, clip_high, masked_fraction,
             0.5 * (log_ratio.detach() ** 2).mean(), r.mean(), r.min(), r.max())
+
+
+def kl_coef_of(spec: GRPOLossSpec, inputs: GRPOInputs, dtype):
+    """The KL weight ``policy_loss`` takes: the per-sample [B] ``inputs.kl_coef`` in ``dtype`` when given,
+    else the spec's float."""
+    return spec.kl_coef if inputs.kl_coef is None else inputs.kl_coef.to(dtype)
 
 
 def grpo_from_spec(spec: GRPOLossSpec, inputs: GRPOInputs) -> GRPOLossOutput:
@@ -104,5 +118,6 @@ def grpo_from_spec(spec: GRPOLossSpec, inputs: GRPOInputs) -> GRPOLossOutput:
     weights = inputs.rollout_is_weights
     return policy_loss(spec.variant, lp, kl if inputs.ref_model_output is not None else None,
                        tr if spec.trust is not TrustSource.NONE else None, inputs.old_log_prob.to(dtype),
-                       inputs.advantages.to(dtype), spec.clip, spec.kl_coef, guard_weights, spec.kl_threshold,
+                       inputs.advantages.to(dtype), spec.clip, kl_coef_of(spec, inputs, dtype), guard_weights,
+                       spec.kl_threshold,
                        None if weights is None else weights.to(dtype))

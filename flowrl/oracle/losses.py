@@ -61,9 +61,9 @@ class StepArgs:
 class KLArgs:
     """The KL term: ``kl_coef`` x mean_b KL_b to ``ref_model_output`` (a tensor, or the pair (uncond, cond)
     with ``ref_guidance_scale``), in ``kl_space`` "transition" (the exact Gaussian KL) or "velocity"
-    (mean (v - v_ref)^2)."""
+    (mean (v - v_ref)^2). ``kl_coef`` a [B] tensor: the per-sample form mean_b(kl_coef_b KL_b) (GARDO)."""
 
-    kl_coef: float = 0.0
+    kl_coef: Union[float, torch.Tensor] = 0.0
     ref_model_output: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None
     kl_space: str = "transition"
     ref_guidance_scale: Optional[float] = None
@@ -136,7 +136,10 @@ def _output(per, lp, old_lp, ratio, *, kl=None, kl_coef=0.0, tr=None, clip_stats
     if weights is not None:
         per = per * _f64(weights)
     policy = per.mean()
-    loss = policy + kl_coef * kl.mean() if kl is not None and kl_coef != 0 else policy
+    if isinstance(kl_coef, torch.Tensor) and kl is not None:  # per sample (GARDO)
+        loss = policy + (_f64(kl_coef) * kl).mean()
+    else:
+        loss = policy + kl_coef * kl.mean() if kl is not None and kl_coef != 0 else policy
     r = ratio.detach()
     return GRPOLossOutput(loss, policy.detach(), lp.detach(), r, None if kl is None else kl.detach(),
                           None if tr is None else tr.detach(), *clip_stats, masked,
