@@ -271,3 +271,139 @@ def multi_reward_advantages(rewards: Rewards, group_index: torch.Tensor, *, weig
 
 __all__ = ["group_advantages", "multi_reward_advantages", "dense_groups", "PEER_OPTIONS",
            "depth_advantages", "fork_advantages", "node_rewards", "TreeAdvantages"]
+
+
+# ----------------------------------------------------------------------------- GARDO's gated KL
+#
+# GARDO (yifan123/flow_grpo @ 94e23ee5405ab7241fc1f75d30cac8147e2b1f53, scripts/train_sd3_gardo.py; its
+# issue 216): the KL to the reference is applied only to the samples whose proxy reward is most
+# "uncertain", a rank disagreement between the main reward and auxiliary ones; the gated fraction adapts
+# over training (``RiskCompensator``). docs/losses.md, "Per-sample and gated KL (GARDO)", has the formula,
+# its source lines and the definition differences; tests/losses/test_gardo.py the float64 transcriptions.
+
+
+def _descending_ranks(r: torch.Tensor) -> torch.Tensor:
+    """Each entry's rank in r sorted in descending order, 1 for the largest (ties in index order)."""
+    order = torch.sort(r, descending=True, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks[order] = torch.arange(1, r.shape[0] + 1, device=r.device)
+    return ranks.to(torch.float32)
+
+
+def gardo_uncertainty(main_reward: torch.Tensor, aux_rewards: Rewards) -> torch.Tensor:
+    """GARDO's per-sample uncertainty [N] (float32, as its ranks): u_i = rank_i(main) - mean_k
+    rank_i(aux_k), rank 1 the batch's largest reward (a descending sort; ties ranked in index order).
+    ``main_reward`` [N] is the reward the advantages use (its ``main_reward``); ``aux_rewards`` [N, K] or
+    {name: [N]} the auxiliary rewards (theirs: aesthetic and imagereward, u = rank_main - (rank_aes +
+    rank_ir) / 2). Call it on the whole (all-gathered) rollout batch, as GARDO does. On the rewards'
+    device, no host sync."""
+    main = _float_tensor("main_reward", main_reward, 1)
+    if isinstance(aux_rewards, Mapping):
+        if not aux_rewards:
+            raise ValueError("aux_rewards must hold at least one auxiliary reward")
+        aux = torch.stack([_float_tensor(f"aux_rewards[{k!r}]", r, 1) for k, r in aux_rewards.items()], 1)
+    else:
+        aux = _float_tensor("aux_rewards", aux_rewards, 2)
+    if aux.shape[0] != main.shape[0] or aux.shape[1] == 0:
+        raise ValueError(f"aux_rewards must have shape [N, K] = [{main.shape[0]}, K >= 1] like main_reward "
+                         f"[{main.shape[0]}]; got {tuple(aux.shape)}")
+    if aux.device != main.device:
+        raise ValueError(f"aux_rewards is on {aux.device} but main_reward is on {main.device}")
+    aux_ranks = torch.stack([_descending_ranks(aux[:, k]) for k in range(aux.shape[1])], 1)
+    return _descending_ranks(main) - aux_ranks.mean(1)
+
+
+def _numpy_percentile(values: torch.Tensor, keep: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``np.percentile(values[keep], q)`` of float32 ``values`` (method "linear"), float32, on the device
+    without reading the count: the kept values sorted first, numpy's virtual index (n - 1) q (float64),
+    its neighbours clamped to [0, n - 1], and its two-sided lerp in float32 as numpy runs it on a float32
+    array (a + (b - a) f32(t), or b - (b - a) f32(1 - t) where t >= 0.5); +inf when nothing is kept
+    (numpy raises)."""
+    n = keep.sum().to(torch.float64)
+    ordered = torch.sort(torch.where(keep, values, torch.full_like(values, math.inf))).values
+    q = q / 100
+    virtual = (n - 1) * q  # numpy's "linear" get_virtual_index
+    last = (n - 1).clamp(min=0)
+    lo = torch.floor(virtual).clamp(0, None).minimum(last)
+    hi = (lo + 1).minimum(last)
+    t = virtual - torch.floor(virtual)
+    a = ordered.gather(0, lo.long().reshape(1))[0] if values.numel() else values.new_zeros(())
+    b = ordered.gather(0, hi.long().reshape(1))[0] if values.numel() else values.new_zeros(())
+    diff = b - a
+    lerp = torch.where(t >= 0.5, b - diff * (1 - t).to(values.dtype), a + diff * t.to(values.dtype))  # numpy's _lerp
+    lerp = torch.where(virtual >= last, b, torch.where(virtual < 0, a, lerp))
+    return torch.where(n > 0, lerp, torch.full_like(lerp, math.inf))
+
+
+def gardo_kl_gate(uncertainty: torch.Tensor, fraction: Union[float, torch.Tensor] = 0.1) -> torch.Tensor:
+    """GARDO's KL gate, bool [N]: with P the samples of non-negative uncertainty u (``gardo_uncertainty``),
+    threshold = np.percentile(u[P], 100 - 100 ``fraction``) (linear interpolation) and gate_i = u_i >
+    threshold (u and the threshold compared in float32, as GARDO's float32 ranks and torch compare them):
+    about the top ``fraction`` of P, every gated sample with u > 0. ``fraction``: a float in
+    [0, 1] or a 0-d tensor (``GardoGateFraction.update``'s; theirs starts at 0.1, within [0.02, 0.2]). No
+    sample gated when P is empty (numpy raises there). On u's device, no host sync."""
+    u = _float_tensor("uncertainty", uncertainty, 1).to(torch.float32)
+    if isinstance(fraction, torch.Tensor):
+        if fraction.dim() != 0 or not fraction.dtype.is_floating_point:
+            raise ValueError(f"fraction must be a float or a 0-d float tensor; got {fraction.dtype} "
+                             f"{tuple(fraction.shape)}")
+        q = 100 - fraction.to(device=u.device, dtype=torch.float64) * 100
+    else:
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise ValueError(f"fraction must be a number in [0, 1]; got {fraction!r}")
+        q = torch.tensor(100 - float(fraction) * 100, dtype=torch.float64, device=u.device)
+    return u > _numpy_percentile(u, u >= 0, q)
+
+
+def gardo_kl_coef(gate: torch.Tensor, beta: float) -> torch.Tensor:
+    """The per-sample ``kl_coef`` [B] (float32) of GARDO's gated KL for one training batch: beta g_i B /
+    max(sum_j g_j, 1), so the GRPO family's KL term mean_b(kl_coef_b KL_b) is beta x the mean KL of the
+    gated samples (theirs: ``beta * mean(kl over the gated samples' elements)``), 0 when none is gated.
+    ``gate``: bool [B], this batch's rows of ``gardo_kl_gate``'s (GARDO gates the gathered rollout, then
+    normalizes by the gated count of each training batch). GARDO's KL divides by s^2 = std^2 / D, as
+    Flow-GRPO's (docs/losses.md): multiply by each sample's D = sigma - sigma' to reproduce its scale."""
+    if not isinstance(gate, torch.Tensor) or gate.dtype != torch.bool or gate.dim() != 1:
+        raise TypeError(f"gate must be a bool tensor [B]; got {getattr(gate, 'dtype', type(gate).__name__)} "
+                        f"{tuple(getattr(gate, 'shape', ()))}")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
+        raise ValueError(f"beta must be a finite number >= 0; got {beta!r}")
+    g = gate.to(torch.float32)
+    return g * (float(beta) * gate.shape[0]) / g.sum().clamp(min=1)
+
+
+class GardoGateFraction:
+    """GARDO's adaptive gated fraction (their ``RiskCompensator``; ``kl_perc`` in their logs), kept on the
+    device: each ``update(u)`` reads m = mean of the rollout's non-negative uncertainties (rounded to
+    float32, as numpy's mean of their float32 ranks); the first call
+    sets the fraction to ``base``, later ones multiply it by (1 + alpha) when m > the max of the last
+    ``window`` m's, by (1 - alpha) when m < their min; clipped to [low, high]; then m joins the window.
+    Returns the new fraction (0-d float64, for ``gardo_kl_gate``). Theirs: base 0.1, alpha 0.1, [0.02, 0.2],
+    window 20. No host sync. ``gardo_uncertainty``'s u sum to 0 (each rank column sums to N(N+1)/2), so
+    a non-empty batch always has a u >= 0 and m is defined."""
+
+    def __init__(self, base: float = 0.1, alpha: float = 0.1, low: float = 0.02, high: float = 0.2,
+                 window: int = 20):
+        self.base, self.alpha, self.low, self.high, self.window = base, alpha, low, high, int(window)
+        self.fraction: Optional[torch.Tensor] = None
+        self.history: Optional[torch.Tensor] = None  # the last ``window`` m's, oldest first
+
+    def update(self, uncertainty: torch.Tensor) -> torch.Tensor:
+        u = _float_tensor("uncertainty", uncertainty, 1).to(torch.float64)
+        keep = u >= 0
+        # the sum is exact (half-integers); one rounding to float32 as numpy's float32 mean
+        m = (torch.where(keep, u, torch.zeros_like(u)).sum() / keep.sum()).to(torch.float32).to(torch.float64)
+        if self.history is None:
+            fraction = torch.tensor(float(self.base), dtype=torch.float64, device=u.device)
+            history = m.reshape(1)
+        else:
+            f = self.fraction
+            # numpy's max / min propagate a NaN, and a comparison with NaN is False
+            fraction = torch.where(m > self.history.max(), f * (1 + self.alpha),
+                                   torch.where(m < self.history.min(), f * (1 - self.alpha), f))
+            history = torch.cat([self.history, m.reshape(1)])[-self.window:]
+        self.fraction = fraction.clamp(self.low, self.high)
+        self.history = history
+        return self.fraction
+
+
+__all__ += ["gardo_uncertainty", "gardo_kl_gate", "gardo_kl_coef", "GardoGateFraction"]
