@@ -36,7 +36,7 @@ from flowrl import oracle
 from flowrl.advantages import GardoGateFraction, gardo_kl_coef, gardo_kl_gate, gardo_uncertainty
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_losses import BACKENDS, DEVICE, perturbed, rollout, schedule  # noqa: E402
+from test_losses import BACKENDS, DEVICE, perturbed, rollout  # noqa: E402
 
 F64 = torch.float64
 B = 6
@@ -350,6 +350,27 @@ def test_per_sample_kl_coef_compiles_through_the_custom_op_with_eager_bits():
     for a, b in zip(results[0][0], results[1][0]):
         assert torch.equal(a, b)
     assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.slow  # Inductor builds C++ on the CPU (tests/ops/test_torch_compile.py's rule)
+def test_per_sample_kl_coef_compiles_with_inductor_with_eager_bits():
+    """The default backend (Inductor): the op is opaque to it, so the values and d loss / d v are eager's."""
+    x, v, sig, out, v_ref, adv = _inputs()
+    w = torch.tensor([0.0, 0.5, 2.0, 0.0, 1.5, 0.25], device=DEVICE)
+
+    def step(v, w):
+        res = _grpo("torch", w, x, v, sig, out, v_ref, adv)
+        return res.loss, res.kl
+
+    counters.clear()
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        v1 = v.clone().requires_grad_(True)
+        loss, kl = fn(v1, w)
+        loss.backward()
+        results.append((loss, kl, v1.grad))
+    assert sum(counters["graph_break"].values()) == 0
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
