@@ -1,15 +1,21 @@
-"""The Triton backend's launch configurations (``flowrl.backends._triton_ops`` re-exports every name).
+"""The one place that chooses the Triton backend's launch configurations (``_triton_ops`` re-exports
+every name; the launchers pass the result to the kernel by keyword).
 
-The element kernels' launch tables and one-tile configurations, the step kernels' tile, EVEN and
-register-cap switches, the finalize kernel's warps, the per-token lookups' RUN and the host-side
-division magic. Pure host arithmetic: no kernel is imported here. Every configuration gives the same
-bits (each chunk's tree is the same); ``_triton_ops.step_config`` and ``element_config`` choose among them.
+It decides, for each launch, (chunks per program, num_warps) and the step kernels' TILES, EVEN and
+register cap: ``step_config`` for the step kernels, ``element_config`` for one-tile element passes,
+``step_switches`` for the switches, ``finalize_warps`` for the finalize kernel. Why: the largest
+program that keeps a tile's 32 values per thread in registers without a spill (the AOT compile of
+every specialization, flowrl/tools/aot; docs/kernels.md, "Launch"), since the kernels are
+memory-bound only while their instruction count stays low. No choice changes a bit: each chunk's tree
+is the same (tested). The measurements behind each entry are docs/kernels_log.md's.
 """
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from ..contract import CHUNK_SIZE, Mode
+import torch
+
+from ..contract import CHUNK_SIZE, Mode, NoiseSource, Op
 
 
 def finalize_warps(width: int) -> int:
@@ -62,6 +68,10 @@ UNALIGNED_PHILOX_CONFIG = (1, 2)
 # kernel does not spill at (1, 1) with any of them.
 ELEMENTWISE_CONFIG = LAUNCH_TABLE[0][1:]
 
+# The GRPO family's backward with mu_old replayed from Philox noise runs one chunk per program on one warp
+# (the launch table's); at 4 chunks on 16 warps triton 3.6 spilled 16 bytes on sm_80 (float32 latents).
+REPLAY_BACKWARD_CONFIG = LAUNCH_TABLE[0][1:]
+
 # One chunk on eight warps, 4 values per thread: float32 latents with one lookup per element (RUN 1), where
 # WIDE_CONFIG's 8 values per thread spilled 8 bytes (the GRPO family's pass replaying mu_old from Philox
 # noise, sm_80, triton 3.9). The same bits (each chunk's tree is the same).
@@ -84,21 +94,10 @@ def launch_config(n_per_sample: int, unaligned_philox: bool = False, table=LAUNC
 
 def tiles_taken(backward: bool, masked_rollout: bool = False, second_order: bool = False, philox: bool = False,
                 philox_mean: bool = False) -> bool:
-    """Whether the step kernels (the backward: ``backward``; a rollout drawing Philox noise: ``philox``)
-    run STEP_LAUNCH_TABLE's multi-tile programs when their latents are 16-bit and 16-byte aligned; the
-    others run LAUNCH_TABLE's one tile. Chosen per specialization from the AOT compile (flowrl/tools/aot;
-    no spill on sm_90a or sm_80 with triton 3.6.0 or 3.9.0, tests/kernels/test_compile.py), the same for every
-    mode. One tile where 4 spilled under the register cap: a masked rollout (``masked_rollout``: the
-    sample size not a multiple of 4,096; with the mean 8-40 bytes), a Philox rollout writing the mean
-    (``philox_mean``, 8-40 bytes) or of dpm_sde's second order (``second_order``, 16-64 bytes), and
-    dpm_sde's second-order gaussian backward (the extra x0_prev stream; the KL's cancels: 40-48 bytes
-    in float16, triton 3.6). The rest take tiles: ddim's log-prob and rollouts since its divisions
-    lost div.rn's per-element slow-path calls (common.div_rn_by_scalar), its KLs since they divide by
-    nothing per element, its Philox rollouts and its backward of the mean and of the clipped KL since
-    their tiles run in four parts behind barriers (kernels/step.py's step_partials_kernel's and
-    step_backward_kernel's PARTS: in one part they spilled 8-672 bytes), the other Philox rollouts since
-    their latents load after the noise, behind a barrier, their Philox counters are uint32 with a zero
-    high word and its multiplies one mul.wide each (125-128 registers, no spill)."""
+    """Whether a step kernel runs STEP_LAUNCH_TABLE's multi-tile programs (16-bit, 16-byte aligned
+    latents): every step but those that spilled at 4 tiles under the 128-register cap, i.e. a masked
+    rollout, a Philox rollout writing the mean or of dpm_sde's second order, and dpm_sde's second-order
+    backward. Why each case is as it is: docs/kernels_log.md, "Which steps take tiles"."""
     philox_one_tile = philox and (philox_mean or second_order)
     return not (masked_rollout or philox_one_tile or (second_order and backward))
 
@@ -159,3 +158,48 @@ def division_magic(d: int) -> Tuple[int, int]:
         raise ValueError(f"division_magic takes a divisor in [1, 2**31); got {d}")
     l = (d - 1).bit_length()
     return ((1 << (31 + l)) + d - 1) // d, l
+
+
+def element_config(spec, n_per_sample: int, unaligned_philox: bool = False, storage=None, run=None):
+    """(chunks per program, num_warps) of one-tile element kernels (flowrl.losses' passes; the step
+    kernels where ``step_config`` takes no tiles) for ``spec``'s samples of ``n_per_sample`` stored as
+    ``storage`` (a torch dtype); ``run``: an elementwise step's RUN (``token_run``), given by the
+    forward element passes (the step's, the losses') and the losses' backward."""
+    if spec.elementwise:
+        if unaligned_philox:
+            return UNALIGNED_PHILOX_CONFIG
+        if run == 1 and storage == torch.float32:
+            return SLIM_CONFIG
+        if run == 1 or (run is not None and storage == torch.float32):
+            return WIDE_CONFIG
+        return ELEMENTWISE_CONFIG
+    if spec.mode is Mode.DDIM and spec.op is Op.ROLLOUT and storage == torch.float32:
+        return WIDE_CONFIG
+    return launch_config(n_per_sample, unaligned_philox=unaligned_philox)
+
+
+_TILE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = False, unaligned_philox: bool = False,
+                second_order: bool = False, run=None, write_mean: bool = False):
+    """(chunks per program, num_warps) of the step kernels for ``spec``'s samples of ``n_per_sample``.
+    Tiles are taken (STEP_LAUNCH_TABLE) when ``tiles_taken`` says so for the spec, every per-element
+    tensor in ``latents`` is bf16, or every one fp16, and their addresses and those of ``extra`` (a
+    rollout's float32 noise and mean) are 16-byte aligned with the sample size a multiple of 16 (the
+    JIT's divisibility specialization: the unaligned variants keep one tile); None entries are
+    skipped. Otherwise ``element_config``'s one tile (``run``: an elementwise forward's RUN;
+    ``write_mean``: a rollout that writes its mean)."""
+    storage = latents[0].dtype
+    if spec.elementwise or unaligned_philox:
+        return element_config(spec, n_per_sample, unaligned_philox=unaligned_philox, storage=storage, run=run)
+    rollout = not backward and spec.op is Op.ROLLOUT
+    philox = rollout and spec.noise_source is NoiseSource.PHILOX
+    group, _ = launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
+    masked_rollout = rollout and n_per_sample % (group * CHUNK_SIZE) != 0
+    latents, extra = [t for t in latents if t is not None], [t for t in extra if t is not None]
+    if (storage in _TILE_DTYPES and tiles_taken(backward, masked_rollout, second_order, philox, write_mean)
+            and n_per_sample % 16 == 0 and all(t.dtype == storage for t in latents)
+            and all(t.data_ptr() % 16 == 0 for t in latents + extra)):
+        return launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
+    return element_config(spec, n_per_sample, storage=storage)

@@ -26,9 +26,7 @@ from flowrl.kernels.loss import flow_backward_kernel, flow_partials_kernel, grpo
 from . import reference
 
 
-# The backward with mu_old replayed from Philox noise runs one chunk per program on one warp (the launch
-# table's); at 4 chunks on 16 warps triton 3.6 spilled 16 bytes on sm_80 (float32 latents).
-REPLAY_BACKWARD_CONFIG = LAUNCH_TABLE[0][1:]
+from ._launch import REPLAY_BACKWARD_CONFIG  # noqa: E402 (the launch choices are _launch.py's)
 
 
 def _grpo_launch_args(spec, ks, trust, seed, x):

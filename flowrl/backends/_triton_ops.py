@@ -40,7 +40,7 @@ from . import reference
 from ._launch import ELEMENTWISE_CONFIG, LAUNCH_TABLE, MAX_TILE_REGISTERS, SLIM_CONFIG, STEP_LAUNCH_TABLE  # noqa: F401
 from ._launch import TOKEN_TABLE_BLOCK, UNALIGNED_PHILOX_CONFIG, WIDE_CONFIG, division_magic  # noqa: F401
 from ._launch import element_tiles, finalize_warps, launch_config, register_cap, step_switches  # noqa: F401
-from ._launch import tiles_taken, token_run  # noqa: F401
+from ._launch import element_config, step_config, tiles_taken, token_run  # noqa: F401
 from ..contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, SIGMA_ONE_TOL, LogProbKind, Mode, NoiseSource, Op, Reduction
 from ..core.step_spec import flat_layout
 
@@ -77,51 +77,6 @@ def _launch(kernel, grid, **kwargs):
             f"{type(exc).__name__}: {exc}. Run the torch backend instead (backend='torch', or "
             "FLOWRL_BACKEND=torch for backend='auto'), and report the triton version."
         ) from exc
-
-
-def element_config(spec, n_per_sample: int, unaligned_philox: bool = False, storage=None, run=None):
-    """(chunks per program, num_warps) of one-tile element kernels (flowrl.losses' passes; the step
-    kernels where ``step_config`` takes no tiles) for ``spec``'s samples of ``n_per_sample`` stored as
-    ``storage`` (a torch dtype); ``run``: an elementwise step's RUN (``token_run``), given by the
-    forward element passes (the step's, the losses') and the losses' backward."""
-    if spec.elementwise:
-        if unaligned_philox:
-            return UNALIGNED_PHILOX_CONFIG
-        if run == 1 and storage == torch.float32:
-            return SLIM_CONFIG
-        if run == 1 or (run is not None and storage == torch.float32):
-            return WIDE_CONFIG
-        return ELEMENTWISE_CONFIG
-    if spec.mode is Mode.DDIM and spec.op is Op.ROLLOUT and storage == torch.float32:
-        return WIDE_CONFIG
-    return launch_config(n_per_sample, unaligned_philox=unaligned_philox)
-
-
-_TILE_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def step_config(spec, n_per_sample: int, latents, extra=(), backward: bool = False, unaligned_philox: bool = False,
-                second_order: bool = False, run=None, write_mean: bool = False):
-    """(chunks per program, num_warps) of the step kernels for ``spec``'s samples of ``n_per_sample``.
-    Tiles are taken (STEP_LAUNCH_TABLE) when ``tiles_taken`` says so for the spec, every per-element
-    tensor in ``latents`` is bf16, or every one fp16, and their addresses and those of ``extra`` (a
-    rollout's float32 noise and mean) are 16-byte aligned with the sample size a multiple of 16 (the
-    JIT's divisibility specialization: the unaligned variants keep one tile); None entries are
-    skipped. Otherwise ``element_config``'s one tile (``run``: an elementwise forward's RUN;
-    ``write_mean``: a rollout that writes its mean)."""
-    storage = latents[0].dtype
-    if spec.elementwise or unaligned_philox:
-        return element_config(spec, n_per_sample, unaligned_philox=unaligned_philox, storage=storage, run=run)
-    rollout = not backward and spec.op is Op.ROLLOUT
-    philox = rollout and spec.noise_source is NoiseSource.PHILOX
-    group, _ = launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
-    masked_rollout = rollout and n_per_sample % (group * CHUNK_SIZE) != 0
-    latents, extra = [t for t in latents if t is not None], [t for t in extra if t is not None]
-    if (storage in _TILE_DTYPES and tiles_taken(backward, masked_rollout, second_order, philox, write_mean)
-            and n_per_sample % 16 == 0 and all(t.dtype == storage for t in latents)
-            and all(t.data_ptr() % 16 == 0 for t in latents + extra)):
-        return launch_config(n_per_sample, table=STEP_LAUNCH_TABLE)
-    return element_config(spec, n_per_sample, storage=storage)
 
 
 # No FMA contraction: the kernels do the reference's roundings, and the rollout and recompute

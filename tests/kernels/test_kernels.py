@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flowrl
-from flowrl.backends import _dispatch, _triton_ops
+from flowrl.backends import _dispatch, _launch, _triton_ops
 from flowrl.contract import Mode, NoiseSource, Op, Prediction
 from flowrl.core.step_spec import ShardContext
 
@@ -393,7 +393,7 @@ def test_every_launch_config_gives_the_same_bits(device, monkeypatch, group, num
         return outs + [kl, vk.grad]
 
     want = run()
-    monkeypatch.setattr(_triton_ops, "launch_config", lambda n_per_sample, unaligned_philox=False, table=None: (group, num_warps))
+    monkeypatch.setattr(_launch, "launch_config", lambda n_per_sample, unaligned_philox=False, table=None: (group, num_warps))
     got = run()
     for k, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), k
@@ -438,7 +438,7 @@ def test_multi_tile_programs_give_the_same_bits(device, monkeypatch, n, dtype):
     want = run()
     assert (4, 4) in launches  # the recompute's forward at least ran 4 tiles
     launches.clear()
-    monkeypatch.setattr(_triton_ops, "STEP_LAUNCH_TABLE", _triton_ops.LAUNCH_TABLE)  # one tile everywhere
+    monkeypatch.setattr(_launch, "STEP_LAUNCH_TABLE", _launch.LAUNCH_TABLE)  # one tile everywhere
     got = run()
     assert {tiles for _, tiles in launches if tiles is not None} == {1}
     for k, (a, b) in enumerate(zip(got, want)):
@@ -510,7 +510,7 @@ def test_multi_tile_ddim_and_second_order_kl_give_the_same_bits(device, monkeypa
         assert ("step_backward_kernel", True) in tiled and ("step_backward_kernel", False) not in tiled
         assert philox_tiles == {1}  # dpm_sde's second-order Philox rollout keeps one tile
     launches.clear()
-    monkeypatch.setattr(_triton_ops, "STEP_LAUNCH_TABLE", _triton_ops.LAUNCH_TABLE)  # one tile everywhere
+    monkeypatch.setattr(_launch, "STEP_LAUNCH_TABLE", _launch.LAUNCH_TABLE)  # one tile everywhere
     got = run()
     assert {tiles for _, _, tiles, _ in launches if tiles is not None} == {1}
     for k, (a, b) in enumerate(zip(got, want)):
