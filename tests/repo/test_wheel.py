@@ -91,7 +91,8 @@ SCRIPT = textwrap.dedent("""
     again = flowrl.step_log_prob(x, v, out.prev_sample, sigmas, 1, mode="sde", noise_level=0.7, backend="torch")
     assert torch.equal(out.log_prob, again), (out.log_prob, again)
     v.requires_grad_()
-    loss = grpo_loss(x, v, out.prev_sample, sigmas, 1, out.log_prob, torch.tensor([1.0, -1.0]), clip_range=1e-4,
+    loss = grpo_loss(x, v, out.prev_sample, sigmas, 1, old_log_prob=out.log_prob, advantages=torch.tensor([1.0, -1.0]),
+                     clip_range=1e-4,
                      mode="sde", noise_level=0.7, backend="torch")
     assert loss.ratio.eq(1).all(), loss.ratio
     loss.loss.backward()
