@@ -24,9 +24,11 @@ with ``sde_contiguous``):
 from __future__ import annotations
 
 from numbers import Integral
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
+
+from ._options import _index_set
 
 GeneratorArg = Union[None, torch.Generator, Sequence[torch.Generator]]
 
@@ -95,21 +97,10 @@ def sde_windows(batch: int, num_steps: int, *, window_size: Optional[int] = None
 
 
 def _steps(name: str, values, upper: Optional[int]) -> List[int]:
-    if isinstance(values, torch.Tensor):
-        if values.dtype.is_floating_point or values.dtype == torch.bool or values.dim() > 1:
-            raise TypeError(f"{name} must be a 1-D integer tensor or an iterable of ints; got {values.dtype} "
-                            f"{tuple(values.shape)}")
-        values = values.tolist()
-    elif isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise TypeError(f"{name} must be an iterable of ints; got {type(values).__name__}")
-    out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, Integral):
-            raise TypeError(f"{name} must hold ints; got {v!r}")
-        if v < 0 or (upper is not None and v > upper):
-            raise ValueError(f"{name} entries must be in [0, {upper}]; got {int(v)}")
-        out.append(int(v))
-    return sorted(set(out))
+    """One sample's sorted unique loop step indices (``_options._index_set``; None is not a set here)."""
+    if values is None:
+        raise TypeError(f"{name} must be an iterable of ints; got None")
+    return _index_set(name, values, upper)
 
 
 def is_per_sample(sde_steps) -> bool:
