@@ -57,7 +57,7 @@ LOSS_FILES = {
     "tests/ops/test_argument_order.py", "tests/losses/test_losses_distributed.py", "tests/ops/test_torch_compile.py",
     "tests/ops/test_empty_batch.py", "tests/repo/test_readme.py", "tests/kernels/test_compile.py", "tests/kernels/test_roofline.py",
     "flowrl/oracle/losses.py", "tests/ops/test_contract.py",  # its float64 formula and the test that holds it
-    "bench/run.py",
+    "bench/cases.py", "bench/roofline.py", "bench/loss_suite.py",  # its benchmark row (bench/run.py --suite losses)
 }
 
 
