@@ -9,7 +9,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SOURCES = sorted([*(ROOT / "flowrl").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")])
+SOURCES = sorted([*(ROOT / "flowrl").rglob("*.py"), *(ROOT / "kernels").rglob("*.py"), *(ROOT / "bench").glob("*.py")])
 MAX_LINES = 600
 MAX_PARAMETERS = 12
 
@@ -65,7 +65,7 @@ def _functions(tree):
 
 def test_the_scan_sees_the_tree():
     names = {p.relative_to(ROOT).as_posix() for p in SOURCES}
-    assert {"flowrl/losses/__init__.py", "kernels/step.py", "flowrl/tools/aot/__main__.py"} <= names
+    assert {"flowrl/losses/__init__.py", "kernels/step.py", "flowrl/tools/aot/__main__.py", "bench/run.py"} <= names
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.relative_to(ROOT).as_posix())
