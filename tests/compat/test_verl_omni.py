@@ -278,6 +278,7 @@ def verl_omni_stand_in(tmp_path, monkeypatch):
         monkeypatch.delitem(sys.modules, name)
 
 
+@pytest.mark.slow  # ~5 s: a stand-in verl-omni package run end to end (the full suite's)
 def test_register_with_a_verl_omni_stand_in(tmp_path, monkeypatch):
     verl_omni_stand_in(tmp_path, monkeypatch)
     try:

@@ -127,7 +127,7 @@ print(triton.__version__, out.item().hex())
 """
 
 
-@pytest.mark.parametrize("which", ["installed", "3.6"])
+@pytest.mark.parametrize("which", ["installed", pytest.param("3.6", marks=pytest.mark.slow)])  # 3.6: a subprocess, ~5 s
 def test_interpreters_fma(which):
     """docs/contract.md and the helpers' docstrings: triton 3.9's interpreter rounds tl.fma once (the
     kernels' div_rn_by_scalar and Box-Muller are the GPU's bits under it, as CI runs them), triton

@@ -39,6 +39,12 @@ BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not (_dispatch.triton_available() and (torch.cuda.is_available() or _dispatch.interpreter_enabled())),
     reason="needs CUDA or TRITON_INTERPRET=1"))]
 DTYPES = [torch.float32, torch.bfloat16]
+# (backend, dtype): every pair; the interpreter's bfloat16 runs are the full suite's (slow)
+_TRITON_MARKS = BACKENDS[1].marks
+BACKEND_DTYPES = [pytest.param(b, d, id=f"{b}-{d}",
+                               marks=[*(_TRITON_MARKS if b == "triton" else ()),
+                                      *((pytest.mark.slow,) if b == "triton" and d != torch.float32 else ())])
+                  for b in ("torch", "triton") for d in DTYPES]
 MODES = list(Mode)
 LOSS_MODES = [m for m in Mode if m.rules.losses]
 LOSSES = sorted(n for n in L.__all__ if callable(getattr(L, n)) and (n.endswith("_loss") or n == "awm_log_prob"))
@@ -196,8 +202,7 @@ def _ulp_slack(dtype):
     return {"sample": eps, "grad": eps}
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,dtype", BACKEND_DTYPES)
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.label)
 def test_step_ops_against_the_float64_oracle(mode, backend, dtype):
     """sde_step's sample, mean and log-prob, step_log_prob's every kind and reduction, step_kl's, and the
