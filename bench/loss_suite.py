@@ -22,7 +22,7 @@ from flowrl.backends import _dispatch
 # A separate suite (``--suite losses``): each op is forward + backward, d loss / d model_output, at
 # one step (STEP_INDEX, mode sde, Gaussian log-prob). Implementations: flowrl-triton (CUDA only),
 # flowrl-torch, and ``eager``, the peer's code as it runs in its trainer (the same formulas as
-# tests/losses/test_losses_peers.py's transcriptions, which are the tests' oracle):
+# tests/peer_losses.py's transcriptions, which are the tests' oracle):
 #
 # - grpo_loss: Flow-GRPO's recompute (baseline.flow_grpo_step) of the log-prob and mean, the reference
 #   policy's mean without grad, its loss block (ratio, clip, KL with the exact variance, approx_kl,

@@ -7,8 +7,9 @@ import torch
 
 # The tests mirror the source's layers (tests/ops, backends, kernels, rollout, data, losses, compat,
 # apps; tests/repo: the README, docs and packaging). The shared helpers (oracle data, tiny pipelines,
-# process-group ranks, the AOT runs) sit here in tests/, on the path for every module; the layer folders
-# are on it too, so a module reads another's transcriptions by name (``from test_compat import ...``).
+# process-group ranks, the AOT runs, the peers' transcriptions and the shared fixtures: peer_steps,
+# peer_losses, loss_cases, trainer_loops) sit here in tests/, on the path for every module; the layer
+# folders are on it too (``from peer_steps import ...``).
 TESTS = Path(__file__).resolve().parent
 for _folder in [TESTS, *sorted(p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py")))]:
     if str(_folder) not in sys.path:

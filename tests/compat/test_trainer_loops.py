@@ -39,14 +39,12 @@ diffusers = pytest.importorskip("diffusers")
 from flowrl.compat import dance_grpo, flow_factory, flow_grpo  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from test_compat import peer_flow_grpo  # noqa: E402
+from peer_steps import peer_flow_grpo  # noqa: E402
 from tiny_pipelines import tiny_StableDiffusion3Pipeline, tiny_WanPipeline  # noqa: E402
+from trainer_loops import BATCH, BF16, DTYPES, ETA, F32, SCALE, STEPS, ratio_dev, sd3_embeds  # noqa: E402
 
 pytestmark = pytest.mark.slow  # re-creates each trainer's rollout + recompute loop on tiny diffusers transformers (./run test -m 'not slow' skips it)
 
-F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
-DTYPES = {"fp32": F32, "bf16": BF16, "fp16": F16}
-STEPS, BATCH, SCALE, ETA = 6, 2, 4.5, 0.7  # Flow-GRPO's guidance_scale 4.5 and noise_level 0.7
 RESULTS = {}
 
 
@@ -81,20 +79,10 @@ def prepared(transformer, dtype):
     return forward
 
 
-def sd3_embeds(dtype, batch=BATCH):
-    g = torch.Generator().manual_seed(11)
-    r = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731  (text encoders in inference_dtype)
-    return dict(pos=r(batch, 5, 16), pos_pooled=r(batch, 8), neg=r(batch, 5, 16), neg_pooled=r(batch, 8))
-
-
 def sd3_scheduler(steps=STEPS):
     sched = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
     sched.set_timesteps(steps)
     return sched
-
-
-def ratio_dev(new, old):
-    return (torch.exp(new - old) - 1).abs()
 
 
 # ------------------------------------------------------------------------------------ Flow-GRPO

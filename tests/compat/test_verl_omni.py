@@ -1,7 +1,7 @@
 """flowrl.compat.verl_omni against verl-omni (verl-project/verl-omni @
 a1139bafffb5b9711f0a6b6edff8ecaa60bfff30): its scheduler's ``sample_previous_step``
-(verl_omni/pipelines/schedulers/flow_match_sde.py, transcribed as tests/test_compat.peer_verl_omni) and
-its losses (verl_omni/trainer/diffusion/diffusion_algos.py, transcribed in tests/losses/test_losses_peers.py),
+(verl_omni/pipelines/schedulers/flow_match_sde.py, transcribed as tests/peer_steps.peer_verl_omni) and
+its losses (verl_omni/trainer/diffusion/diffusion_algos.py, transcribed in tests/peer_losses.py),
 its training loop re-created (tests/compat/test_trainer_loops.py has the citation), and ``register()`` against
 a stand-in with verl-omni's registry contract (``register_diffusion_loss(name)`` decorating a
 ``DiffusionLossFn`` class; ``DIFFUSION_LOSS_REGISTRY``; ``verl_omni.pipelines.schedulers``)."""
@@ -20,10 +20,10 @@ diffusers = pytest.importorskip("diffusers")
 from flowrl.compat import flow_grpo, verl_omni as vo  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from test_compat import TOL, gen, peer_verl_omni  # noqa: E402
-from test_losses_peers import (_setup, peer_verl_flow_dppo, peer_verl_flow_grpo, peer_verl_grpo_guard,  # noqa: E402
-                               TOL as LTOL)
-from test_trainer_loops import BATCH, DTYPES, ETA, SCALE, STEPS, ratio_dev, sd3_embeds  # noqa: E402
+from peer_steps import TOL, gen, peer_verl_omni  # noqa: E402
+from peer_losses import (_setup, peer_verl_flow_dppo, peer_verl_flow_grpo, peer_verl_grpo_guard,  # noqa: E402
+                         TOL as LTOL)
+from trainer_loops import BATCH, DTYPES, ETA, SCALE, STEPS, ratio_dev, sd3_embeds  # noqa: E402
 from tiny_pipelines import tiny_StableDiffusion3Pipeline  # noqa: E402
 
 F32, BF16 = torch.float32, torch.bfloat16

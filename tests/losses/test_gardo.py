@@ -36,7 +36,7 @@ from flowrl import oracle
 from flowrl.advantages import GardoGateFraction, gardo_kl_coef, gardo_kl_gate, gardo_uncertainty
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_losses import BACKENDS, DEVICE, perturbed, rollout  # noqa: E402
+from loss_cases import BACKENDS, DEVICE, perturbed, rollout  # noqa: E402
 
 F64 = torch.float64
 B = 6

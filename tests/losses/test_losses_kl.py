@@ -38,7 +38,7 @@ from flowrl import losses as L
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flowrl import oracle  # noqa: E402
-from test_losses import BACKENDS, DEVICE, STEPS, advantages, oracle_grpo, perturbed, rollout  # noqa: E402
+from loss_cases import BACKENDS, DEVICE, STEPS, advantages, oracle_grpo, perturbed, rollout  # noqa: E402
 
 F64 = torch.float64
 TRITON = pytest.mark.skipif(not (torch.cuda.is_available() or _dispatch.interpreter_enabled()),

@@ -205,9 +205,9 @@ def peer_h3_guard(streams, old_log_prob, advantages, clip, log_prob_weights):
     066a6cca4ae41f7e9e005e3359d2d730933a5ee7, verl_omni/pipelines/minimax_h3_flow_grpo/
     diffusers_training_adapter.py, ``forward_and_sample_previous_step``: the joint log-prob, the flattened
     joint mean, ``effective_std`` and ``effective_sqrt_dt``) feeding ``GRPOGuardLoss.compute_loss``
-    (tests/test_losses_peers.peer_verl_grpo_guard). ``streams``: per stream (log_prob [B] its mean log
+    (tests/peer_losses.peer_verl_grpo_guard). ``streams``: per stream (log_prob [B] its mean log
     density, mean [B, ...], old_mean [B, ...], std_dev_t (their sigma_t, std / sqrt_dt), sqrt_dt)."""
-    from test_losses_peers import _cfg, peer_verl_grpo_guard
+    from peer_losses import _cfg, peer_verl_grpo_guard
 
     (lp_v, mean_v, old_v, std_v, sdt_v), (lp_a, mean_a, old_a, std_a, sdt_a) = streams
     batch = mean_v.shape[0]
