@@ -2,17 +2,7 @@
 tests/peer_losses.py as the oracle (not imported: the peers are not dependencies), on identical inputs, on
 both backends:
 
-- Flow-GRPO: yifan123/flow_grpo @ ac4c86e8cae021841f1fde853d340e0db67690dd, scripts/train_sd3.py
-  lines 881-927 (the training loss block; its log-prob recompute is tests/peer_steps.peer_flow_grpo).
-- verl-omni: verl-project/verl-omni @ a1139bafffb5b9711f0a6b6edff8ecaa60bfff30,
-  verl_omni/trainer/diffusion/diffusion_algos.py: FlowGRPOLoss, FlowDPPOLoss, GRPOGuardLoss,
-  DistillKLLoss (``compute_loss``).
-- Flow-Factory: X-GenGroup/Flow-Factory @ a0b2bc5a2b4fbf9125429b3fb70c0c5d7631047c,
-  src/flow_factory/trainers/grpo.py (GRPOGuardTrainer.optimize, lines 497-510: the guard ratio and the
-  asymmetric clip range) and src/flow_factory/trainers/awm.py (``compute_weighted_log_prob``, lines
-  284-330, and the clipped loss, lines 496-502).
-- DiffusionNFT: NVlabs/DiffusionNFT @ 24af5554898d85e93efa492f42b5e9cdf4156e9b, scripts/train_nft_sd3.py
-  lines 909-971 (policy loss and KL).
+Flow-GRPO, verl-omni, Flow-Factory and DiffusionNFT, each at the commit and lines tests/peer_losses.py cites.
 
 Where flowrl differs from a peer by design the test states the exact relation: Flow-GRPO's and
 verl-omni's KLs divide by s^2 (``std_dev_t``), not the variance s^2 D (flowrl's exact KL x D = theirs);
