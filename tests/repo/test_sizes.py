@@ -124,3 +124,22 @@ def test_the_kernels_import_nothing_above_the_contract():
                 above += [f"{path.name}: import {a.name}" for a in node.names
                           if a.name.startswith("flowrl") and a.name != "flowrl.contract"]
     assert not above, above
+
+
+def test_every_launch_configuration_is_chosen_in_launch_py():
+    """docs/kernels.md, "Launch": the launch tables, the fixed configurations and the functions choosing
+    among them are defined in flowrl/backends/_launch.py only (the launchers import them)."""
+    elsewhere = []
+    for path in (ROOT / "flowrl" / "backends").glob("*.py"):
+        if path.name == "_launch.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            names = ([t.id for t in node.targets if isinstance(t, ast.Name)] if isinstance(node, ast.Assign)
+                     else [node.name] if isinstance(node, ast.FunctionDef) else [])
+            elsewhere += [f"{path.name}: {n}" for n in names
+                          if (n.endswith(("_CONFIG", "LAUNCH_TABLE")) or n.endswith("_config")
+                              or n in ("tiles_taken", "step_switches", "register_cap", "finalize_warps"))]
+    assert not elsewhere, elsewhere
+    from flowrl.backends import _launch, _triton_losses, _triton_ops
+    assert _triton_ops.step_config is _launch.step_config and _triton_ops.element_config is _launch.element_config
+    assert _triton_losses.REPLAY_BACKWARD_CONFIG is _launch.REPLAY_BACKWARD_CONFIG
