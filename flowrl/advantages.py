@@ -283,11 +283,11 @@ __all__ = ["group_advantages", "multi_reward_advantages", "dense_groups", "PEER_
 
 
 def _descending_ranks(r: torch.Tensor) -> torch.Tensor:
-    """Each entry's rank in r sorted in descending order, 1 for the largest (ties in index order)."""
-    order = torch.sort(r, descending=True, stable=True).indices
-    ranks = torch.empty_like(order)
-    ranks[order] = torch.arange(1, r.shape[0] + 1, device=r.device)
-    return ranks.to(torch.float32)
+    """Each entry's rank in its column of r [N, K] sorted in descending order, 1 for the largest (ties in
+    index order); one sort for every column."""
+    order = torch.sort(r, dim=0, descending=True, stable=True).indices
+    ranks = torch.arange(1, r.shape[0] + 1, device=r.device).unsqueeze(1).expand_as(order)
+    return torch.empty_like(order).scatter_(0, order, ranks).to(torch.float32)
 
 
 def gardo_uncertainty(main_reward: torch.Tensor, aux_rewards: Rewards) -> torch.Tensor:
@@ -309,8 +309,7 @@ def gardo_uncertainty(main_reward: torch.Tensor, aux_rewards: Rewards) -> torch.
                          f"[{main.shape[0]}]; got {tuple(aux.shape)}")
     if aux.device != main.device:
         raise ValueError(f"aux_rewards is on {aux.device} but main_reward is on {main.device}")
-    aux_ranks = torch.stack([_descending_ranks(aux[:, k]) for k in range(aux.shape[1])], 1)
-    return _descending_ranks(main) - aux_ranks.mean(1)
+    return _descending_ranks(main.unsqueeze(1))[:, 0] - _descending_ranks(aux).mean(1)
 
 
 def _numpy_percentile(values: torch.Tensor, keep: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
