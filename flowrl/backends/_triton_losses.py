@@ -16,7 +16,7 @@ import torch
 import triton
 
 from flowrl.backends._triton_ops import (
-    LAUNCH_TABLE, WIDE_CONFIG, _KernelScalars, _finalize, _launch, _LAUNCH, _rows_shape, check_philox_range,
+    WIDE_CONFIG, _KernelScalars, _finalize, _launch, _LAUNCH, _rows_shape, check_philox_range,
     division_magic, element_config, launch_config, optional_input,
 )
 from flowrl.contract import CHUNK_SIZE, LOG2_CHUNK_SIZE, KLSpace, LogProbKind, Reduction

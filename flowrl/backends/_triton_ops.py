@@ -25,7 +25,7 @@ move a rollout and its recompute onto different backends and break their bitwise
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import triton
