@@ -334,6 +334,16 @@ def test_nan_propagates_to_its_group_only():
     assert bool(A.group_advantages(r, ids, std="global").isnan()[2:].all())
 
 
+def test_nan_in_the_gdpo_batch_step_reaches_the_whole_batch():
+    """docs/losses.md: a non-finite reward makes the whole batch NaN through the GDPO batch step, its
+    group only without it."""
+    r = torch.tensor([[1.0, 0.5], [float("nan"), 0.0], [2.0, 1.0], [3.0, 2.0], [4.0, 0.0]])
+    ids = torch.tensor([0, 0, 1, 1, 1])
+    assert bool(A.multi_reward_advantages(r, ids).isnan().all())
+    adv = A.multi_reward_advantages(r, ids, batch_norm=False)
+    assert bool(adv[:2].isnan().all()) and bool(torch.isfinite(adv[2:]).all())
+
+
 @pytest.mark.parametrize("call, error, words", [
     (lambda: A.group_advantages([1.0, 2.0], torch.tensor([0, 0])), TypeError, "rewards"),
     (lambda: A.group_advantages(torch.tensor([1, 2]), torch.tensor([0, 0])), TypeError, "rewards"),

@@ -302,6 +302,12 @@ def test_gate_percentile_is_numpys(fraction):
         assert torch.equal(gardo_kl_gate(u, fraction), gardo_kl_gate(u.float(), torch.tensor(fraction, dtype=F64)))
 
 
+def test_gate_is_empty_without_a_non_negative_uncertainty():
+    """docs/losses.md: with no u >= 0 no sample is gated (numpy raises); the empty batch is that case."""
+    assert not bool(gardo_kl_gate(torch.tensor([-1.0, -0.5, -2.0]), 0.1).any())
+    assert gardo_kl_gate(torch.zeros(0), 0.1).shape == (0,)
+
+
 def test_kl_coef_normalizes_by_the_gated_count():
     gate = torch.tensor([True, False, True, False])
     w = gardo_kl_coef(gate, 0.04)
