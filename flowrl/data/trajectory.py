@@ -172,15 +172,8 @@ class RolloutTrajectory:
         device = (model_output[0] if isinstance(model_output, tuple) else model_output).device
         split = self._mode_split(j)
         if split is not None:  # per-sample windows: the stochastic and the ode samples of j, as two calls
-            out = None
-            for idx in split:
-                idx = idx.to(device)
-                part = model_output[idx] if not isinstance(model_output, tuple) else tuple(m[idx] for m in model_output)
-                jj = j[idx.to(j.device)] if isinstance(j, torch.Tensor) else j
-                lp = self._rows(idx).step_log_prob(jj, part, **kwargs)
-                out = lp.new_empty((self.batch_size, *lp.shape[1:])) if out is None else out
-                out[idx.to(out.device)] = lp
-            return out
+            return self._split_step_log_prob(split, j, model_output,
+                                             lambda rows, jj, part: rows.step_log_prob(jj, part, **kwargs))
 
         def to(v):
             if isinstance(v, tuple):
@@ -233,6 +226,22 @@ class RolloutTrajectory:
             streams=None if self.streams is None else tuple(s._sample(i) for s in self.streams),
             tree=None if self.tree is None else self.tree.select_row(i), sde_mask=cut(self.sde_mask),
         )
+
+    def _split_step_log_prob(self, split, j, model_output, call) -> torch.Tensor:
+        """The [B] log-prob of step(s) ``j`` where ``sde_mask`` makes some samples stochastic and others ode
+        (``split``: their rows, from ``_mode_split``): ``call(rows, j_rows, model_output_rows)`` per group,
+        stochastic first, each on the sub-trajectory ``self._rows(rows)``, scattered back into batch order.
+        Shared by ``step_log_prob`` and the sharded trajectory's (whose calls are collectives)."""
+        out = None
+        for idx in split:
+            def cut(t):
+                return t[idx.to(t.device)]
+
+            part = tuple(cut(m) for m in model_output) if isinstance(model_output, tuple) else cut(model_output)
+            lp = call(self._rows(idx), cut(j) if isinstance(j, torch.Tensor) else j, part)
+            out = lp.new_empty((self.batch_size, *lp.shape[1:])) if out is None else out
+            out[idx.to(out.device)] = lp
+        return out
 
     def _rows(self, rows: torch.Tensor) -> "RolloutTrajectory":
         """The samples ``rows`` (int64 [N]) as a trajectory (copies); a branching rollout's tree is dropped

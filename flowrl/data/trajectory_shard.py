@@ -80,14 +80,8 @@ class ShardedRolloutTrajectory(RolloutTrajectory):
             raise TypeError(f"model_output must be this rank's velocity shard (a tensor); got {type(model_output).__name__}")
         split = self._mode_split(j)
         if split is not None:  # per-sample windows (sde_mask, the same on every rank): two collectives, in this order
-            out = None
-            for idx in split:
-                jj = j[idx.to(j.device)] if isinstance(j, torch.Tensor) else j
-                lp = self._rows(idx).step_log_prob(jj, model_output[idx.to(model_output.device)], group=group,
-                                                   shard_numels=shard_numels, **kwargs)
-                out = lp.new_empty((self.batch_size, *lp.shape[1:])) if out is None else out
-                out[idx.to(out.device)] = lp
-            return out
+            return self._split_step_log_prob(split, j, model_output, lambda rows, jj, part: rows.step_log_prob(
+                jj, part, group=group, shard_numels=shard_numels, **kwargs))
         inputs = self.step_inputs(j, device=model_output.device)
         return distributed.step_log_prob(model_output=model_output, **{**inputs, **kwargs}, group=group,
                                          shard_numels=shard_numels)
