@@ -412,6 +412,7 @@ def test_bad_kl_coef_is_named():
            (torch.ones(B, dtype=torch.long), TypeError, r"kl_coef must be a float tensor"),
            (torch.ones(B, dtype=torch.bool), TypeError, r"kl_coef must be a float tensor"),
            (torch.ones(B, requires_grad=True), ValueError, r"kl_coef requires grad"),
+           (torch.ones(B, device="meta"), ValueError, r"kl_coef is on meta but sample is on"),
            ("0.1", TypeError, r"kl_coef must be a finite real number >= 0 or a float tensor"),
            (float("nan"), TypeError, r"kl_coef must be a finite real number"),
            (-0.1, ValueError, r"kl_coef must be >= 0")]
