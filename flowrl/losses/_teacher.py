@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..core import _validate as V
 from ..core.step_spec import ShardContext
 from ..ops._custom_ops import traced
 from ..ops.functional import step_kl
@@ -111,7 +112,8 @@ def teacher_probabilities(teacher_weights, count: int) -> list:
 
 def check_teacher_index(teacher_index, count: int, batch: int, device, check_values: bool) -> torch.Tensor:
     """``teacher_index``: an integer [B] tensor on model_output's device, each value in [0, K) (read only
-    when ``check_values``: not while torch.compile traces)."""
+    when ``check_values`` and the project reads values: not while torch.compile traces, under CUDA graph
+    capture or inside ``flowrl.no_value_checks()``)."""
     if not isinstance(teacher_index, torch.Tensor) or teacher_index.dtype.is_floating_point \
             or teacher_index.dtype.is_complex or teacher_index.dtype == torch.bool:
         raise TypeError("teacher_index must be an integer tensor [B] (each sample's teacher, 0 .. K-1)")
@@ -119,8 +121,10 @@ def check_teacher_index(teacher_index, count: int, batch: int, device, check_val
         raise ValueError(f"teacher_index must have shape [B] = [{batch}]; got {tuple(teacher_index.shape)}")
     if teacher_index.device != device:
         raise ValueError(f"teacher_index is on {teacher_index.device} but model_output is on {device}")
-    if check_values and batch > 0:
-        low, high = int(teacher_index.min()), int(teacher_index.max())
+    # read as check_step_index reads a step index: one device-to-host copy, none while torch.compile traces,
+    # a CUDA graph is captured or inside flowrl.no_value_checks() (the range is then the caller's)
+    if check_values and not V._skip_value_reads(teacher_index):
+        low, high = torch.stack(torch.aminmax(teacher_index)).tolist()
         if low < 0 or high >= count:
             raise ValueError(f"teacher_index must be in [0, {count}) for {count} teachers; got values in "
                              f"[{low}, {high}]")

@@ -295,6 +295,22 @@ def test_torch_compile_through_the_custom_op_equals_eager(kw):
         torch._dynamo.reset()
 
 
+def test_teacher_index_range_read_as_step_index_is():
+    """The range check reads the index as check_step_index reads a step index: one device-to-host copy,
+    and none inside flowrl.no_value_checks() (the range then the caller's), so no host sync there."""
+    import flowrl
+    x, v, teachers, sig, steps = inputs(shape=(4, 2, 40))
+    bad = torch.tensor([0, 1, 2, 3], device=DEVICE)
+    with pytest.raises(ValueError, match=r"teacher_index must be in \[0, 3\)"):
+        L.teacher_kl_loss(x, v, teachers, sig, steps, teacher_index=bad, backend="torch")
+    good = torch.tensor([0, 1, 2, 1], device=DEVICE)
+    with flowrl.no_value_checks():
+        L.teacher_kl_loss(x, v, teachers, sig, steps, teacher_index=bad, backend="torch")  # not read
+        loss, kl = L.teacher_kl_loss(x, v, teachers, sig, steps, teacher_index=good, backend="torch")
+    ref_loss, ref_kl = L.teacher_kl_loss(x, v, teachers, sig, steps, teacher_index=good, backend="torch")
+    assert torch.equal(loss, ref_loss) and torch.equal(kl, ref_kl)
+
+
 # ---------------------------------------------------------------------- sequence parallelism (gloo ranks)
 
 SP_SHAPE = (3, 2, 1024)  # 2048 elements per sample: two whole chunks, one per rank (bit-exact layout)
