@@ -360,8 +360,10 @@ class RolloutRecorder:
             mask = mask_from_rows(self._sde_rows, t)
             if not self._sde_uniform:
                 self.sde_mask = mask
-                stream.sde_rows = [(mask[:, j].nonzero().flatten().to(sample.device),
-                                    (~mask[:, j]).nonzero().flatten().to(sample.device)) for j in range(t)]
+                # once per rollout, on the host: each step's (sde rows, ode rows) on the device and the sde rows as
+                # a list (to pick a list of generators' entries without a per-step device read)
+                host = [(mask[:, j].nonzero().flatten(), (~mask[:, j]).nonzero().flatten()) for j in range(t)]
+                stream.sde_rows = [(sde.to(sample.device), ode.to(sample.device), sde.tolist()) for sde, ode in host]
         for name, values, upper in (("sde_steps", self.sde_steps, t - 1),
                                     ("return_step_indices", self.return_step_indices, t)):
             if values is not None and values and values[-1] > upper:
@@ -414,7 +416,7 @@ class RolloutRecorder:
                 )
         split = None  # per sample: (sde rows, ode rows) on a step where the samples differ
         if self.sde_mask is not None:
-            sde_rows, ode_rows = stream.sde_rows[i]
+            sde_rows, ode_rows, _ = stream.sde_rows[i]
             stochastic = ode_rows.numel() == 0
             if sde_rows.numel() and ode_rows.numel():
                 split = sde_rows, ode_rows
@@ -500,7 +502,7 @@ class RolloutRecorder:
             noise = options.pop("noise", None)
             gen = None
             if stochastic and noise is None:
-                gen = [generator[k] for k in idx.tolist()] if isinstance(generator, list) else generator
+                gen = [generator[k] for k in stream.sde_rows[i][2]] if isinstance(generator, list) else generator
             outs.append((idx, sde_step(
                 sample[idx], velocity[idx], stream.sigmas, i, **options, log_prob_kind=self.log_prob_kind,
                 reduction="sum" if joint else self.reduction, backend=self.backend, out_dtype=out_dtype,
