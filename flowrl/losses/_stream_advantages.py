@@ -22,12 +22,13 @@ for one stream.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
 
 from ..ops._custom_ops import is_empty, traced
-from ..ops.functional import check_stream_weights
+from ..ops.functional import check_stream_weights, combine_streams
 from . import _custom_ops as _ops
 from ._common import _check_per_sample
 from ._flow import NFTLossOutput, nft_from_args
@@ -77,14 +78,9 @@ def nft_loss(stream_args, tensors, options, stream_weights, shard) -> NFTLossOut
         raise ValueError(f"the streams of a joint step must have one batch size; got {batches}")
     # each stream: the single-stream nft_loss (eager, or the custom op while compiling and on B = 0)
     outs = [_ops.nft_loss(*args) if traced() or is_empty(args[1]) else nft_from_args(*args) for args in per_stream]
-    fields = []
-    for j in range(len(NFTLossOutput._fields)):
-        if outs[0][j] is None:
-            fields.append(None)
-            continue
-        total = None
-        for out, w in zip(outs, weights):
-            term = out[j] * w
-            total = term if total is None else total + term
-        fields.append(total)
-    return NFTLossOutput(*fields)
+    # every field sum_k w_k (stream k's), left to right: combine_streams' weighted "sum" (it reads no count there;
+    # the streams' element counts are given as its signature asks)
+    counts = [torch.tensor(float(math.prod(args[1].shape[1:]))) for args in per_stream]
+    return NFTLossOutput(*(None if outs[0][j] is None else
+                           combine_streams([out[j] for out in outs], counts, "sum", weights)
+                           for j in range(len(NFTLossOutput._fields))))
