@@ -356,18 +356,16 @@ def from_sglang(response: Any, *, request: Optional[Dict[str, Any]] = None, num_
     sigmas, timesteps, given_steps = schedule
     num_steps, kept = sigmas.numel() - 1, int(latents[0].shape[0])
     # step filters checked against the schedule here, so a bad entry is named, not found later as a bad index
-    for name, values, upper, what in (
-            ("rollout_return_step_indices", return_steps, num_steps, "loop steps 0..T - 1 and T, the final latent"),
-            ("rollout_sde_step_indices", sde_steps, num_steps - 1, "loop steps 0..T - 1")):
+    # (per-request SDE steps: each sample's row, named by its own field)
+    for field, values, upper, what in (
+            (origin["rollout_return_step_indices"], return_steps, num_steps, "loop steps 0..T - 1 and T, the final latent"),
+            (origin[PER_SAMPLE_FIELD], sde_steps, num_steps - 1, "loop steps 0..T - 1"),
+            *((origin[PER_SAMPLE_FIELD].replace("[b]", f"[{b}]"), row, num_steps - 1, "loop steps 0..T - 1")
+              for b, row in enumerate(sde_rows or ()))):
         for v in values or ():
             if v < 0 or v > upper:
-                _fail(origin[name], f"entry {v} is outside [0, {upper}]: the response's schedule (dit_trajectory.sigmas, "
+                _fail(field, f"entry {v} is outside [0, {upper}]: the response's schedule (dit_trajectory.sigmas, "
                       f"T + 1 = {num_steps + 1} values) has T = {num_steps} steps, and the entries name {what}")
-    for b, row in enumerate(sde_rows or ()):
-        for v in row or ():
-            if v < 0 or v > num_steps - 1:
-                _fail(origin[PER_SAMPLE_FIELD].replace("[b]", f"[{b}]"), f"entry {v} is outside [0, {num_steps - 1}]: "
-                      f"the response's schedule has T = {num_steps} steps")
     if given_steps is not None:
         steps = _tensor(given_steps, "[0]['dit_trajectory']['latent_step_indices']")
         for i, s in enumerate(samples[1:], 1):
