@@ -187,6 +187,16 @@ def test_bfloat16_teachers_average_in_float32(backend):
     torch.testing.assert_close(_cpu64(kl), want, rtol=2e-5, atol=1e-12)
 
 
+def test_float64_teachers_average_in_float64():
+    """float64 latents and teachers (the torch backend's wide path): v_bar is built in float64 (docs/losses.md,
+    Several teachers), so the KL is the float64 weighted sum's to float64 rounding (a float32 v_bar: ~6e-9)."""
+    x, v, teachers, sig, steps = inputs(dtype=F64)
+    _, kl = L.teacher_kl_loss(x, v, teachers, sig, steps, teacher_weights=WEIGHTS, backend="torch")
+    assert kl.dtype == F64
+    want = oracle_weighted(x, _cpu64(v), teachers, sig, steps, WEIGHTS)
+    torch.testing.assert_close(_cpu64(kl), want, rtol=1e-12, atol=1e-15)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_joint_streams_with_weighted_teachers(backend):
     """A joint step (two streams): each teacher a tuple of streams; the KL is the weighted sum of the
