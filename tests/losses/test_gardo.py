@@ -332,6 +332,23 @@ def test_the_helpers_trace_with_no_graph_break():
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
 
 
+def test_the_helpers_read_no_value_on_the_host(monkeypatch):
+    """docs/losses.md: every GARDO piece, GardoGateFraction.update included, runs with no host sync:
+    each way to read a tensor's value raises during the calls."""
+    rollouts = [torch.stack(_rewards(n, seed=n), 1) for n in (8, 24, 5)]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host sync")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__"):
+            m.setattr(torch.Tensor, name, refuse)
+        tracker = GardoGateFraction()
+        for r in rollouts:
+            u = gardo_uncertainty(r[:, 0], {"aes": r[:, 1], "ir": r[:, 2]})
+            gardo_kl_coef(gardo_kl_gate(u, tracker.update(u)), 0.04)
+
+
 # --------------------------------------------------------------------------------- torch.compile
 
 
