@@ -140,6 +140,17 @@ def test_each_stream_term_is_nft_loss_on_that_stream_bit_for_bit():
     assert not torch.equal(shared.loss, per_stream.loss)  # two definitions (docs/losses.md)
 
 
+def test_stream_weights_are_taken_as_given_not_normalised():
+    """docs/losses.md, Per-stream advantages: w = stream_weights as given (weights summing to 4 scale every
+    field by them, not by w / sum(w)), bit for bit the weighted sum of the single-stream calls."""
+    streams, t = _streams(3, torch.float32)
+    advs = (torch.tensor([0.5, -1.0, 2.5]), torch.tensor([-0.3, 1.2, 0.0]))
+    joint, _ = _call(streams, t, advs, "torch", kl_coef=0.2, stream_weights=(1.0, 3.0))
+    single = [_plain(s, t, a, "torch", kl_coef=0.2)[0] for s, a in zip(streams, advs)]
+    for j, name in enumerate(joint._fields):
+        assert torch.equal(joint[j], single[0][j] * 1.0 + single[1][j] * 3.0), name
+
+
 def test_per_stream_advantages_on_an_empty_batch():
     """B = 0: zeros, the loss on both streams' graphs (zero gradients), no kernel; both backends."""
     streams, t = _streams(4, torch.float32, batch=0)
