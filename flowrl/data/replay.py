@@ -137,10 +137,13 @@ def replay_plan(traj, batch_size: int, *, steps: Optional[Sequence[int]] = None,
     if traj.streams is not None:
         raise ValueError("replay_plan: a joint rollout (streams) is replayed step by step (traj.step_inputs(j))")
     num_steps, batch = traj.num_steps, traj.batch_size
-    sde = None if traj.sde_steps is None else set(traj.sde_steps.tolist())
+    # bool [B, T]: which (sample, step) pairs ran stochastic (sde_mask per sample, sde_steps for the batch, or all)
+    mask = traj.step_mask().cpu()
     default_steps = steps is None
-    if steps is None:
-        steps = sorted(sde) if sde is not None else list(range(num_steps))
+    if steps is None:  # the steps with a stochastic pair
+        steps = mask.any(dim=0).nonzero().flatten().tolist()
+        if not steps and traj.sde_mask is not None:
+            raise ValueError("sde_mask has no stochastic (sample, step) pair: nothing to replay")
     else:
         if isinstance(steps, torch.Tensor):
             steps = steps.tolist()
@@ -150,39 +153,21 @@ def replay_plan(traj, batch_size: int, *, steps: Optional[Sequence[int]] = None,
         steps = sorted(set(int(s) for s in steps))
     if not steps:
         raise ValueError("steps is empty: nothing to replay")
-    mask = None if traj.sde_mask is None else traj.sde_mask.cpu()
-    if mask is not None and default_steps:
-        steps = [s for s in range(num_steps) if bool(mask[:, s].any())]
-        if not steps:
-            raise ValueError("sde_mask has no stochastic (sample, step) pair: nothing to replay")
     for s in steps:  # the same checks as step_inputs (range, kept latents)
         traj._check_steps_kept(s)
     device = traj.latents.device
+    g = torch.tensor(steps, dtype=torch.int64)
+    if order == "step":
+        all_steps, all_samples = g.repeat_interleave(batch), torch.arange(batch, dtype=torch.int64).repeat(len(steps))
+    else:
+        all_samples, all_steps = torch.arange(batch, dtype=torch.int64).repeat_interleave(len(steps)), g.repeat(batch)
+    stochastic_pairs = mask[all_samples, all_steps]
     chunks: List[ReplayChunk] = []
-    for stochastic in (True, False):
-        if mask is None:
-            group = [s for s in steps if (sde is None or s in sde) == stochastic]
-            if not group:
-                continue
-            g = torch.tensor(group, dtype=torch.int64)
-            if order == "step":
-                pair_steps = g.repeat_interleave(batch)
-                pair_samples = torch.arange(batch, dtype=torch.int64).repeat(len(group))
-            else:
-                pair_samples = torch.arange(batch, dtype=torch.int64).repeat_interleave(len(group))
-                pair_steps = g.repeat(batch)
-        else:  # per-sample windows: the pairs of this kind, in the same enumeration order
-            if not stochastic and default_steps:
-                continue
-            g = torch.tensor(steps, dtype=torch.int64)
-            if order == "step":
-                all_steps, all_samples = g.repeat_interleave(batch), torch.arange(batch).repeat(len(steps))
-            else:
-                all_samples, all_steps = torch.arange(batch).repeat_interleave(len(steps)), g.repeat(batch)
-            keep = mask[all_samples, all_steps] == stochastic
-            pair_steps, pair_samples = all_steps[keep], all_samples[keep].to(torch.int64)
-            if not pair_steps.numel():
-                continue
+    for stochastic in (True, False):  # the pairs of each kind, in the enumeration order; the default: stochastic only
+        if not stochastic and default_steps:
+            continue
+        keep = stochastic_pairs == stochastic
+        pair_steps, pair_samples = all_steps[keep], all_samples[keep]
         for start in range(0, pair_steps.numel(), int(batch_size)):
             chunks.append(ReplayChunk(pair_samples[start:start + batch_size].to(device),
                                       pair_steps[start:start + batch_size].to(device), stochastic))
