@@ -185,6 +185,23 @@ def test_bad_masks_in_payloads_are_refused_by_name():
         from_sglang([flowrl.data.serialization.to_wire(r) for r in far])
 
 
+def test_format_1_refuses_the_mask_and_step_mask_covers_every_form():
+    # docs/wire_and_sp.md: sde_mask is refused in format /1 (a /1 payload that is otherwise valid)
+    today, _ = record(latents(), sde_steps=[1, 3])
+    v1 = {k: v for k, v in today.to_wire().items() if k not in ("counts", "frozen", "prev_x0_preds", "streams",
+                                                               "token_sigmas")}
+    v1["format"] = "flowrl.RolloutTrajectory/1"
+    assert torch.equal(RolloutTrajectory.from_wire(v1).latents, today.latents)
+    traj, _ = record(latents(), sde_steps=ROWS, generator=gens([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"unexpected keys \['sde_mask'\]"):
+        RolloutTrajectory.from_wire(dict(v1, sde_steps=None, sde_mask=traj.to_wire()["sde_mask"]))
+    # docs/scheduler.md: step_mask() gives either form, or all True, as bool [B, T]
+    assert torch.equal(today.step_mask(), mask_of([[1, 3]] * B))
+    every, _ = record(latents())
+    assert every.sde_steps is None and every.sde_mask is None
+    assert torch.equal(every.step_mask(), torch.ones(B, T, dtype=torch.bool))
+
+
 def test_bad_rollout_arguments_are_named():
     x = latents()
     with pytest.raises(ValueError, match="3 rows; this rollout's batch is B = 2"):
