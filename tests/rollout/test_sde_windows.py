@@ -185,7 +185,7 @@ def test_bad_masks_in_payloads_are_refused_by_name():
         from_sglang([flowrl.data.serialization.to_wire(r) for r in far])
 
 
-def test_format_1_refuses_the_mask_and_step_mask_covers_every_form():
+def test_format_1_refuses_the_mask_and_step_mask_covers_every_form(tmp_path):
     # docs/wire_and_sp.md: sde_mask is refused in format /1 (a /1 payload that is otherwise valid)
     today, _ = record(latents(), sde_steps=[1, 3])
     v1 = {k: v for k, v in today.to_wire().items() if k not in ("counts", "frozen", "prev_x0_preds", "streams",
@@ -195,6 +195,11 @@ def test_format_1_refuses_the_mask_and_step_mask_covers_every_form():
     traj, _ = record(latents(), sde_steps=ROWS, generator=gens([1, 2, 3]))
     with pytest.raises(ValueError, match=r"unexpected keys \['sde_mask'\]"):
         RolloutTrajectory.from_wire(dict(v1, sde_steps=None, sde_mask=traj.to_wire()["sde_mask"]))
+    metadata = {"format": "flowrl.RolloutTrajectory/1", "mode": traj.mode, "noise_level": repr(float(traj.noise_level)),
+                "log_prob": traj.log_prob_kind, "reduction": traj.reduction}
+    flowrl.data.serialization.save_safetensors(tmp_path / "v1.safetensors", traj._tensors(), metadata)
+    with pytest.raises(ValueError, match=r"optional \['sde_steps'\]; got .*'sde_mask'"):
+        RolloutTrajectory.load(tmp_path / "v1.safetensors")
     # docs/scheduler.md: step_mask() gives either form, or all True, as bool [B, T]
     assert torch.equal(today.step_mask(), mask_of([[1, 3]] * B))
     every, _ = record(latents())
