@@ -37,8 +37,13 @@ def teacher_kl(sample, model_output, teacher_model_output, sigmas, step_index, m
     kl = step_kl(sample, model_output, teacher_model_output, sigmas, step_index, mode=mode, noise_level=noise_level,
                  reduction=reduction, backend=backend, shard=extras.shard, token_sigmas=extras.token_sigmas,
                  frozen=extras.frozen, stream_weights=extras.stream_weights)
-    # an empty batch (B = 0): kl is [0] on model_output's graph, and its sum the loss's zero (a mean is 0/0)
-    return (kl.sum() if kl.shape[0] == 0 else kl.mean()), kl.detach()
+    return batch_mean(kl), kl.detach()
+
+
+def batch_mean(kl):
+    """The loss of a per-sample KL [B]: its batch mean; on an empty batch (B = 0: kl is [0] on
+    model_output's graph) its sum, the loss's zero (a mean is 0/0)."""
+    return kl.sum() if kl.shape[0] == 0 else kl.mean()
 
 
 # ------------------------------------------------------------------ several teachers (docs/losses.md)
@@ -188,7 +193,7 @@ def multi_teacher_kl(run, model_output, teachers, probabilities, teacher_index):
         for teacher, p in active:
             term = p * run(teacher, v_bar)[1]
             const = term if const is None else const + term
-    return loss + (const.sum() if const.shape[0] == 0 else const.mean()), (kl + const).detach()
+    return loss + batch_mean(const), (kl + const).detach()
 
 
 def multi_teacher_loss(run, model_output, teacher_model_output, joint: bool, teacher_weights, teacher_index):
