@@ -358,7 +358,8 @@ def from_sglang(response: Any, *, request: Optional[Dict[str, Any]] = None, num_
     # step filters checked against the schedule here, so a bad entry is named, not found later as a bad index
     # (per-request SDE steps: each sample's row, named by its own field)
     for field, values, upper, what in (
-            (origin["rollout_return_step_indices"], return_steps, num_steps, "loop steps 0..T - 1 and T, the final latent"),
+            (origin["rollout_return_step_indices"], return_steps, num_steps,
+             "loop steps 0..T - 1 and T, the final latent"),
             (origin[PER_SAMPLE_FIELD], sde_steps, num_steps - 1, "loop steps 0..T - 1"),
             *((origin[PER_SAMPLE_FIELD].replace("[b]", f"[{b}]"), row, num_steps - 1, "loop steps 0..T - 1")
               for b, row in enumerate(sde_rows or ()))):

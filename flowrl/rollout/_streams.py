@@ -68,7 +68,8 @@ class Stream:
         self.batch: Optional[int] = None
         self.x0_pred: Optional[torch.Tensor] = None  # dpm_sde order 2: the last step's data prediction
         self.prev_x0_preds: List[torch.Tensor] = []
-        self.sde_rows = None  # per-sample sde_steps: each loop step's (sde rows, ode rows, sde rows as a host list), when the samples differ
+        # per-sample sde_steps: each loop step's (sde rows, ode rows, sde rows as a host list), when the samples differ
+        self.sde_rows = None
 
     @property
     def steps_recorded(self) -> int:
