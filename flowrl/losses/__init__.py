@@ -334,13 +334,13 @@ def nft_loss(
     k's), w = ``stream_weights`` as given (None: 1/n each): verl-omni's OmniNFT loss
     (flowrl/losses/_stream_advantages.py; docs/losses.md, Joint steps, Per-stream advantages)."""
     options = _NFTOptions(advantages=advantages, beta=beta, adv_clip_max=adv_clip_max, kl_coef=kl_coef, backend=backend)
+    if isinstance(noised_sample, tuple) and shard is not None:
+        raise ValueError("shard: a joint step (tuples of streams) is not supported under sequence parallelism; "
+                         "pass one stream's shards, or shard=None")
     if isinstance(advantages, tuple):  # per-stream advantages (OmniNFT): each stream's own NFT loss, weighted
         return _stream_advantages.nft_loss(_nft_args, (noised_sample, model_output, old_model_output, clean_sample,
-                                                       sigma, ref_model_output), options, stream_weights, shard)
+                                                       sigma, ref_model_output), options, stream_weights)
     if isinstance(noised_sample, tuple):
-        if shard is not None:
-            raise ValueError("shard: a joint step (tuples of streams) is not supported under sequence parallelism; "
-                             "pass one stream's shards, or shard=None")
         streams = [("noised_sample", noised_sample, "tuple"), ("model_output", model_output, "tuple"),
                    ("old_model_output", old_model_output, "tuple"), ("clean_sample", clean_sample, "tuple"),
                    ("sigma", sigma, "shared"), ("ref_model_output", ref_model_output, "optional")]

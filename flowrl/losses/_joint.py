@@ -152,16 +152,12 @@ def single_stream(stream_weights, tuples: str) -> None:
                          "per stream), or stream_weights=None")
 
 
-def flow_loss(stream_args, sums_of, tail, stream_weights, streams, shared, empty=None):
-    """A forward-process loss (nft, awm) of a joint step. ``streams``: the (name, value, kind) of
-    ``stream_args``' positional arguments in order, kind "tuple" (one tensor per stream), "optional" (a
-    tuple, or None for every stream) or "shared" (a tuple, or one value for every stream); ``shared``:
-    its keyword arguments. Each stream is validated by ``stream_args(..., stream="[k]")``, its [K, B]
-    sums and element count come from ``sums_of`` (the backend's fused pass); each row's mean is
-    ``combine_streams`` of the streams' sums and counts with ``stream_weights``; ``tail(args of stream 0,
-    means)`` runs the per-sample arithmetic once on the joint means. On an empty batch (B = 0) no sum is
-    computed: ``empty(*args of stream 0)`` (the loss's op wrapper, which answers B = 0 with zeros) with its
-    loss on the graph of every stream's ``model_output``."""
+def stream_arguments_of(stream_args, streams, stream_weights, shared_of):
+    """A joint step's streams, validated: ``streams`` the (name, value, kind) of ``stream_args``' positional
+    arguments in order, kind "tuple" (one tensor per stream), "optional" (a tuple, or None for every
+    stream) or "shared" (a tuple, or one value for every stream); stream k is ``stream_args(...,
+    stream="[k]", **shared_of(k))``. Returns (the columns, one list per argument; each stream's validated
+    arguments, one backend and one batch size for all; ``check_stream_weights``' weights)."""
     n = len(streams[0][1])
     if n == 0:
         raise ValueError(f"{streams[0][0]} must hold at least one stream when given as a tuple")
@@ -175,15 +171,31 @@ def flow_loss(stream_args, sums_of, tail, stream_weights, streams, shared, empty
            for name, value, kind in streams):
         raise ValueError("ref_model_output: give every stream's reference output, or ref_model_output=None")
     weights = check_stream_weights(stream_weights, n)
-    stream_arguments = []
+    arguments = []
     for k in range(n):
-        args = stream_args(*(column[k] for column in per_stream), stream=f"[{k}]", **shared)
-        if k and args[0] is not stream_arguments[0][0]:
+        args = stream_args(*(column[k] for column in per_stream), stream=f"[{k}]", **shared_of(k))
+        if k and getattr(args[0], "name", args[0]) != getattr(arguments[0][0], "name", arguments[0][0]):  # by name:
+            # a traced call may hand each stream its own backend object
             raise ValueError("the streams of a joint step must run on one backend; got tensors for two backends")
-        stream_arguments.append(args)
+        arguments.append(args)
     batches = [t.shape[0] for t in per_stream[0]]  # each stream's first tensor, checked by stream_args
     if any(b != batches[0] for b in batches):
         raise ValueError(f"the streams of a joint step must have one batch size; got {batches}")
+    return per_stream, arguments, weights
+
+
+def flow_loss(stream_args, sums_of, tail, stream_weights, streams, shared, empty=None):
+    """A forward-process loss (nft, awm) of a joint step. ``streams``: the (name, value, kind) of
+    ``stream_args``' positional arguments in order, kind "tuple" (one tensor per stream), "optional" (a
+    tuple, or None for every stream) or "shared" (a tuple, or one value for every stream); ``shared``:
+    its keyword arguments. Each stream is validated by ``stream_args(..., stream="[k]")``, its [K, B]
+    sums and element count come from ``sums_of`` (the backend's fused pass); each row's mean is
+    ``combine_streams`` of the streams' sums and counts with ``stream_weights``; ``tail(args of stream 0,
+    means)`` runs the per-sample arithmetic once on the joint means. On an empty batch (B = 0) no sum is
+    computed: ``empty(*args of stream 0)`` (the loss's op wrapper, which answers B = 0 with zeros) with its
+    loss on the graph of every stream's ``model_output``."""
+    per_stream, stream_arguments, weights = stream_arguments_of(stream_args, streams, stream_weights,
+                                                                lambda k: shared)
     first = stream_arguments[0]
     if empty is not None and is_empty(per_stream[0]):
         outputs = next(column for (name, _, _), column in zip(streams, per_stream) if name == "model_output")

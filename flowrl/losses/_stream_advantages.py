@@ -28,54 +28,41 @@ from dataclasses import replace
 import torch
 
 from ..ops._custom_ops import is_empty, traced
-from ..ops.functional import check_stream_weights, combine_streams
+from ..ops.functional import combine_streams
 from . import _custom_ops as _ops
 from ._common import _check_per_sample
 from ._flow import NFTLossOutput, nft_from_args
-from ._joint import _shared, _streams
+from ._joint import stream_arguments_of
 
 
-def nft_loss(stream_args, tensors, options, stream_weights, shard) -> NFTLossOutput:
+def nft_loss(stream_args, tensors, options, stream_weights) -> NFTLossOutput:
     """``nft_loss`` of a joint step with a tuple of per-stream advantages (``options.advantages``).
     ``stream_args``: ``flowrl.losses._nft_args`` (one stream's validation); ``tensors``: nft_loss's
-    (noised_sample, model_output, old_model_output, clean_sample, sigma, ref_model_output) as given."""
+    (noised_sample, model_output, old_model_output, clean_sample, sigma, ref_model_output) as given; ``shard``
+    is refused for a joint step by the caller."""
     noised_sample, model_output, old_model_output, clean_sample, sigma, ref_model_output = tensors
     advantages = options.advantages
     if not isinstance(noised_sample, tuple):
         raise ValueError("advantages: a tuple of per-stream advantages needs a joint step (noised_sample, "
                          "model_output, old_model_output and clean_sample as tuples of streams); pass one [B] "
                          "tensor for one stream")
-    if shard is not None:
-        raise ValueError("shard: a joint step (tuples of streams) is not supported under sequence parallelism; "
-                         "pass one stream's shards, or shard=None")
     n = len(noised_sample)
-    if n == 0:
-        raise ValueError("noised_sample must hold at least one stream when given as a tuple")
-    if len(advantages) != n:
+    if n and len(advantages) != n:
         raise ValueError(f"advantages must hold one [B] tensor per stream ({n}), in the streams' order, or be one "
                          f"[B] tensor shared by every stream; got {len(advantages)} entries")
-    columns = [list(noised_sample), _streams("model_output", model_output, n, False),
-               _streams("old_model_output", old_model_output, n, False),
-               _streams("clean_sample", clean_sample, n, False), _shared("sigma", sigma, n),
-               _streams("ref_model_output", ref_model_output, n, True)]
-    if isinstance(ref_model_output, tuple) and any(u is None for u in ref_model_output):
-        raise ValueError("ref_model_output: give every stream's reference output, or ref_model_output=None")
-    weights = check_stream_weights(stream_weights, n)
+
+    def options_of(k):  # stream k's options: its own advantage, named here (the rest by stream_args)
+        x = noised_sample[k]
+        if isinstance(x, torch.Tensor) and x.dim() >= 1:
+            _check_per_sample(f"advantages[{k}]", advantages[k], x.shape[0], x.device)
+        return dict(options=replace(options, advantages=advantages[k]))
+
+    streams = [("noised_sample", noised_sample, "tuple"), ("model_output", model_output, "tuple"),
+               ("old_model_output", old_model_output, "tuple"), ("clean_sample", clean_sample, "tuple"),
+               ("sigma", sigma, "shared"), ("ref_model_output", ref_model_output, "optional")]
+    _, per_stream, weights = stream_arguments_of(stream_args, streams, stream_weights, options_of)
     if weights is None:
         weights = (1.0 / n,) * n
-    per_stream = []
-    for k in range(n):
-        x = columns[0][k]
-        if isinstance(x, torch.Tensor) and x.dim() >= 1:  # named here; the rest by stream_args
-            _check_per_sample(f"advantages[{k}]", advantages[k], x.shape[0], x.device)
-        args = stream_args(*(column[k] for column in columns), options=replace(options, advantages=advantages[k]),
-                           stream=f"[{k}]")
-        if per_stream and args[0].name != per_stream[0][0].name:
-            raise ValueError("the streams of a joint step must run on one backend; got tensors for two backends")
-        per_stream.append(args)
-    batches = [args[1].shape[0] for args in per_stream]
-    if any(b != batches[0] for b in batches):
-        raise ValueError(f"the streams of a joint step must have one batch size; got {batches}")
     # each stream: the single-stream nft_loss (eager, or the custom op while compiling and on B = 0)
     outs = [_ops.nft_loss(*args) if traced() or is_empty(args[1]) else nft_from_args(*args) for args in per_stream]
     # every field sum_k w_k (stream k's), left to right: combine_streams' weighted "sum" (it reads no count there;
